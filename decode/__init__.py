@@ -1,0 +1,1 @@
+"""Decode server: gRPC control service, admission of incoming KV, continuous batching."""

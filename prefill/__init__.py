@@ -1,0 +1,1 @@
+"""Prefill side: the vLLM KV-connector plugin and tandem's embedded prefill server."""

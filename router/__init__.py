@@ -1,0 +1,1 @@
+"""OpenAI-compatible router: HTTP API, tokenization, P/D selection, streaming, metrics."""

@@ -1,0 +1,16 @@
+"""Forwards the rules_cc names Bazel 4's own tools load to the native C++ rules."""
+
+def cc_library(**kwargs):
+    native.cc_library(**kwargs)
+
+def cc_binary(**kwargs):
+    native.cc_binary(**kwargs)
+
+def cc_test(**kwargs):
+    native.cc_test(**kwargs)
+
+def cc_toolchain(**kwargs):
+    native.cc_toolchain(**kwargs)
+
+def cc_toolchain_suite(**kwargs):
+    native.cc_toolchain_suite(**kwargs)
