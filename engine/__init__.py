@@ -1,0 +1,1 @@
+"""Model runtime shared by the decode server and the embedded prefill engine."""

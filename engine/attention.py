@@ -1,0 +1,254 @@
+"""Paged attention: the per-step metadata contract and the CPU (torch) backend.
+
+One forward packs the new tokens of B sequences into T rows: a sequence brings a whole prompt, a
+chunk of one (the earlier part already in the cache), or one decode token. Sequence i's new tokens
+are the *last* query_len_i tokens of its context of seq_len_i tokens, so its j-th new token sits
+at position seq_len_i - query_len_i + j and attends to every context position up to its own.
+
+The KV cache of one layer is K and V, each [num_blocks, num_kv_heads, block_size, head_dim]
+("HND": one head of one block is one contiguous run, which the transport writes directly).
+
+The model reaches attention only through an `AttentionBackend`, chosen by whoever builds the
+model. This module is itself the CPU backend (`CausalLM(config, attention=engine.attention)`); a
+GPU backend is another module or object with the same two functions.
+"""
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where one forward's tokens come from and go to in the paged cache. B sequences, T tokens.
+
+    Tensors live on the model's device. The two host ints let kernels size their launch grids
+    without reading device memory.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: slot (block_id * block_size + offset) per new token
+    query_start_loc: torch.Tensor  # [B+1] int32: sequence i's new tokens are rows [q[i], q[i+1])
+    seq_lens: torch.Tensor  # [B] int32: context length after this step, new tokens included
+    # [B, max_blocks] int32: block ids of each context, in order; rows padded with 0 (any valid id
+    # works: entries past a sequence's last block are never attended to).
+    block_tables: torch.Tensor
+    max_query_len: int  # largest number of new tokens of one sequence
+    max_seq_len: int  # largest seq_lens entry
+
+    def __post_init__(self) -> None:
+        # Shape and dtype only: checking values would cost a device sync every step.
+        _expect(self.slot_mapping, "slot_mapping", 1, torch.int64)
+        _expect(self.query_start_loc, "query_start_loc", 1, torch.int32)
+        _expect(self.seq_lens, "seq_lens", 1, torch.int32)
+        _expect(self.block_tables, "block_tables", 2, torch.int32)
+        batch = self.seq_lens.shape[0]
+        if batch == 0:
+            raise ValueError("seq_lens must hold at least one sequence")
+        if self.query_start_loc.shape[0] != batch + 1:
+            raise ValueError(
+                f"query_start_loc has {self.query_start_loc.shape[0]} entries, expected B+1 = "
+                f"{batch + 1}"
+            )
+        if self.block_tables.shape[0] != batch:
+            raise ValueError(
+                f"block_tables has {self.block_tables.shape[0]} rows, expected B = {batch}"
+            )
+        if not 1 <= self.max_query_len <= self.max_seq_len:
+            raise ValueError(
+                f"max_query_len ({self.max_query_len}) must be in [1, max_seq_len "
+                f"({self.max_seq_len})]"
+            )
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Metadata from per-sequence host lists: new-token counts, context lengths, block ids."""
+        if not len(query_lens) == len(seq_lens) == len(block_tables):
+            raise ValueError(
+                f"query_lens, seq_lens and block_tables differ in length: {len(query_lens)}, "
+                f"{len(seq_lens)}, {len(block_tables)}"
+            )
+        for i, (q, s, table) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+            if not 1 <= q <= s:
+                raise ValueError(f"query_lens[{i}] = {q} must be in [1, seq_lens[{i}] = {s}]")
+            if len(table) * block_size < s:
+                raise ValueError(
+                    f"block_tables[{i}] has {len(table)} blocks of {block_size}, too few for "
+                    f"seq_lens[{i}] = {s}"
+                )
+        width = max(len(table) for table in block_tables)
+        tables = torch.tensor(
+            [list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32
+        )
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        starts[1:] = q_lens.cumsum(0)
+        seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        positions = (
+            torch.arange(int(starts[-1])) - starts[seq_of_row] + (s_lens - q_lens)[seq_of_row]
+        )
+        slots = (
+            tables[seq_of_row, positions // block_size].long() * block_size + positions % block_size
+        )
+        return cls(
+            slot_mapping=slots.to(device),
+            query_start_loc=starts.to(device=device, dtype=torch.int32),
+            seq_lens=s_lens.to(device=device, dtype=torch.int32),
+            block_tables=tables.to(device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+
+
+class AttentionBackend(Protocol):
+    """The two calls the model makes per layer, in this order."""
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Stores new tokens' k, v [T, num_kv_heads, head_dim] at their slots in the paged cache."""
+    block_size = k_cache.shape[2]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    # Two index tensors around a slice: the indexed view is [T, num_kv_heads, head_dim], like k.
+    k_cache[blocks, :, offsets] = k
+    v_cache[blocks, :, offsets] = v
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of q [T, num_heads, head_dim] over each sequence's cached context.
+
+    The new tokens' K/V must already be written (`write_kv`). Returns [T, num_heads, head_dim].
+    """
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    query_lens = [end - start for start, end in itertools.pairwise(starts)]
+    # Single-token queries need no causal mask, so they batch into one padded call; longer
+    # queries run one sequence at a time, since padding every query to the longest would cost
+    # B * max_query_len * max_seq_len of mask.
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    if decodes:
+        _attend_single_tokens(q, k_cache, v_cache, meta, scale, decodes, starts, seq_lens, out)
+    for i, n in enumerate(query_lens):
+        if n > 1:
+            _attend_chunk(q, k_cache, v_cache, meta, scale, i, starts[i], n, seq_lens[i], out)
+    return out
+
+
+def _attend_single_tokens(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    seqs: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    out: torch.Tensor,
+) -> None:
+    device = q.device
+    rows = torch.tensor([starts[i] for i in seqs], device=device)
+    index = torch.tensor(seqs, device=device)
+    lens = meta.seq_lens[index]
+    block_size = k_cache.shape[2]
+    width = -(-max(seq_lens[i] for i in seqs) // block_size)
+    tables = meta.block_tables[index, :width].long()
+    k, v = _gather(k_cache, tables), _gather(v_cache, tables)  # [n, kv_heads, width*bs, dim]
+    mask = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
+    # NOTE: slots past a sequence's end may hold anything a sender wrote (NaN bit patterns too),
+    # and a masked-out NaN still poisons softmax (NaN - inf is NaN): zero them.
+    valid = mask[:, None, :, None]
+    k, v = k.masked_fill(~valid, 0), v.masked_fill(~valid, 0)
+    o = F.scaled_dot_product_attention(
+        q[rows].unsqueeze(2),
+        k,
+        v,
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    out[rows] = o.squeeze(2)
+
+
+def _attend_chunk(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    seq: int,
+    start: int,
+    n: int,
+    seq_len: int,
+    out: torch.Tensor,
+) -> None:
+    block_size = k_cache.shape[2]
+    table = meta.block_tables[seq : seq + 1, : -(-seq_len // block_size)].long()
+    k = _gather(k_cache, table)[:, :, :seq_len]
+    v = _gather(v_cache, table)[:, :, :seq_len]
+    query = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+    if n == seq_len:
+        # NOTE: SDPA's is_causal aligns the mask top-left, right only when queries == keys.
+        o = F.scaled_dot_product_attention(
+            query, k, v, is_causal=True, scale=scale, enable_gqa=True
+        )
+    else:
+        query_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            query, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+    out[start : start + n] = o[0].transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, heads, bs, dim] cache, [n, w] block ids -> [n, heads, w * bs, dim] contexts."""
+    blocks = cache[tables]  # [n, w, heads, bs, dim]
+    n, w, heads, bs, dim = blocks.shape
+    return blocks.transpose(1, 2).reshape(n, heads, w * bs, dim)
+
+
+def _expect(t: torch.Tensor, name: str, ndim: int, dtype: torch.dtype) -> None:
+    if t.dim() != ndim or t.dtype != dtype:
+        raise ValueError(f"{name} must be a {ndim}-D {dtype} tensor, got {t.dim()}-D {t.dtype}")

@@ -1,0 +1,184 @@
+"""The paged KV cache's memory and the pool that hands out its blocks.
+
+A block's life: free in the pool -> `allocate` gives it to one owner (refcount 1) -> `incref` for
+each further owner that shares it -> `free` by every owner; at refcount 0 it is free again.
+The pool knows nothing of sequences or tensors; the cache knows nothing of owners.
+"""
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class LayerRegion:
+    """One layer's K and V tensors as raw memory, for the transport to register and address."""
+
+    k_ptr: int  # address of K [num_blocks, num_kv_heads, block_size, head_dim]
+    v_ptr: int  # address of V, same shape
+    nbytes: int  # size of each of K and V
+
+
+class KVCache:
+    """Per layer K and V, each [num_blocks, num_kv_heads, block_size, head_dim] ("HND")."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        # One allocation for all layers, [layer, K|V, block, head, slot, dim]: a transport
+        # registers (and an RDMA NIC pins) one region instead of 2 * num_layers, and each
+        # layer's K and V are still contiguous views. Zeroed so that a fresh cache reads the
+        # same everywhere (checksums, dumps), not whatever the allocator left.
+        self.storage = torch.zeros(
+            config.num_layers,
+            2,
+            num_blocks,
+            config.num_kv_heads,
+            block_size,
+            config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        # The model's `kv_caches` argument: [(K, V)] per layer. Indexed, not iterated: iterating
+        # unbinds into views that autograd forbids writing in place.
+        self.kv_caches = [
+            (self.storage[i, 0], self.storage[i, 1]) for i in range(config.num_layers)
+        ]
+
+    @property
+    def block_stride_bytes(self) -> int:
+        """Bytes from one block to the next within a layer's K (or V)."""
+        return self.storage.stride(2) * self.storage.element_size()
+
+    @property
+    def head_stride_bytes(self) -> int:
+        """Bytes from one head to the next within a block: one contiguous run per head."""
+        return self.storage.stride(3) * self.storage.element_size()
+
+    def region(self) -> tuple[int, int]:
+        """(address, nbytes) of the whole cache, every layer's K and V inside it."""
+        return self.storage.data_ptr(), self.storage.numel() * self.storage.element_size()
+
+    def layer_regions(self) -> list[LayerRegion]:
+        """Where each layer's K and V live, in layer order."""
+        return [
+            LayerRegion(k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), nbytes=k.numel() * k.element_size())
+            for k, v in self.kv_caches
+        ]
+
+
+class BlockPool:
+    """Reference-counted allocator of block ids [0, num_blocks).
+
+    Free ids are kept as maximal runs of consecutive ids so that allocations come out as
+    contiguous ranges whenever one fits: the transport moves a run of adjacent blocks as one
+    descriptor, and descriptor count, not bytes, bounds transfer time.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self._refs = [0] * num_blocks
+        self._num_free = num_blocks
+        self._starts = [0]  # sorted start ids of the free runs
+        self._run_len = {0: num_blocks}  # run start -> run length
+        self._run_at_end = {num_blocks: 0}  # run end (exclusive) -> run start, for merging
+
+    @property
+    def num_total(self) -> int:
+        return len(self._refs)
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def refcount(self, block_id: int) -> int:
+        return self._refs[block_id]
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n block ids in ascending order, each with refcount 1; None if fewer than n are free."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > self._num_free:
+            return None
+        # First fit: the lowest run long enough gives one contiguous range.
+        start = next((s for s in self._starts if self._run_len[s] >= n), None)
+        if start is not None:
+            ids = list(range(start, start + n))
+            self._take(start, n)
+        else:
+            # Fragmented: longest runs first, so the allocation comes in the fewest pieces.
+            ids = []
+            for start in sorted(self._starts, key=lambda s: (-self._run_len[s], s)):
+                count = min(self._run_len[start], n - len(ids))
+                ids.extend(range(start, start + count))
+                self._take(start, count)
+                if len(ids) == n:
+                    break
+            ids.sort()
+        for block_id in ids:
+            self._refs[block_id] = 1
+        self._num_free -= n
+        return ids
+
+    def incref(self, ids: Iterable[int]) -> None:
+        """Adds an owner to each of ids, which must be allocated."""
+        for block_id in ids:
+            assert 0 <= block_id < len(self._refs), f"block id {block_id} out of range"
+            assert self._refs[block_id] > 0, f"incref of free block {block_id}"
+            self._refs[block_id] += 1
+
+    def free(self, ids: Iterable[int]) -> None:
+        """Drops one owner of each of ids; a block with no owner left returns to the pool."""
+        for block_id in ids:
+            assert 0 <= block_id < len(self._refs), f"block id {block_id} out of range"
+            assert self._refs[block_id] > 0, f"double free of block {block_id}"
+            self._refs[block_id] -= 1
+            if self._refs[block_id] == 0:
+                self._release(block_id)
+                self._num_free += 1
+
+    def _take(self, start: int, count: int) -> None:
+        """Removes the first count ids of the free run beginning at start."""
+        length = self._run_len.pop(start)
+        end = start + length
+        index = bisect.bisect_left(self._starts, start)
+        if count == length:
+            del self._starts[index]
+            del self._run_at_end[end]
+        else:
+            self._starts[index] = start + count  # still sorted: it stays below the next run
+            self._run_len[start + count] = length - count
+            self._run_at_end[end] = start + count
+
+    def _release(self, block_id: int) -> None:
+        """Puts block_id back, merged with the free runs that end right before or start after."""
+        start = self._run_at_end.pop(block_id, None)
+        if start is None:
+            start, length = block_id, 1
+            bisect.insort(self._starts, block_id)
+        else:
+            length = self._run_len[start] + 1
+        right_len = self._run_len.pop(block_id + 1, None)
+        if right_len is not None:
+            length += right_len
+            del self._run_at_end[block_id + 1 + right_len]
+            del self._starts[bisect.bisect_left(self._starts, block_id + 1)]
+        self._run_len[start] = length
+        self._run_at_end[start + length] = start

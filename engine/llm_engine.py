@@ -1,0 +1,235 @@
+"""The engine: a model, its paged KV cache, the scheduler and the runner, driven step by step.
+
+    engine = LLMEngine.build(EngineConfig(model="path/to/hf-folder"))
+    engine.add_request("r1", prompt_ids, SamplingParams(), StopConditions(max_tokens=32))
+    while engine.has_unfinished:
+        for out in engine.step(): ...
+
+The decode server admits sequences whose prompt KV was written by a remote prefill with
+`add_prefilled`; everything else is the same path.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.kv_cache import BlockPool, KVCache
+from engine.model import CausalLM
+from engine.model_runner import ModelRunner
+from engine.sampling import Sampler, SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import FinishReason, Sequence, StopConditions
+from engine.weights import init_random_weights, load_weights
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    """A Hugging Face folder (config.json + safetensors), or `random:<preset>` (e.g.
+    `random:llama3-8b`) for random weights of a named shape."""
+    device: str = "cpu"
+    """"cpu" or "cuda" (or "cuda:N")."""
+    dtype: str = "bfloat16"
+    """Weights and KV cache: bfloat16, float16 or float32."""
+    block_size: int = 64
+    """Tokens per KV block."""
+    kv_cache_gb: float = 1.0
+    """KV cache size in GiB (every layer's K and V)."""
+    max_model_len: int | None = None
+    """Context length limit; default: the model's max_position_embeddings."""
+    max_num_seqs: int = 256
+    """Sequences in one forward at most."""
+    max_num_batched_tokens: int = 2048
+    """Tokens in one forward at most (longer prompts are prefilled in chunks)."""
+    seed: int = 0
+    """Seed of random weights and of unseeded sampling."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device: {self.device!r} must be cpu or cuda[:N]")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb: {self.kv_cache_gb} must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: {self.max_model_len} must be at least 2")
+        SchedulerConfig(self.block_size, self.max_num_seqs, self.max_num_batched_tokens)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--model",
+            required=True,
+            help="HF folder, or random:<preset> (tiny, llama3-8b, qwen3-8b, smollm2-135m)",
+        )
+        parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+        parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+        parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+        parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
+        parser.add_argument(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="context length limit (default: the model's)",
+        )
+        parser.add_argument(
+            "--max-num-seqs", type=int, default=256, help="sequences per forward at most"
+        )
+        parser.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=2048,
+            help="tokens per forward at most (prompts are chunked)",
+        )
+        parser.add_argument(
+            "--seed", type=int, default=0, help="seed of random weights and unseeded sampling"
+        )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            kv_cache_gb=args.kv_cache_gb,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            seed=args.seed,
+        )
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    seq_id: str
+    token_id: int
+    """The token generated for this sequence in this step."""
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class LLMEngine:
+    config: EngineConfig
+    model_config: ModelConfig
+    kv_cache: KVCache
+    pool: BlockPool
+    scheduler: Scheduler
+    runner: ModelRunner
+    max_model_len: int
+    sequences: dict[str, Sequence] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, config: EngineConfig) -> LLMEngine:
+        model_config, model = load_model(config)
+        dtype = DTYPES[config.dtype]
+        block_bytes = model_config.kv_bytes_per_token(dtype) * config.block_size
+        num_blocks = int(config.kv_cache_gb * 2**30) // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_gb: {config.kv_cache_gb} GiB holds no block of {block_bytes} bytes"
+            )
+        kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, config.device)
+        pool = BlockPool(num_blocks)
+        sched_config = SchedulerConfig(
+            config.block_size, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        return cls(
+            config=config,
+            model_config=model_config,
+            kv_cache=kv_cache,
+            pool=pool,
+            scheduler=Scheduler(sched_config, pool),
+            runner=ModelRunner(model, kv_cache, Sampler(config.seed)),
+            max_model_len=config.max_model_len or model_config.max_position_embeddings,
+        )
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def new_sequence(
+        self, seq_id: str, prompt_ids: Seq[int], sampling: SamplingParams, stop: StopConditions
+    ) -> Sequence:
+        """A sequence bound to this engine's model (EOS ids, context length, device)."""
+        if seq_id in self.sequences:
+            raise ValueError(f"request_id: {seq_id!r} is already live")
+        seq = Sequence(
+            seq_id, prompt_ids, sampling, stop, self.model_config.eos_token_ids, self.max_model_len
+        )
+        if sampling.seed is not None:
+            seq.generator = torch.Generator(device=self.kv_cache.storage.device)
+            seq.generator.manual_seed(sampling.seed)
+        return seq
+
+    def add_request(
+        self, seq_id: str, prompt_ids: Seq[int], sampling: SamplingParams, stop: StopConditions
+    ) -> Sequence:
+        seq = self.new_sequence(seq_id, prompt_ids, sampling, stop)
+        self.scheduler.add(seq)
+        self.sequences[seq_id] = seq
+        return seq
+
+    def add_prefilled(self, seq: Sequence, block_ids: list[int], first_token: int) -> bool:
+        """Admits a sequence whose prompt KV is already in `block_ids` (taken over by the
+        engine). Returns False if first_token already finished it."""
+        if self.scheduler.add_prefilled(seq, block_ids, first_token):
+            self.sequences[seq.seq_id] = seq
+            return True
+        return False
+
+    def abort(self, seq_id: str) -> bool:
+        self.sequences.pop(seq_id, None)
+        return self.scheduler.abort(seq_id) is not None
+
+    def step(self) -> list[StepOutput]:
+        """Runs one forward; returns the token each sampling sequence generated."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        sampled = self.runner.run(plan)
+        finished = {seq.seq_id for seq in self.scheduler.update(plan, sampled)}
+        outputs = []
+        for seq_id, token in sampled.items():
+            seq = self.sequences[seq_id]
+            reason = seq.finish_reason if seq_id in finished else None
+            outputs.append(StepOutput(seq_id, token, reason))
+            if reason is not None:
+                del self.sequences[seq_id]
+        return outputs
+
+    def generate(
+        self, prompts: Seq[Seq[int]], sampling: SamplingParams, stop: StopConditions
+    ) -> list[list[int]]:
+        """Runs prompts to completion together; returns each one's generated tokens."""
+        seqs = [self.add_request(f"gen-{i}", p, sampling, stop) for i, p in enumerate(prompts)]
+        while self.has_unfinished:
+            self.step()
+        return [seq.output_ids for seq in seqs]
+
+
+def load_model(config: EngineConfig) -> tuple[ModelConfig, CausalLM]:
+    """Builds the model on the meta device and fills it: from a folder, or randomly."""
+    dtype = DTYPES[config.dtype]
+    if config.model.startswith("random:"):
+        model_config = ModelConfig.preset(config.model.removeprefix("random:"))
+    else:
+        folder = Path(config.model)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"model: {folder} is not a Hugging Face folder (no config.json)")
+        model_config = ModelConfig.from_hf_folder(folder)
+    with torch.device("meta"):
+        model = CausalLM(model_config)
+    if config.model.startswith("random:"):
+        init_random_weights(model, config.seed, dtype, config.device)
+    else:
+        load_weights(model, config.model, dtype, config.device)
+    return model_config, model.eval()

@@ -1,0 +1,178 @@
+"""Sampling: per-request parameters and a batched sampler over one step's logits.
+
+Every supported knob is a field of `SamplingParams`; `SamplingParams.from_dict` rejects any other
+key by name, so a request never has a parameter silently dropped. The sampler works on the whole
+batch at once (one [B, V] pass per knob), and only pays for the knobs some row uses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token of one request."""
+
+    temperature: float = 0.0
+    """0 = greedy (argmax); otherwise logits are divided by it. In [0, 100]."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability mass reaches top_p."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 = no limit."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    seed: int | None = None
+    """Per-request seed: the same seed and prompt give the same tokens."""
+    repetition_penalty: float = 1.0
+    """> 1 discourages tokens already in the prompt or output (divides positive logits)."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated. In [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence from the logit of every token already generated. In [-2, 2]."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "temperature": 0.0 <= self.temperature <= 100.0,
+            "top_p": 0.0 < self.top_p <= 1.0,
+            "top_k": self.top_k >= 0,
+            "min_p": 0.0 <= self.min_p <= 1.0,
+            "seed": self.seed is None or 0 <= self.seed < 2**63,
+            "repetition_penalty": 0.0 < self.repetition_penalty <= 100.0,
+            "presence_penalty": -2.0 <= self.presence_penalty <= 2.0,
+            "frequency_penalty": -2.0 <= self.frequency_penalty <= 2.0,
+        }
+        for name, ok in checks.items():
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                ok = False
+            if not ok:
+                raise ValueError(f"{name}: {value!r} is out of range")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, object]) -> SamplingParams:
+        """Builds params from a request's fields; unknown keys are rejected by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unsupported sampling parameter(s): {', '.join(unknown)}")
+        return cls(**{k: v for k, v in values.items() if v is not None})
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One row of a sampling batch: the request's params and what penalties need to see."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    """Advanced once per sampled token; None = the sampler's shared generator."""
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+
+
+class Sampler:
+    """Samples one token per row of a [B, vocab] float32 logits tensor."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Returns the sampled token ids, int64 [B], on logits' device."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows)
+        logits = logits.float()
+        if any(r.params.penalized for r in rows):
+            logits = _apply_penalties(logits, rows)
+        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+        if bool(greedy.all()):
+            return logits.argmax(dim=-1)
+        probs = self._filtered_probs(logits, rows)
+        sampled = self._race(probs, rows)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    def _filtered_probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        device = logits.device
+        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        vocab = logits.shape[1]
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            probs = _top_k_top_p(
+                probs,
+                torch.tensor(top_k, device=device),
+                torch.tensor(top_p, device=device),
+            )
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        if bool((min_p > 0).any()):
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
+
+    def _race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Samples via argmax(p / E), E ~ Exp(1) i.i.d.: one draw per row, no CDF search, and a
+        per-request generator only touches its own row (so seeded rows are reproducible)."""
+        noise = torch.empty_like(probs)
+        shared = self._shared_generator(probs.device)
+        for i, row in enumerate(rows):
+            noise[i].exponential_(generator=row.generator or shared)
+        return (probs / noise).argmax(dim=-1)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._shared:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self._seed)
+            self._shared[device] = gen
+        return self._shared[device]
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes tokens outside each row's top-k and nucleus; rows keep at least their argmax."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    outside = rank >= top_k[:, None]
+    # Mass strictly before each token: a token is kept while that mass is below top_p.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    outside |= mass_before >= top_p[:, None]
+    outside[:, 0] = False
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """vLLM/OpenAI semantics: repetition over prompt and output; presence, frequency over output."""
+    batch, vocab = logits.shape
+    device = logits.device
+    output_counts = torch.zeros(batch, vocab, device=device)
+    seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        if not row.params.penalized:
+            continue
+        if row.output_ids:
+            ids = torch.tensor(row.output_ids, device=device)
+            output_counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
+        if row.prompt_ids:
+            seen[i, torch.tensor(row.prompt_ids, device=device)] = True
+    seen |= output_counts > 0
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
+    return logits - freq * output_counts - pres * (output_counts > 0).float()

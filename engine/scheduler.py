@@ -1,0 +1,187 @@
+"""Continuous batching: which sequences run in the next forward, and with how many tokens.
+
+Each step is planned in this order, under a token budget (max_num_batched_tokens):
+  1. running sequences, oldest first: decodes take 1 token, a prompt being prefilled in chunks
+     takes what the budget leaves; when a running sequence needs a block and none is free, the
+     newest running sequence is preempted (blocks freed, KV recomputed later from its tokens);
+  2. waiting sequences, oldest first, while the budget, max_num_seqs and free blocks allow.
+     A waiting sequence may already hold KV (admitted prefilled, see `add_prefilled`).
+After the forward, `update` feeds back the sampled tokens and frees finished sequences' blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.kv_cache import BlockPool
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int
+    """Tokens per KV block."""
+    max_num_seqs: int = 256
+    """Sequences in one forward at most."""
+    max_num_batched_tokens: int = 2048
+    """Tokens in one forward at most; longer prompts are prefilled in chunks of what is left."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: {getattr(self, name)} must be at least 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} is below max_num_seqs "
+                f"({self.max_num_seqs}); a full decode batch would not fit"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    """Tokens fed this step, at positions [seq.num_computed, seq.num_computed + num_new_tokens)."""
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the sequence's last token, so a new token is sampled."""
+        return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    scheduled: tuple[ScheduledSeq, ...]
+    preempted: tuple[Sequence, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(s.num_new_tokens == 1 for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a new sequence; its whole prompt will be prefilled here."""
+        assert seq.status is SequenceStatus.WAITING and not seq.block_ids
+        self.waiting.append(seq)
+
+    def add_prefilled(self, seq: Sequence, block_ids: list[int], first_token: int) -> bool:
+        """Queues a sequence whose prompt KV is already in `block_ids` (owned by the sequence
+        from now on) and whose first token was sampled elsewhere. Returns False when that token
+        already finishes it (the blocks are then freed)."""
+        assert seq.status is SequenceStatus.WAITING and not seq.output_ids
+        assert len(block_ids) * self.config.block_size >= len(seq.prompt_ids)
+        seq.block_ids = list(block_ids)
+        seq.num_computed = len(seq.prompt_ids)
+        reason = seq.append(first_token)
+        if reason is not None:
+            self._finish(seq, reason)
+            return False
+        self.waiting.append(seq)
+        return True
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    self._finish(seq, FinishReason.ABORT)
+                    return seq
+        return None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> StepPlan | None:
+        """Plans the next forward; None when there is nothing to run."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            while not self._grow(seq, seq.num_computed + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        # After a preemption the pool is exhausted: admitting more would only thrash.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        if not scheduled:
+            return None
+        return StepPlan(tuple(scheduled), tuple(preempted))
+
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Sequence]:
+        """Records a finished forward: `sampled` maps seq_id to the token sampled for every
+        scheduled sequence that samples. Returns the sequences that finished."""
+        finished = []
+        for item in plan.scheduled:
+            seq = item.seq
+            samples = item.samples
+            seq.num_computed += item.num_new_tokens
+            if not samples:
+                continue
+            reason = seq.append(sampled[seq.seq_id])
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Makes seq's blocks hold num_tokens tokens; False if the pool cannot."""
+        need = -(-num_tokens // self.config.block_size) - len(seq.block_ids)
+        if need <= 0:
+            return True
+        ids = self.pool.allocate(need)
+        if ids is None:
+            return False
+        seq.block_ids.extend(ids)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.block_ids:
+            self.pool.free(seq.block_ids)
+            seq.block_ids = []
+        seq.finish(reason)

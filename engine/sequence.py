@@ -1,0 +1,123 @@
+"""One generation request inside the engine, and when it stops.
+
+Life cycle (SequenceStatus):
+  WAITING  --scheduled-->  RUNNING  --stop condition-->  FINISHED
+     ^                        |
+     +------- preempted ------+   (blocks freed; its KV is recomputed from prompt + output)
+
+A sequence admitted with its prompt KV already in its blocks (the decode server's path) starts
+RUNNING with every prompt token computed and the prefill engine's token as its first output.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling import SamplingParams, SamplingRow
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # end-of-sequence or a stop token
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class StopConditions:
+    """When a sequence stops. Token counts include every generated token."""
+
+    max_tokens: int
+    """Generated tokens at most (>= 1)."""
+    min_tokens: int = 0
+    """No stop token ends the sequence before this many tokens."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens; the stop token itself is part of the output."""
+    ignore_eos: bool = False
+    """Do not stop at the model's end-of-sequence tokens."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: {self.max_tokens} must be at least 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} must be in [0, max_tokens]")
+
+
+class Sequence:
+    """Token ids, blocks and progress of one request."""
+
+    def __init__(
+        self,
+        seq_id: str,
+        prompt_ids: Seq[int],
+        sampling: SamplingParams,
+        stop: StopConditions,
+        eos_token_ids: Seq[int],
+        max_model_len: int,
+    ) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt: must hold at least one token")
+        if len(prompt_ids) >= max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens leave no room in the context of "
+                f"{max_model_len} tokens"
+            )
+        self.seq_id = seq_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.sampling = sampling
+        self.stop = stop
+        self._stop_ids = set(stop.stop_token_ids) | (
+            set() if stop.ignore_eos else set(eos_token_ids)
+        )
+        self.max_model_len = max_model_len
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.block_ids: list[int] = []
+        self.num_computed = 0
+        """Tokens whose KV is in the cache; the next forward starts at this position."""
+        self.generator: torch.Generator | None = None
+        """Seeded requests' own random stream, on the engine's device (set by the engine)."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to be fed to the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sampling_row(self) -> SamplingRow:
+        return SamplingRow(self.sampling, self.generator, self.prompt_ids, self.output_ids)
+
+    def append(self, token_id: int) -> FinishReason | None:
+        """Adds a generated token; returns why the sequence stops now, if it does."""
+        self.output_ids.append(token_id)
+        generated = len(self.output_ids)
+        if generated >= self.stop.min_tokens and token_id in self._stop_ids:
+            return FinishReason.STOP
+        if generated >= self.stop.max_tokens or self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason

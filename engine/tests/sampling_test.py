@@ -1,0 +1,131 @@
+import pytest
+import torch
+
+from engine.sampling import Sampler, SamplingParams, SamplingRow, _apply_penalties
+
+
+def _rows(params: SamplingParams, n: int, **kwargs) -> list[SamplingRow]:
+    return [SamplingRow(params=params, generator=None, **kwargs) for _ in range(n)]
+
+
+def _seeded(seed: int) -> torch.Generator:
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return gen
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50, generator=_seeded(0))
+    tokens = Sampler()(logits, _rows(SamplingParams(), 5))
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_one_is_argmax_even_when_hot():
+    logits = torch.randn(6, 40, generator=_seeded(1))
+    tokens = Sampler()(logits, _rows(SamplingParams(temperature=5.0, top_k=1), 6))
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_temperature_one_matches_softmax_frequencies():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
+    tokens = Sampler(seed=3)(logits, _rows(SamplingParams(temperature=1.0), 20000))
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    expected = torch.softmax(logits[0], dim=-1)
+    assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
+
+
+def test_low_temperature_sharpens():
+    logits = torch.tensor([[1.0, 0.5, 0.0]]).repeat(4000, 1)
+    hot = Sampler(seed=4)(logits, _rows(SamplingParams(temperature=2.0), 4000))
+    cold = Sampler(seed=4)(logits, _rows(SamplingParams(temperature=0.2), 4000))
+    assert (cold == 0).float().mean() > (hot == 0).float().mean() + 0.3
+
+
+def test_top_p_never_samples_outside_the_nucleus():
+    # probs ~ [0.64, 0.24, 0.09, 0.03]: top_p=0.8 keeps the first two tokens only.
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).log_softmax(-1).repeat(3000, 1)
+    tokens = Sampler(seed=5)(logits, _rows(SamplingParams(temperature=1.0, top_p=0.8), 3000))
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_top_k_two_keeps_two_tokens():
+    logits = torch.tensor([[0.0, 3.0, 2.9, 2.8]]).repeat(3000, 1)
+    tokens = Sampler(seed=6)(logits, _rows(SamplingParams(temperature=1.0, top_k=2), 3000))
+    assert set(tokens.tolist()) == {1, 2}
+
+
+def test_min_p_drops_unlikely_tokens():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log().repeat(3000, 1)
+    # threshold 0.2 * 0.5 = 0.1: token 3 (0.05) is dropped, token 2 (0.15) kept.
+    tokens = Sampler(seed=7)(logits, _rows(SamplingParams(temperature=1.0, min_p=0.2), 3000))
+    assert set(tokens.tolist()) == {0, 1, 2}
+
+
+def test_seeded_rows_reproduce_independently_of_their_batch():
+    logits = torch.zeros(1, 1000)
+    params = SamplingParams(temperature=1.0, seed=42)
+
+    def run(batch_neighbours: int) -> list[int]:
+        gen = _seeded(42)
+        sampler = Sampler(seed=batch_neighbours)
+        out = []
+        for _ in range(8):
+            others = _rows(SamplingParams(temperature=1.0), batch_neighbours)
+            rows = [SamplingRow(params, gen), *others]
+            batch = logits.repeat(1 + batch_neighbours, 1)
+            out.append(int(sampler(batch, rows)[0]))
+        return out
+
+    alone, crowded = run(0), run(3)
+    assert alone == crowded
+    assert len(set(alone)) > 1  # uniform logits: a seeded stream still varies step to step
+
+
+def test_mixed_greedy_and_sampled_rows():
+    logits = torch.tensor([[0.0, 9.0, 0.0], [0.0, 0.0, 0.0]])
+    rows = [
+        SamplingRow(SamplingParams(), None),
+        SamplingRow(SamplingParams(temperature=1.0, seed=1), _seeded(1)),
+    ]
+    tokens = Sampler()(logits, rows)
+    assert tokens[0] == 1 and 0 <= tokens[1] < 3
+
+
+def test_penalties_follow_openai_and_vllm_semantics():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    params = SamplingParams(
+        repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, temperature=0.0
+    )
+    row = SamplingRow(params, None, prompt_ids=[1], output_ids=[0, 0, 2])
+    out = _apply_penalties(logits, [row])[0]
+    # token 0: seen, 2 -> 1.0 (repetition), minus 0.25*2 frequency, minus 0.5 presence = 0.0
+    # token 1: prompt only, -2 -> -4 (repetition multiplies negatives); no output penalties
+    # token 2: seen once: 1 -> 0.5, minus 0.25, minus 0.5 = -0.25
+    # token 3: unseen: unchanged
+    assert out.tolist() == pytest.approx([0.0, -4.0, -0.25, 0.5])
+
+
+def test_from_dict_rejects_unknown_parameters_by_name():
+    with pytest.raises(ValueError, match=r"unsupported sampling parameter.*best_of, logit_bias"):
+        SamplingParams.from_dict({"temperature": 0.5, "logit_bias": {}, "best_of": 2})
+    assert SamplingParams.from_dict({"top_p": None, "top_k": 3}).top_k == 3
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_k", -1),
+        ("min_p", 1.5),
+        ("seed", -1),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+    ],
+)
+def test_out_of_range_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        SamplingParams(**{field: value})

@@ -1,0 +1,203 @@
+"""Scheduler and Sequence behaviour with exact block ids; every test ends with a leak check."""
+
+import pytest
+
+from engine.kv_cache import BlockPool
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.sequence import FinishReason, Sequence, SequenceStatus, StopConditions
+
+EOS = 2
+
+
+def _seq(seq_id: str, prompt_len: int, max_tokens: int = 8, **stop) -> Sequence:
+    return Sequence(
+        seq_id,
+        list(range(10, 10 + prompt_len)),
+        SamplingParams(),
+        StopConditions(max_tokens=max_tokens, **stop),
+        eos_token_ids=[EOS],
+        max_model_len=64,
+    )
+
+
+def _scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=32) -> Scheduler:
+    return Scheduler(SchedulerConfig(block_size, max_num_seqs, budget), BlockPool(num_blocks))
+
+
+def _shape(plan: StepPlan) -> list[tuple[str, int, bool]]:
+    return [(s.seq.seq_id, s.num_new_tokens, s.samples) for s in plan.scheduled]
+
+
+def _run_to_end(sched: Scheduler, token: int = 7) -> None:
+    for _ in range(1000):
+        plan = sched.schedule()
+        if plan is None:
+            return
+        sched.update(plan, {s.seq.seq_id: token for s in plan.scheduled if s.samples})
+    raise AssertionError("did not finish")
+
+
+def _assert_empty(sched: Scheduler) -> None:
+    assert sched.num_unfinished == 0
+    assert sched.pool.num_free == sched.pool.num_total
+
+
+def test_prefill_then_decode_with_exact_blocks():
+    sched = _scheduler()
+    a, b = _seq("a", 5), _seq("b", 3)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert _shape(plan) == [("a", 5, True), ("b", 3, True)]
+    assert (a.block_ids, b.block_ids) == ([0, 1], [2])
+    sched.update(plan, {"a": 100, "b": 101})
+    assert (a.num_computed, a.output_ids, b.output_ids) == (5, [100], [101])
+    plan = sched.schedule()
+    assert _shape(plan) == [("a", 1, True), ("b", 1, True)]
+    assert plan.is_decode_only
+    assert b.block_ids == [2]  # b's 4th token still fits its first block
+    sched.update(plan, {"a": 102, "b": 103})
+    sched.schedule()
+    assert b.block_ids == [2, 3]  # b's 5th token opens a block
+    for seq in (a, b):
+        sched.abort(seq.seq_id)
+    _assert_empty(sched)
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_samples_once():
+    sched = _scheduler(budget=8)
+    seq = _seq("long", 19, max_tokens=2)
+    sched.add(seq)
+    shapes = []
+    while (plan := sched.schedule()) is not None:
+        shapes.append(_shape(plan))
+        sched.update(plan, {s.seq.seq_id: 50 for s in plan.scheduled if s.samples})
+    assert shapes == [
+        [("long", 8, False)],
+        [("long", 8, False)],
+        [("long", 3, True)],
+        [("long", 1, True)],
+    ]
+    assert seq.output_ids == [50, 50] and seq.finish_reason is FinishReason.LENGTH
+    _assert_empty(sched)
+
+
+def test_decodes_go_first_and_prefill_chunks_take_the_rest_of_the_budget():
+    sched = _scheduler(budget=8)
+    sched.add(_seq("a", 3))
+    plan = sched.schedule()
+    sched.update(plan, {"a": 1})
+    sched.add(_seq("b", 12))
+    assert _shape(sched.schedule()) == [("a", 1, True), ("b", 7, False)]
+    for seq_id in ("a", "b"):
+        sched.abort(seq_id)
+    _assert_empty(sched)
+
+
+def test_newest_running_sequence_is_preempted_and_recomputed():
+    sched = _scheduler(num_blocks=3, block_size=4, budget=16)
+    a, b = _seq("a", 4, max_tokens=6), _seq("b", 4, max_tokens=6)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()  # a: block 0, b: block 1
+    sched.update(plan, {"a": 7, "b": 7})
+    plan = sched.schedule()  # both need a 2nd block: a gets 2, none left for b
+    assert [s.seq.seq_id for s in plan.scheduled] == ["a"]
+    assert plan.preempted == (b,)
+    assert b.status is SequenceStatus.WAITING and b.block_ids == [] and b.num_computed == 0
+    assert list(sched.waiting) == [b]
+    sched.update(plan, {"a": 7})
+    _run_to_end(sched)
+    # b was recomputed from prompt + its first token, then finished normally.
+    assert b.output_ids == [7] * 6 and b.finish_reason is FinishReason.LENGTH
+    _assert_empty(sched)
+
+
+def test_a_sequence_that_can_never_fit_preempts_itself_and_waits():
+    sched = _scheduler(num_blocks=2, block_size=4, budget=16)
+    seq = _seq("a", 8, max_tokens=4)
+    sched.add(seq)
+    plan = sched.schedule()
+    sched.update(plan, {"a": 7})
+    plan = sched.schedule()  # the 9th token needs a 3rd block: it preempts itself
+    assert plan is None and seq.status is SequenceStatus.WAITING
+    assert sched.pool.num_free == 2
+    sched.abort("a")
+    _assert_empty(sched)
+
+
+def test_waiting_sequences_wait_for_blocks_in_order():
+    sched = _scheduler(num_blocks=2, block_size=4)
+    sched.add(_seq("a", 8, max_tokens=1))
+    sched.add(_seq("b", 2, max_tokens=1))
+    assert _shape(sched.schedule()) == [("a", 8, True)]  # b does not overtake a
+    _run_to_end(sched)
+    _assert_empty(sched)
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched = _scheduler(max_num_seqs=2)
+    for name in "abc":
+        sched.add(_seq(name, 2))
+    assert [s.seq.seq_id for s in sched.schedule().scheduled] == ["a", "b"]
+    for name in "abc":
+        sched.abort(name)
+    _assert_empty(sched)
+
+
+def test_prefilled_sequence_starts_decoding_at_prompt_len():
+    sched = _scheduler()
+    ids = sched.pool.allocate(2)
+    seq = _seq("p", 6)
+    assert sched.add_prefilled(seq, ids, first_token=40)
+    plan = sched.schedule()
+    assert _shape(plan) == [("p", 1, True)]
+    assert seq.num_computed == 6 and seq.token_ids[6] == 40 and seq.block_ids == ids
+    sched.update(plan, {"p": 41})
+    assert seq.output_ids == [40, 41]
+    sched.abort("p")
+    _assert_empty(sched)
+
+
+def test_prefilled_sequence_finished_by_its_first_token_frees_its_blocks():
+    sched = _scheduler()
+    seq = _seq("p", 6)
+    assert not sched.add_prefilled(seq, sched.pool.allocate(2), first_token=EOS)
+    assert seq.finish_reason is FinishReason.STOP
+    _assert_empty(sched)
+
+
+@pytest.mark.parametrize(
+    ("stop", "tokens", "expected_len", "reason"),
+    [
+        ({}, [5, EOS, 5], 2, FinishReason.STOP),
+        ({"ignore_eos": True}, [5, EOS, 5, 5], 4, FinishReason.LENGTH),
+        ({"stop_token_ids": (9,)}, [5, 9], 2, FinishReason.STOP),
+        ({"min_tokens": 3}, [EOS, EOS, EOS], 3, FinishReason.STOP),
+    ],
+)
+def test_stop_conditions(stop, tokens, expected_len, reason):
+    seq = _seq("s", 3, max_tokens=4, **stop)
+    reasons = [seq.append(t) for t in tokens]
+    first_stop = next(i for i, r in enumerate(reasons) if r is not None)
+    assert first_stop + 1 == expected_len and reasons[first_stop] is reason
+
+
+def test_context_length_stops_generation():
+    seq = Sequence("c", [1] * 62, SamplingParams(), StopConditions(max_tokens=10), [EOS], 64)
+    assert seq.append(5) is None
+    assert seq.append(5) is FinishReason.LENGTH
+
+
+def test_invalid_requests_are_rejected_by_name():
+    with pytest.raises(ValueError, match=r"^max_tokens: "):
+        StopConditions(max_tokens=0)
+    with pytest.raises(ValueError, match=r"^min_tokens: "):
+        StopConditions(max_tokens=2, min_tokens=3)
+    with pytest.raises(ValueError, match=r"^prompt: "):
+        Sequence("x", [], SamplingParams(), StopConditions(max_tokens=1), [EOS], 64)
+    with pytest.raises(ValueError, match=r"^prompt: 64 tokens"):
+        Sequence("x", [1] * 64, SamplingParams(), StopConditions(max_tokens=1), [EOS], 64)
+    with pytest.raises(ValueError, match=r"^max_num_batched_tokens: "):
+        SchedulerConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=4)

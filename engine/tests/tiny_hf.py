@@ -1,0 +1,122 @@
+"""Builders shared by the model and weights tests: tiny Hugging Face models and a paged runner."""
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.model import CausalLM
+from engine.weights import load_weights
+
+VOCAB = 96
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# Llama with Llama-3 RoPE scaling whose original context (32) is short enough that the scaled,
+# interpolated and untouched frequency bands all occur at head_dim 16.
+_KINDS = {
+    "llama": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            rope_theta=10000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=4.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(sliding_window=None, rope_theta=1000.0),
+    ),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=5000.0)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_theta=20000.0)),
+}
+KINDS = tuple(_KINDS)
+
+
+def hf_model(kind: str, tie: bool = False, seed: int = 0) -> transformers.PreTrainedModel:
+    """A tiny random model of `kind`, every parameter (biases, norms) random and non-trivial."""
+    config_cls, model_cls, extra = _KINDS[kind]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**_COMMON, **extra, tie_word_embeddings=tie)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.1)
+    return model
+
+
+def hf_logits(model: transformers.PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([tokens])).logits[0].float()
+
+
+def load(folder: Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+    config = ModelConfig.from_hf_folder(folder)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    load_weights(model, folder, dtype, "cpu")
+    return model
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+class PagedRunner:
+    """Steps sequences through a model and a KV cache whose block ids are handed out scattered,
+    so every context spans non-adjacent blocks."""
+
+    def __init__(self, model: CausalLM, num_blocks: int = 48, block_size: int = 4) -> None:
+        self.model = model
+        dtype = model.model.embed_tokens.weight.dtype
+        self.cache = KVCache(model.config, num_blocks, block_size, dtype, "cpu")
+        self.block_size = block_size
+        gen = torch.Generator().manual_seed(1234)
+        self.free = torch.randperm(num_blocks, generator=gen).tolist()
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Runs one forward over {seq: new tokens}; returns {seq: logits [n, vocab]}."""
+        ids, positions, seq_lens, tables = [], [], [], []
+        for seq, tokens in chunks.items():
+            start = self.lens.get(seq, 0)
+            end = start + len(tokens)
+            table = self.tables.setdefault(seq, [])
+            while len(table) * self.block_size < end:
+                table.append(self.free.pop())
+            self.lens[seq] = end
+            ids += tokens
+            positions += range(start, end)
+            seq_lens.append(end)
+            tables.append(table)
+        meta = AttentionMetadata.build(
+            [len(t) for t in chunks.values()], seq_lens, tables, self.block_size
+        )
+        hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.cache.kv_caches, meta)
+        logits = self.model.compute_logits(hidden)
+        return dict(zip(chunks, logits.split([len(t) for t in chunks.values()]), strict=True))

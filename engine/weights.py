@@ -1,0 +1,161 @@
+"""Filling a meta-built CausalLM: from a Hugging Face safetensors folder, or at random.
+
+Both materialize the model once, directly in the requested dtype and device, then fill it
+tensor by tensor, so peak memory is the model plus one checkpoint tensor.
+
+    config = ModelConfig.from_hf_folder(path)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    load_weights(model, path, torch.bfloat16, "cuda")
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.model import CausalLM
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# How many names an error lists before it only counts the rest.
+_MAX_NAMES_SHOWN = 10
+
+
+def load_weights(
+    model: CausalLM, folder: str | Path, dtype: torch.dtype, device: torch.device | str
+) -> None:
+    """Loads the folder's model.safetensors, or the shards its index lists, into model.
+
+    Every checkpoint tensor must have a parameter to go to and every parameter a tensor, else
+    ValueError naming them, raised before anything is allocated.
+    """
+    _check_dtype(dtype)
+    files = _checkpoint_files(Path(folder))
+    targets = _targets(model)
+    names = {name for file_names in files.values() for name in file_names}
+    ignored = {name for name in names if _ignored(name, model.config)}
+    unexpected = sorted(names - ignored - targets.keys())
+    missing = sorted(targets.keys() - names)
+    if unexpected or missing:
+        raise ValueError(
+            f"checkpoint {folder} does not match {model.config.architecture}: "
+            f"missing tensors: {_shown(missing)}; unexpected tensors: {_shown(unexpected)}"
+        )
+    _materialize(model, dtype, device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for file, file_names in files.items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in file_names:
+                    if name in ignored:
+                        continue
+                    param_name, rows = targets[name]
+                    tensor = f.get_tensor(name)
+                    dest = params[param_name][rows]
+                    if dest.shape != tensor.shape:
+                        raise ValueError(
+                            f"tensor {name} has shape {tuple(tensor.shape)}, expected "
+                            f"{tuple(dest.shape)} (in {param_name})"
+                        )
+                    dest.copy_(tensor)  # converts dtype and moves to device in one copy
+    model.init_buffers()
+
+
+def init_random_weights(
+    model: CausalLM, seed: int, dtype: torch.dtype, device: torch.device | str
+) -> None:
+    """Deterministic random weights for benchmarks: matrices N(0, 0.02), norms 1, biases 0.
+
+    std 0.02 (Hugging Face's initializer_range) keeps activations and logits finite at any
+    depth; the same seed on the same device gives the same weights.
+    """
+    _check_dtype(dtype)
+    _materialize(model, dtype, device)
+    generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    model.init_buffers()
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported (supported: {SUPPORTED_DTYPES})")
+
+
+def _materialize(model: CausalLM, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Allocates a meta-built model's parameters, uninitialized, in dtype on device."""
+    materialized = [name for name, p in model.named_parameters() if not p.is_meta]
+    if materialized:
+        raise ValueError(f"model must be built on the meta device; {materialized[0]} is not")
+    model.to(dtype=dtype)  # free on meta; makes to_empty allocate in the final dtype
+    model.to_empty(device=device)
+    model.requires_grad_(False)  # serving never trains; no autograd bookkeeping on weights
+
+
+def _checkpoint_files(folder: Path) -> dict[Path, list[str]]:
+    """Each safetensors file of the checkpoint and the tensor names it holds."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files: dict[Path, list[str]] = {}
+        for name, file in json.loads(index.read_text())["weight_map"].items():
+            files.setdefault(folder / file, []).append(name)
+        return files
+    single = folder / "model.safetensors"
+    if single.exists():
+        with safe_open(single, framework="pt", device="cpu") as f:
+            return {single: list(f.keys())}
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+
+
+def _targets(model: CausalLM) -> dict[str, tuple[str, slice]]:
+    """Checkpoint tensor name -> (our parameter name, rows of it the tensor fills)."""
+    fused = _fused_parts(model.config)
+    targets = {}
+    for name, _ in model.named_parameters():
+        parent, _, leaf = name.rpartition(".")
+        prefix, _, module = parent.rpartition(".")
+        if module not in fused:
+            targets[name] = (name, slice(None))
+            continue
+        offset = 0
+        for part, rows in fused[module]:
+            targets[f"{prefix}.{part}.{leaf}"] = (name, slice(offset, offset + rows))
+            offset += rows
+    return targets
+
+
+def _fused_parts(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """Our fused projection -> the Hugging Face projections stacked in it, with their rows."""
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    return {
+        "qkv_proj": [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)],
+        "gate_up_proj": [
+            ("gate_proj", config.intermediate_size),
+            ("up_proj", config.intermediate_size),
+        ],
+    }
+
+
+def _ignored(name: str, config: ModelConfig) -> bool:
+    # Old checkpoints saved the RoPE buffer; some tied ones still carry an lm_head copy, which
+    # tying means is never read (Hugging Face ignores it too).
+    return name.endswith("rotary_emb.inv_freq") or (
+        config.tie_word_embeddings and name == "lm_head.weight"
+    )
+
+
+def _shown(names: list[str]) -> str:
+    if not names:
+        return "none"
+    more = len(names) - _MAX_NAMES_SHOWN
+    return ", ".join(names[:_MAX_NAMES_SHOWN]) + (f" and {more} more" if more > 0 else "")
