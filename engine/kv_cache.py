@@ -24,7 +24,8 @@ class LayerRegion:
 
 
 class KVCache:
-    """Per layer K and V, each [num_blocks, num_kv_heads, block_size, head_dim] ("HND")."""
+    """Per layer K and V, each [num_blocks + 1, num_kv_heads, block_size, head_dim] ("HND"); the
+    last block is `padding_block`."""
 
     def __init__(
         self,
@@ -39,6 +40,10 @@ class KVCache:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.num_blocks = num_blocks
+        """Blocks a pool hands out: ids [0, num_blocks)."""
+        self.padding_block = num_blocks
+        """One extra block past the pool's: the padded rows of a CUDA-graph batch write and read
+        here, so they can never touch a live sequence's KV."""
         self.block_size = block_size
         self.dtype = dtype
         # One allocation for all layers, [layer, K|V, block, head, slot, dim]: a transport
@@ -48,7 +53,7 @@ class KVCache:
         self.storage = torch.zeros(
             config.num_layers,
             2,
-            num_blocks,
+            num_blocks + 1,
             config.num_kv_heads,
             block_size,
             config.head_dim,

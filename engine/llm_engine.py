@@ -18,9 +18,12 @@ from pathlib import Path
 
 import torch
 
+from engine import attention
+from engine.attention import AttentionBackend
 from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import BlockPool, KVCache
-from engine.model import CausalLM
+from engine.model import EAGER_OPS, CausalLM
 from engine.model_runner import ModelRunner
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -51,6 +54,8 @@ class EngineConfig:
     """Tokens in one forward at most (longer prompts are prefilled in chunks)."""
     seed: int = 0
     """Seed of random weights and of unseeded sampling."""
+    enforce_eager: bool = False
+    """On CUDA: no CUDA graphs and no compiled (fused) elementwise ops."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -92,6 +97,9 @@ class EngineConfig:
         parser.add_argument(
             "--seed", type=int, default=0, help="seed of random weights and unseeded sampling"
         )
+        parser.add_argument(
+            "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs, no fused ops"
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -105,6 +113,7 @@ class EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed,
+            enforce_eager=args.enforce_eager,
         )
 
 
@@ -137,19 +146,27 @@ class LLMEngine:
             raise ValueError(
                 f"kv_cache_gb: {config.kv_cache_gb} GiB holds no block of {block_bytes} bytes"
             )
+        # A sequence must fit the whole cache alone, else it could wait for blocks forever.
+        max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            num_blocks * config.block_size,
+        )
         kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, config.device)
         pool = BlockPool(num_blocks)
         sched_config = SchedulerConfig(
             config.block_size, config.max_num_seqs, config.max_num_batched_tokens
         )
+        graphs = None
+        if config.device.startswith("cuda") and not config.enforce_eager:
+            graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
         return cls(
             config=config,
             model_config=model_config,
             kv_cache=kv_cache,
             pool=pool,
             scheduler=Scheduler(sched_config, pool),
-            runner=ModelRunner(model, kv_cache, Sampler(config.seed)),
-            max_model_len=config.max_model_len or model_config.max_position_embeddings,
+            runner=ModelRunner(model, kv_cache, Sampler(config.seed), graphs),
+            max_model_len=max_model_len,
         )
 
     @property
@@ -162,6 +179,10 @@ class LLMEngine:
         """A sequence bound to this engine's model (EOS ids, context length, device)."""
         if seq_id in self.sequences:
             raise ValueError(f"request_id: {seq_id!r} is already live")
+        vocab = self.model_config.vocab_size
+        if prompt_ids and not (min(prompt_ids) >= 0 and max(prompt_ids) < vocab):
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
         seq = Sequence(
             seq_id, prompt_ids, sampling, stop, self.model_config.eos_token_ids, self.max_model_len
         )
@@ -226,10 +247,25 @@ def load_model(config: EngineConfig) -> tuple[ModelConfig, CausalLM]:
         if not (folder / "config.json").is_file():
             raise ValueError(f"model: {folder} is not a Hugging Face folder (no config.json)")
         model_config = ModelConfig.from_hf_folder(folder)
+    cuda = config.device.startswith("cuda")
+    ops = EAGER_OPS
+    if cuda and not config.enforce_eager:
+        from engine.fusion import compiled_ops  # imports torch.compile's stack only when used
+
+        ops = compiled_ops()
     with torch.device("meta"):
-        model = CausalLM(model_config)
+        model = CausalLM(model_config, attention_backend(config.device), ops)
     if config.model.startswith("random:"):
         init_random_weights(model, config.seed, dtype, config.device)
     else:
         load_weights(model, config.model, dtype, config.device)
     return model_config, model.eval()
+
+
+def attention_backend(device: str) -> AttentionBackend:
+    """Triton kernels on CUDA (imported only there: CPU installs need no Triton), torch on CPU."""
+    if device.startswith("cuda"):
+        from engine import triton_attention
+
+        return triton_attention
+    return attention

@@ -1,10 +1,15 @@
-"""Runs one StepPlan: packs the scheduled tokens, runs the model, samples the next tokens."""
+"""Runs one StepPlan: packs the scheduled tokens, runs the model, samples the next tokens.
+
+Decode-only steps on CUDA replay a captured graph (engine/cuda_graphs.py); everything else
+(prefill chunks, mixed batches, CPU) runs the model eagerly.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sampling import Sampler
@@ -12,19 +17,49 @@ from engine.scheduler import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        sampler: Sampler,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
+        self.graphs = graphs
         self.device = kv_cache.storage.device
 
     def run(self, plan: StepPlan) -> dict[str, int]:
         """One forward over the plan; returns {seq_id: sampled token} for sequences that sample."""
+        if self.graphs is not None and plan.is_decode_only:
+            hidden = self._decode_with_graph(plan)
+            last_rows = None
+        else:
+            hidden, last_rows = self._forward_eager(plan)
+        sampling = [item for item in plan.scheduled if item.samples]
+        if not sampling:
+            return {}
+        if last_rows is not None:
+            hidden = hidden[torch.tensor(last_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
+        tokens = self.sampler(logits, [item.seq.sampling_row() for item in sampling]).tolist()
+        return {item.seq.seq_id: token for item, token in zip(sampling, tokens, strict=True)}
+
+    def _decode_with_graph(self, plan: StepPlan) -> torch.Tensor:
+        """Every scheduled sequence feeds its last token, so every row samples."""
+        seqs = [item.seq for item in plan.scheduled]
+        # The graphs are captured up to the scheduler's max_num_seqs.
+        assert len(seqs) <= self.graphs.max_batch
+        positions = [seq.num_computed for seq in seqs]
+        input_ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions, strict=True)]
+        return self.graphs.run(input_ids, positions, [seq.block_ids for seq in seqs])
+
+    def _forward_eager(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         last_rows: list[int] = []
-        sampling = []
         for item in plan.scheduled:
             seq, start, n = item.seq, item.seq.num_computed, item.num_new_tokens
             input_ids.extend(seq.token_ids[start : start + n])
@@ -34,7 +69,6 @@ class ModelRunner:
             tables.append(seq.block_ids)
             if item.samples:
                 last_rows.append(len(input_ids) - 1)
-                sampling.append(item)
         meta = AttentionMetadata.build(
             query_lens, seq_lens, tables, self.kv_cache.block_size, self.device
         )
@@ -44,8 +78,4 @@ class ModelRunner:
             self.kv_cache.kv_caches,
             meta,
         )
-        if not sampling:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
-        tokens = self.sampler(logits, [item.seq.sampling_row() for item in sampling]).tolist()
-        return {item.seq.seq_id: token for item, token in zip(sampling, tokens, strict=True)}
+        return hidden, last_rows

@@ -81,10 +81,10 @@ class Scheduler:
         """Queues a sequence whose prompt KV is already in `block_ids` (owned by the sequence
         from now on) and whose first token was sampled elsewhere. Returns False when that token
         already finishes it (the blocks are then freed)."""
-        assert seq.status is SequenceStatus.WAITING and not seq.output_ids
-        assert len(block_ids) * self.config.block_size >= len(seq.prompt_ids)
+        assert seq.status is SequenceStatus.WAITING and seq.num_output_tokens == 0
+        assert len(block_ids) * self.config.block_size >= seq.num_prompt_tokens
         seq.block_ids = list(block_ids)
-        seq.num_computed = len(seq.prompt_ids)
+        seq.num_computed = seq.num_prompt_tokens
         reason = seq.append(first_token)
         if reason is not None:
             self._finish(seq, reason)

@@ -72,13 +72,14 @@ class Sequence:
                 f"{max_model_len} tokens"
             )
         self.seq_id = seq_id
-        self.prompt_ids = list(prompt_ids)
-        self.output_ids: list[int] = []
+        # NOTE: one list, appended to: the runner reads a token per step per sequence, and
+        # rebuilding prompt + output every step would cost O(context) per token.
+        self.token_ids: list[int] = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
         self.sampling = sampling
         self.stop = stop
-        self._stop_ids = set(stop.stop_token_ids) | (
-            set() if stop.ignore_eos else set(eos_token_ids)
-        )
+        eos = set() if stop.ignore_eos else set(eos_token_ids)
+        self._stop_ids = set(stop.stop_token_ids) | eos
         self.max_model_len = max_model_len
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -89,12 +90,20 @@ class Sequence:
         """Seeded requests' own random stream, on the engine's device (set by the engine)."""
 
     @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_uncomputed(self) -> int:
@@ -106,12 +115,14 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def sampling_row(self) -> SamplingRow:
+        if not self.sampling.penalized:  # only penalties look at the history
+            return SamplingRow(self.sampling, self.generator)
         return SamplingRow(self.sampling, self.generator, self.prompt_ids, self.output_ids)
 
     def append(self, token_id: int) -> FinishReason | None:
         """Adds a generated token; returns why the sequence stops now, if it does."""
-        self.output_ids.append(token_id)
-        generated = len(self.output_ids)
+        self.token_ids.append(token_id)
+        generated = self.num_output_tokens
         if generated >= self.stop.min_tokens and token_id in self._stop_ids:
             return FinishReason.STOP
         if generated >= self.stop.max_tokens or self.num_tokens >= self.max_model_len:

@@ -10,6 +10,7 @@ tensor by tensor, so peak memory is the model plus one checkpoint tensor.
 """
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -32,35 +33,61 @@ def load_weights(
     Every checkpoint tensor must have a parameter to go to and every parameter a tensor, else
     ValueError naming them, raised before anything is allocated.
     """
-    _check_dtype(dtype)
     files = _checkpoint_files(Path(folder))
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file, file_names in files.items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in file_names:
+                    yield name, f.get_tensor(name)
+
+    names = [name for file_names in files.values() for name in file_names]
+    _load(model, names, tensors(), dtype, device, source=f"checkpoint {folder}")
+
+
+def load_state_dict(
+    model: CausalLM,
+    state_dict: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> None:
+    """Loads Hugging Face-named tensors held in memory (e.g. a transformers model's
+    state_dict()), with the same checks as load_weights."""
+    _load(model, list(state_dict), iter(state_dict.items()), dtype, device, source="state dict")
+
+
+def _load(
+    model: CausalLM,
+    names: list[str],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    source: str,
+) -> None:
+    _check_dtype(dtype)
     targets = _targets(model)
-    names = {name for file_names in files.values() for name in file_names}
     ignored = {name for name in names if _ignored(name, model.config)}
-    unexpected = sorted(names - ignored - targets.keys())
-    missing = sorted(targets.keys() - names)
+    unexpected = sorted(set(names) - ignored - targets.keys())
+    missing = sorted(targets.keys() - set(names))
     if unexpected or missing:
         raise ValueError(
-            f"checkpoint {folder} does not match {model.config.architecture}: "
+            f"{source} does not match {model.config.architecture}: "
             f"missing tensors: {_shown(missing)}; unexpected tensors: {_shown(unexpected)}"
         )
     _materialize(model, dtype, device)
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for file, file_names in files.items():
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in file_names:
-                    if name in ignored:
-                        continue
-                    param_name, rows = targets[name]
-                    tensor = f.get_tensor(name)
-                    dest = params[param_name][rows]
-                    if dest.shape != tensor.shape:
-                        raise ValueError(
-                            f"tensor {name} has shape {tuple(tensor.shape)}, expected "
-                            f"{tuple(dest.shape)} (in {param_name})"
-                        )
-                    dest.copy_(tensor)  # converts dtype and moves to device in one copy
+        for name, tensor in tensors:
+            if name in ignored:
+                continue
+            param_name, rows = targets[name]
+            dest = params[param_name][rows]
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"tensor {name} has shape {tuple(tensor.shape)}, expected "
+                    f"{tuple(dest.shape)} (in {param_name})"
+                )
+            dest.copy_(tensor)  # converts dtype and moves to device in one copy
     model.init_buffers()
 
 
@@ -159,3 +186,10 @@ def _shown(names: list[str]) -> str:
         return "none"
     more = len(names) - _MAX_NAMES_SHOWN
     return ", ".join(names[:_MAX_NAMES_SHOWN]) + (f" and {more} more" if more > 0 else "")
+
+
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's parameters under Hugging Face names, as views (no copy): the inverse of
+    load_state_dict, e.g. to give a transformers model exactly the same weights."""
+    params = dict(model.named_parameters())
+    return {name: params[param][rows] for name, (param, rows) in _targets(model).items()}

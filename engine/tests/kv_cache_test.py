@@ -103,13 +103,14 @@ def test_kv_cache_views_regions_and_strides():
     cache = KVCache(config, num_blocks=5, block_size=4, dtype=torch.float16, device="cpu")
     assert len(cache.kv_caches) == 2
     k, v = cache.kv_caches[1]
-    assert k.shape == v.shape == (5, 2, 4, 16) and k.dtype == torch.float16
+    assert k.shape == v.shape == (6, 2, 4, 16) and k.dtype == torch.float16  # + padding block
+    assert cache.padding_block == 5
     assert k.is_contiguous() and v.is_contiguous()
     assert cache.block_stride_bytes == 2 * 4 * 16 * 2
     assert cache.head_stride_bytes == 4 * 16 * 2
 
     regions = cache.layer_regions()
-    layer_bytes = 5 * 2 * 4 * 16 * 2
+    layer_bytes = 6 * 2 * 4 * 16 * 2
     for region, (k, v) in zip(regions, cache.kv_caches, strict=True):
         assert (region.k_ptr, region.v_ptr, region.nbytes) == (
             k.data_ptr(),

@@ -153,3 +153,10 @@ def test_seeded_sampling_is_reproducible(prompts):
     second = _engine().generate(prompts[:2][::-1], params, stop)[::-1]
     assert first == second
     assert first[0] != _engine().generate(prompts[:1], GREEDY, stop)[0]
+
+
+def test_out_of_vocabulary_prompt_is_rejected_by_name():
+    engine = _engine()
+    with pytest.raises(ValueError, match=r"^prompt: token id 49152 is outside"):
+        engine.add_request("bad", [1, 49152], GREEDY, StopConditions(max_tokens=1))
+    _assert_pool_free(engine)

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from engine.config import ModelConfig
 from engine.model import CausalLM
 from engine.tests.tiny_hf import PagedRunner, hf_logits, hf_model, load, rel_err
-from engine.weights import init_random_weights, load_weights
+from engine.weights import hf_state_dict, init_random_weights, load_state_dict, load_weights
 
 TOKENS = [5, 17, 3, 42, 8, 91, 23, 4, 60, 11]
 
@@ -128,3 +128,23 @@ def test_random_weights_are_deterministic_and_finite():
             assert abs(float(pa.std()) - 0.02) < 0.005, name
     logits = PagedRunner(a).step({0: list(range(20)), 1: [3, 1, 4]})
     assert all(bool(out.isfinite().all()) for out in logits.values())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_state_dict_round_trip_through_hugging_face_names(kind, tmp_path):
+    hf = hf_model(kind)
+    hf.save_pretrained(tmp_path)
+    config = ModelConfig.from_hf_folder(tmp_path)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    load_state_dict(model, hf.state_dict(), torch.float32, "cpu")
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    assert rel_err(PagedRunner(model).step({0: tokens})[0], hf_logits(hf, tokens)) < 1e-5
+
+    exported = hf_state_dict(model)
+    assert exported.keys() == {k for k in hf.state_dict() if "rotary" not in k}
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, hf.state_dict()[name]), name
+    # Views, not copies: the fused projection's rows are the exported q/k/v tensors.
+    q = exported["model.layers.0.self_attn.q_proj.weight"]
+    assert q.data_ptr() == model.model.layers[0].self_attn.qkv_proj.weight.data_ptr()

@@ -8,6 +8,9 @@ import pytest
 
 def main() -> int:
     args = [*sys.argv[1:], "-p", "no:cacheprovider", "--import-mode=importlib", "-q"]
+    # The project's one custom marker: tests that need compiled CUDA kernels. A file mixing
+    # both kinds runs as two targets, one with `-m "not cuda"`, one tagged "gpu".
+    args += ["-o", "markers=cuda: needs a CUDA GPU"]
     xml = os.environ.get("XML_OUTPUT_FILE")
     if xml:
         args += ["--junitxml", xml]

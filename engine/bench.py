@@ -1,0 +1,246 @@
+"""Engine benchmark: decode and prefill throughput against the memory-bandwidth roofline.
+
+For each (batch size, context length): `batch` random prompts of `context` tokens are prefilled,
+then `decode_tokens` decode steps are timed through the engine's real step loop (scheduler,
+CUDA graphs, sampling, host sync). The roofline of a decode step is the bytes it must read,
+weights (all but the embedding table, of which it reads one row per token) plus every
+sequence's KV, over the HBM read bandwidth measured in the same run. `--peer hf` times
+Hugging Face transformers `generate` on the very same weights in the same run.
+
+    python -m engine.bench --model random:llama3-8b --device cuda --batch-sizes 1,64 \
+        --context-lens 1024 --peer hf --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+from engine.model import CausalLM
+from engine.sampling import SamplingParams
+from engine.sequence import StopConditions
+from engine.weights import hf_state_dict
+
+
+@dataclass(frozen=True)
+class Result:
+    system: str  # "tandem" or "hf"
+    batch: int
+    context: int
+    decode_tok_s: float
+    prefill_tok_s: float | None
+    roofline_tok_s: float | None
+    roofline_ratio: float | None
+    peak_memory_gb: float | None
+
+
+def read_bandwidth(device: str) -> float:
+    """Bytes/s a large read-only reduction achieves (median of repeats; 4 GiB, far past L2)."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    x = torch.ones(2**30, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        x.sum()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del x
+    return 4 * 2**30 / sorted(times)[len(times) // 2]
+
+
+def weight_bytes_per_step(engine: LLMEngine, batch: int) -> float:
+    model: CausalLM = engine.runner.model
+    itemsize = DTYPES[engine.config.dtype].itemsize
+    total = sum(p.numel() for p in model.parameters()) * itemsize
+    embed = model.model.embed_tokens.weight
+    table = embed.numel() * itemsize
+    # Untied: the table is only gathered (one row per token). Tied: the lm_head reads it all.
+    return total - (0 if model.lm_head is None else table) + batch * embed.shape[1] * itemsize
+
+
+def bench_engine(
+    engine: LLMEngine, batch: int, context: int, decode_tokens: int, bandwidth: float
+) -> Result:
+    """Prefills `batch` prompts, then times `decode_tokens` steps in which all of them decode."""
+    rng = random.Random(batch * 1_000_003 + context)
+    vocab = engine.model_config.vocab_size
+    # Room for the decodes that run while later prompts are still prefilling, and the timed ones.
+    prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
+    stop = StopConditions(max_tokens=prefill_steps + decode_tokens + 1, ignore_eos=True)
+    for i in range(batch):
+        prompt = [rng.randrange(vocab) for _ in range(context)]
+        engine.add_request(f"b{batch}-c{context}-{i}", prompt, SamplingParams(), stop)
+    _sync(engine)
+    start = time.perf_counter()
+    while any(seq.num_output_tokens == 0 for seq in engine.sequences.values()):
+        engine.step()
+    _sync(engine)
+    prefill_s = time.perf_counter() - start
+    kv_tokens = 0  # context tokens whose KV the timed steps read
+    generated = 0
+    start = time.perf_counter()
+    for _ in range(decode_tokens):
+        kv_tokens += sum(seq.num_tokens for seq in engine.sequences.values())
+        generated += len(engine.step())
+    _sync(engine)
+    decode_s = time.perf_counter() - start
+    assert generated == batch * decode_tokens, "a sequence left the batch during timing"
+    for seq_id in list(engine.sequences):
+        engine.abort(seq_id)
+    assert engine.pool.num_free == engine.pool.num_total
+    kv_bytes = kv_tokens * engine.model_config.kv_bytes_per_token(DTYPES[engine.config.dtype])
+    min_s = (weight_bytes_per_step(engine, batch) * decode_tokens + kv_bytes) / bandwidth
+    decode_tok_s = generated / decode_s
+    cuda = engine.config.device.startswith("cuda")
+    return Result(
+        system="tandem",
+        batch=batch,
+        context=context,
+        decode_tok_s=decode_tok_s,
+        prefill_tok_s=batch * context / prefill_s,
+        roofline_tok_s=generated / min_s if cuda else None,
+        roofline_ratio=decode_tok_s * min_s / generated if cuda else None,
+        peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+    )
+
+
+def bench_hf(engine: LLMEngine, batch: int, context: int, decode_tokens: int) -> Result:
+    """transformers `generate` (greedy, no EOS) on the engine's own weights: decode tok/s is the
+    difference between generating decode_tokens + 1 tokens and generating 1."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = engine.model_config
+    device = engine.config.device
+    hf_config = AutoConfig.for_model(_HF_MODEL_TYPES[config.architecture], **_hf_fields(engine))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=DTYPES[engine.config.dtype])
+    loaded = model.load_state_dict(hf_state_dict(engine.runner.model), strict=False)
+    # A tied model's lm_head is the embedding, which was loaded.
+    missing = [
+        k for k in loaded.missing_keys if not (config.tie_word_embeddings and "lm_head" in k)
+    ]
+    if missing or loaded.unexpected_keys:
+        raise RuntimeError(
+            f"weights differ: {missing} missing, {loaded.unexpected_keys} unexpected"
+        )
+    model.eval()
+    prompt = torch.randint(0, config.vocab_size, (batch, context), device=device)
+
+    def run(new_tokens: int) -> float:
+        _sync(engine)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        _sync(engine)
+        return time.perf_counter() - start
+
+    run(2)  # warm-up
+    prefill_s = run(1)
+    decode_s = run(decode_tokens + 1) - prefill_s
+    return Result("hf", batch, context, batch * decode_tokens / decode_s, None, None, None, None)
+
+
+_HF_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def _hf_fields(engine: LLMEngine) -> dict:
+    c = engine.model_config
+    fields = dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_theta=c.rope_theta,
+    )
+    if c.rope_scaling is not None:
+        fields["rope_scaling"] = {"rope_type": "llama3", **asdict(c.rope_scaling)}
+    return fields
+
+
+def _sync(engine: LLMEngine) -> None:
+    if engine.config.device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _table(results: list[Result], bandwidth: float) -> str:
+    lines = [
+        f"HBM read bandwidth (measured): {bandwidth / 1e12:.2f} TB/s",
+        f"{'system':<7} {'batch':>5} {'context':>7} {'decode tok/s':>12} {'prefill tok/s':>13} "
+        f"{'roofline tok/s':>14} {'of roofline':>11} {'peak GiB':>8}",
+    ]
+    for r in results:
+        lines.append(
+            f"{r.system:<7} {r.batch:>5} {r.context:>7} {r.decode_tok_s:>12.1f} "
+            f"{_fmt(r.prefill_tok_s, '.0f'):>13} {_fmt(r.roofline_tok_s, '.1f'):>14} "
+            f"{_fmt(r.roofline_ratio, '.1%'):>11} {_fmt(r.peak_memory_gb, '.1f'):>8}"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    EngineConfig.add_cli_args(parser)
+    parser.add_argument("--batch-sizes", default="1,64", help="comma-separated")
+    parser.add_argument("--context-lens", default="1024", help="comma-separated prompt lengths")
+    parser.add_argument("--decode-tokens", type=int, default=128, help="timed decode steps")
+    parser.add_argument("--peer", choices=["none", "hf"], default="none")
+    parser.add_argument("--out", default="engine-bench.json", help="JSON results")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    contexts = [int(c) for c in args.context_lens.split(",")]
+    config = EngineConfig.from_cli_args(args)
+    engine = LLMEngine.build(config)
+    bandwidth = read_bandwidth(config.device)
+    results = []
+    for context in contexts:
+        for batch in batches:
+            results.append(bench_engine(engine, batch, context, args.decode_tokens, bandwidth))
+            print(_table(results[-1:], bandwidth).splitlines()[-1], flush=True)
+            if args.peer == "hf":
+                results.append(bench_hf(engine, batch, context, args.decode_tokens))
+                print(_table(results[-1:], bandwidth).splitlines()[-1], flush=True)
+    print(_table(results, bandwidth))
+    payload = {
+        "config": asdict(config),
+        "device_name": torch.cuda.get_device_name() if config.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "hbm_read_bytes_per_s": bandwidth,
+        "results": [asdict(r) for r in results],
+    }
+    with open(args.out, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

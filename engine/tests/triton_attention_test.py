@@ -1,0 +1,337 @@
+"""Tests of engine.triton_attention against a float64 dense reference.
+
+Modes: the same test functions run in one of two, fixed when this file is imported.
+- Interpreter (CPU): when TRITON_INTERPRET=1, or when CUDA is unavailable (this file then sets
+  TRITON_INTERPRET=1 itself, before engine.triton_attention imports triton), the kernels run on
+  CPU tensors through Triton's interpreter. Cases are small and pairwise-covering.
+    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python -m pytest -q engine/tests/triton_attention_test.py
+- CUDA: otherwise the kernels compile for the GPU; the shape grid is the full product, and the
+  tests marked `cuda` (CUDA graph capture, Llama-3-8B shapes) run too. Bazel runs this file
+  twice: `//engine:triton_attention_test` deselects those (`-m "not cuda"`), and
+  `//engine:triton_attention_gpu_test` (tag `gpu`) runs everything on a GPU.
+    python -m pytest -q engine/tests/triton_attention_test.py
+The mode follows how the kernels were actually built. On CPU, running this file together with
+tests that import triton first (HF models do) needs TRITON_INTERPRET=1 in the environment;
+without it every test here errors, saying so.
+"""
+
+import itertools
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton
+import triton.language as tl
+
+from engine import attention, triton_attention
+from engine.attention import AttentionMetadata
+
+
+def _interpreted(kernel) -> bool:
+    return not isinstance(kernel, triton.runtime.JITFunction)
+
+
+INTERPRETED = _interpreted(triton_attention._split_kernel)
+
+
+def _mode_error() -> str | None:
+    # NOTE: @triton.jit picks interpreted or compiled when a function is defined, triton's own
+    # library (tl.sum, tl.cdiv) included. A process that imported triton before TRITON_INTERPRET=1
+    # was set (HF models import it) cannot interpret kernels.
+    if _interpreted(tl.standard.zeros) != INTERPRETED or not (
+        INTERPRETED or torch.cuda.is_available()
+    ):
+        return (
+            "triton was imported before TRITON_INTERPRET=1 was set and there is no CUDA: set "
+            "TRITON_INTERPRET=1 in the environment, or run this test file in its own process"
+        )
+    return None
+
+
+DEVICE = "cpu" if INTERPRETED else "cuda"
+cuda = pytest.mark.cuda  # needs compiled kernels on a GPU
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _triton_mode():
+    """Errors every test if no mode can run; in interpreter mode, works around two Triton 3.6
+    interpreter bugs, leaving the kernels' code path unchanged.
+
+    NOTE: (1) `range()` over a tensor bound calls int() on a 1-element array, which numpy >= 2.4
+    rejects (triton-lang/triton#9171, fixed after 3.6). (2) tl.dot multiplies bf16 operands as
+    their uint16 bit patterns; they are widened to fp32 exactly first, as the GPU does.
+    """
+    if error := _mode_error():
+        pytest.fail(error)  # every test errors, loudly; other test files still run
+    if not INTERPRETED:
+        yield
+        return
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def patch_tensor_fixed(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = handle.data.astype(np.uint32) << np.uint32(16)
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot_fixed(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_patch_lang_tensor", patch_tensor_fixed)
+        mp.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot_fixed)
+        yield
+
+
+def _nan_filled(shape, dtype):
+    """A cache whose every slot holds the all-ones bit pattern: a NaN in bf16, fp16 and fp32."""
+    cache = torch.empty(shape, dtype=dtype)
+    cache.view({2: torch.int16, 4: torch.int32}[cache.element_size()]).fill_(-1)
+    return cache
+
+
+def _decode_case(
+    context_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    seed=0,
+    num_blocks=None,
+    table_width=None,
+):
+    """A decode batch over scattered blocks of a NaN-filled cache; device tensors, host contexts.
+
+    The contexts before the new token are written directly; the new tokens through write_kv.
+    Slots past each sequence's end keep their NaN. Tables are padded to `table_width` blocks.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-n // block_size) for n in context_lens]
+    num_blocks = num_blocks or sum(needed) + 3
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache, v_cache = _nan_filled(shape, dtype), _nan_filled(shape, dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, non-adjacent ids
+    tables = [[free.pop() for _ in range(n)] for n in needed]
+    ks = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in context_lens]
+    vs = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in context_lens]
+    for table, k, v in zip(tables, ks, vs, strict=True):
+        pos = torch.arange(k.shape[0] - 1)
+        blocks = torch.tensor(table, dtype=torch.int64)[pos // block_size]
+        k_cache[blocks, :, pos % block_size] = k[:-1]
+        v_cache[blocks, :, pos % block_size] = v[:-1]
+    width = table_width or max(needed)
+    tables = [t + [0] * (width - len(t)) for t in tables]
+    batch = len(context_lens)
+    meta = AttentionMetadata.build([1] * batch, context_lens, tables, block_size, DEVICE)
+    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    new_k = torch.stack([k[-1] for k in ks]).to(DEVICE)
+    new_v = torch.stack([v[-1] for v in vs]).to(DEVICE)
+    triton_attention.write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping)
+    # A strided q (row stride > heads * head_dim), as a slice of a fused projection would be.
+    q = torch.randn(batch, num_heads + 1, head_dim, generator=gen).to(dtype)[:, :num_heads]
+    return q.to(DEVICE), k_cache, v_cache, meta, ks, vs
+
+
+def _reference(q, ks, vs, scale):
+    """Dense float64 attention of each sequence's one query over its whole context."""
+    out = []
+    for query, k, v in zip(q.double().cpu(), ks, vs, strict=True):
+        group = query.shape[0] // k.shape[1]
+        k = k.double().repeat_interleave(group, dim=1)  # [n, heads, dim]
+        v = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query, k) * scale
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+def _assert_matches(out, ref, dtype):
+    tol = TOLERANCE[dtype]
+    assert out.dtype == dtype and out.device.type == DEVICE
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
+
+
+# (num_heads, num_kv_heads): GQA groups 1, 3 (SmolLM2's 9/3), 4 and 8.
+HEADS = [(2, 2), (9, 3), (8, 2), (8, 1)]
+HEAD_DIMS = [64, 128]
+BLOCK_SIZES = [16, 64]
+DTYPES = [torch.bfloat16, torch.float32]
+if INTERPRETED:
+    # Pairwise covering: every pair of (group, head_dim, block_size, dtype) values occurs.
+    SHAPES = [
+        (HEADS[0], 64, 16, torch.bfloat16),
+        (HEADS[0], 128, 64, torch.float32),
+        (HEADS[1], 64, 64, torch.bfloat16),
+        (HEADS[1], 128, 16, torch.float32),
+        (HEADS[2], 64, 16, torch.float32),
+        (HEADS[2], 128, 64, torch.bfloat16),
+        (HEADS[3], 64, 64, torch.float32),
+        (HEADS[3], 128, 16, torch.bfloat16),
+    ]
+else:
+    SHAPES = list(itertools.product(HEADS, HEAD_DIMS, BLOCK_SIZES, DTYPES))
+SHAPES.append(((4, 2), 80, 16, torch.bfloat16))  # a head_dim that is not a power of two
+
+
+def _shape_id(shape):
+    (num_heads, num_kv_heads), head_dim, block_size, dtype = shape
+    return f"h{num_heads}/{num_kv_heads}-d{head_dim}-bs{block_size}-{_dtype_id(dtype)}"
+
+
+def _dtype_id(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("heads,head_dim,block_size,dtype", SHAPES, ids=map(_shape_id, SHAPES))
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_decode_matches_dense_reference(heads, head_dim, block_size, dtype, num_splits):
+    # Ragged contexts: one token, a few, exactly four blocks, long and not a block multiple.
+    contexts = [1, 3, 4 * block_size, 2113, 700]
+    q, k_cache, v_cache, meta, ks, vs = _decode_case(
+        contexts, *heads, head_dim, block_size, dtype, table_width=2113 // block_size + 3
+    )
+    assert k_cache.isnan().any() and v_cache.isnan().any()  # slots past the ends are poisoned
+    scale = head_dim**-0.5
+    out = triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, num_splits=num_splits)
+    assert out.shape == q.shape
+    _assert_matches(out, _reference(q, ks, vs, scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=_dtype_id)
+def test_split_count_changes_nothing(dtype):
+    block_size = 16
+    # 7 splits is more than the longest context has tiles: some splits get no blocks at all.
+    q, k_cache, v_cache, meta, ks, vs = _decode_case([1, 40, 333, 64], 8, 2, 64, block_size, dtype)
+    one = triton_attention.paged_attention(q, k_cache, v_cache, meta, 0.125, num_splits=1)
+    _assert_matches(one, _reference(q, ks, vs, 0.125), dtype)
+    # Each split rounds p to bf16/fp16 against its own running max: agreement to rounding only.
+    tol = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
+    for num_splits in [2, 7]:
+        many = triton_attention.paged_attention(
+            q, k_cache, v_cache, meta, 0.125, num_splits=num_splits
+        )
+        torch.testing.assert_close(many, one, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_zero_length_rows_give_zeros(num_splits):
+    """A padded batch row (seq_len 0, e.g. filling a captured graph's batch) yields 0, not NaN."""
+    q, k_cache, v_cache, meta, ks, vs = _decode_case([5, 9], 4, 2, 64, 16, torch.float32)
+    padded = AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        query_start_loc=meta.query_start_loc,
+        seq_lens=torch.tensor([0, 9], dtype=torch.int32, device=DEVICE),
+        block_tables=meta.block_tables,
+        max_query_len=1,
+        max_seq_len=9,
+    )
+    out = triton_attention.paged_attention(
+        q, k_cache, v_cache, padded, 0.125, num_splits=num_splits
+    )
+    assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu()))
+    ref = _reference(q[1:], ks[1:], vs[1:], 0.125)
+    torch.testing.assert_close(out[1:].double().cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_and_mixed_batches_match_the_torch_path():
+    """Decode rows take the decode kernel, prefill chunks flash attention (SDPA)."""
+    # (seq_len, query_len): a whole prompt, a decode token, a chunk after cached context.
+    seqs = [(9, 9), (13, 1), (20, 6)]
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(12, 2, 4, 16, generator=gen).to(DEVICE)
+    v_cache = torch.randn(12, 2, 4, 16, generator=gen).to(DEVICE)
+    tables = [[0, 5, 2], [7, 1, 9, 3], [4, 6, 8, 10, 11]]
+    meta = AttentionMetadata.build([n for _, n in seqs], [s for s, _ in seqs], tables, 4, DEVICE)
+    q = torch.randn(16, 4, 16, generator=gen).to(DEVICE)
+    out = triton_attention.paged_attention(q, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(out, attention.paged_attention(q, k_cache, v_cache, meta, 0.25))
+
+
+@pytest.mark.parametrize(
+    "batch,num_kv_heads,max_tiles,sm_count,expected",
+    [
+        (1, 8, 1000, 132, 33),  # 264 programs: two waves of 132 SMs
+        (3, 3, 1000, 132, 30),  # rounded up: ceil(264 / 9)
+        (1, 8, 4, 132, 4),  # capped by the longest possible context's tiles
+        (64, 8, 1000, 132, 1),  # the batch alone fills the GPU
+        (2, 1, 1000, 1, 1),
+    ],
+)
+def test_choose_num_splits(batch, num_kv_heads, max_tiles, sm_count, expected):
+    assert triton_attention.choose_num_splits(batch, num_kv_heads, max_tiles, sm_count) == expected
+
+
+@cuda
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_cuda_graph_replay_matches_eager(num_splits):
+    """write_kv + paged_attention captured once, replayed on new contents of the same tensors.
+
+    The replayed batch has longer contexts than the captured one: nothing about lengths may be
+    baked into the graph.
+    """
+    shape = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=64)
+    case = dict(dtype=torch.bfloat16, num_blocks=80, table_width=40)
+    captured = _decode_case([5, 70, 1, 300], **shape, **case, seed=0)
+    replayed = _decode_case([2500, 2, 64, 1000], **shape, **case, seed=1)
+    q, k_cache, v_cache, meta, _, _ = captured
+    new_k = torch.zeros(4, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    new_v = torch.zeros_like(new_k)
+
+    def step():
+        triton_attention.write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping)
+        return triton_attention.paged_attention(
+            q, k_cache, v_cache, meta, 0.1, num_splits=num_splits
+        )
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    q2, k_cache2, v_cache2, meta2, ks2, vs2 = replayed
+    for static, new in [
+        (q, q2),
+        (k_cache, k_cache2),
+        (v_cache, v_cache2),
+        (meta.slot_mapping, meta2.slot_mapping),
+        (meta.seq_lens, meta2.seq_lens),
+        (meta.block_tables, meta2.block_tables),
+        (new_k, torch.stack([k[-1] for k in ks2])),
+        (new_v, torch.stack([v[-1] for v in vs2])),
+    ]:
+        static.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = triton_attention.paged_attention(
+        q2, k_cache2, v_cache2, meta2, 0.1, num_splits=num_splits
+    )
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    _assert_matches(out, _reference(q2, ks2, vs2, 0.1), torch.bfloat16)
+
+
+@cuda
+def test_llama3_8b_decode_shapes():
+    """32 query / 8 kv heads, head_dim 128, a larger batch of long, ragged contexts."""
+    gen = torch.Generator().manual_seed(7)
+    contexts = torch.randint(1, 8000, (16,), generator=gen).tolist()
+    q, k_cache, v_cache, meta, ks, vs = _decode_case(contexts, 32, 8, 128, 64, torch.bfloat16)
+    out = triton_attention.paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
+    _assert_matches(out, _reference(q, ks, vs, 128**-0.5), torch.bfloat16)

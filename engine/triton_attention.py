@@ -1,0 +1,402 @@
+"""Paged attention on the GPU: a Triton split-K ("flash-decoding") kernel for decode batches.
+
+The same two functions as engine.attention, so this module is itself a backend
+(`CausalLM(config, attention=engine.triton_attention)`). `write_kv` is the torch one (an index
+write, no host sync). `paged_attention` runs Triton only for decode-only batches
+(`max_query_len == 1`, row i of q is sequence i's one new token); in prefill and mixed batches
+decode rows still use it, and each prefill chunk runs flash attention (SDPA).
+
+The decode path is CUDA-graph capturable: launch grids and buffer sizes depend only on host ints
+(q's shape, the cache shape and the block-table width), never on tensor values.
+
+- `_split_kernel`, grid (sequence, kv head, split): one program attends all query heads of one
+  kv head's GQA group (padded to 16 rows for tl.dot) over one split of the context, so each K/V
+  tile is read from HBM once. It walks TILE tokens per step, gathering each token's block id from
+  the block table (a tile may span several small blocks or part of a large one), with an online
+  softmax in fp32. A sequence's tiles are divided over the splits in the kernel, from its
+  length in `seq_lens`, so short sequences leave trailing splits empty; an empty split stores
+  out = 0 and lse = -inf. With one split the kernel writes the final output directly.
+- `_combine_kernel`, grid (sequence, query head): merges the splits' partial outputs by
+  log-sum-exp.
+"""
+
+import functools
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from engine.attention import AttentionMetadata, write_kv
+
+__all__ = ["choose_num_splits", "paged_attention", "write_kv"]
+
+_LOG2_E = 1.4426950408889634
+# K and V tile bytes per loop step (each): enough bytes in flight per program for a memory-bound
+# loop, small enough that two pipeline stages of K and V (64 KiB) leave room for two programs
+# per SM. Untuned: a starting point, not a measured optimum.
+_TILE_BYTES = 16 * 1024
+_NUM_STAGES = 2
+_NUM_WARPS = 4
+_COMBINE_CHUNK = 16  # splits merged per step of the combine loop
+_MIN_DOT = 16  # tl.dot needs every dimension >= 16
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of q [T, num_heads, head_dim] over each sequence's cached context.
+
+    The new tokens' K/V must already be written (`write_kv`). Returns [T, num_heads, head_dim].
+    `num_splits` overrides the decode path's split count (tests and tuning); None picks it with
+    `choose_num_splits`.
+    """
+    if meta.max_query_len != 1:
+        return _mixed(q, k_cache, v_cache, meta, scale)
+    return _decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, num_splits)
+
+
+def _mixed(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Prefill chunks, with or without decodes: never in a CUDA graph, so host syncs are fine.
+
+    Decode rows go through the decode kernel; each prefill chunk through flash attention over its
+    gathered context. NOTE: SDPA's default choice here (cuDNN) builds a plan per new shape, which
+    costs ~100 ms each time a prompt length is first seen; flash and memory-efficient don't.
+    """
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    query_lens = [end - start for start, end in itertools.pairwise(starts)]
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    if decodes:
+        index = torch.tensor(decodes, device=q.device)
+        rows = torch.tensor([starts[i] for i in decodes], device=q.device)
+        out[rows] = _decode(
+            q[rows], k_cache, v_cache, meta.seq_lens[index], meta.block_tables[index], scale, None
+        )
+    block_size = k_cache.shape[2]
+    for i, n in enumerate(query_lens):
+        if n == 1:
+            continue
+        start, seq_len = starts[i], seq_lens[i]
+        table = meta.block_tables[i, : -(-seq_len // block_size)].long()
+        out[start : start + n] = _prefill_chunk(
+            q[start : start + n], k_cache[table], v_cache[table], seq_len, scale
+        )
+    return out
+
+
+def _prefill_chunk(
+    q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, seq_len: int, scale: float
+) -> torch.Tensor:
+    """q [n, heads, dim], the context's blocks [blocks, kv_heads, bs, dim] -> out [n, heads, dim];
+    the n queries are the context's last n tokens."""
+    n, heads, _ = q.shape
+    group = heads // k_blocks.shape[1]
+
+    def context(blocks: torch.Tensor) -> torch.Tensor:  # [heads, seq_len, dim]
+        kv = blocks.transpose(0, 1).flatten(1, 2)[:, :seq_len]
+        return kv.repeat_interleave(group, dim=0) if group > 1 else kv
+
+    mask = None if n == seq_len else causal_lower_right(n, seq_len)
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(backends):
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            context(k_blocks),
+            context(v_blocks),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+        )
+    return o.transpose(0, 1)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sm_count: int) -> int:
+    """Splits per (sequence, kv head): enough programs to fill ~2 waves of the SMs, but no more
+    than `max_tiles`, the tiles (or blocks, if fewer) of the longest possible context: beyond
+    that a split could never get work."""
+    wanted = -(-2 * sm_count // (batch * num_kv_heads))
+    return max(1, min(wanted, max_tiles))
+
+
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int | None,
+) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    assert seq_lens.shape[0] == batch, "a decode batch has one query row per sequence"
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "head_dim must be contiguous"
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    group = num_heads // num_kv_heads
+    head_dim_pad = max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    tile = _tile_tokens(head_dim_pad, k_cache.element_size())
+    if num_splits is None:
+        # The longest context any replay of a captured graph may bring: the block table's width.
+        max_blocks = block_tables.shape[1]
+        max_tiles = min(max_blocks, -(-max_blocks * block_size // tile))
+        num_splits = choose_num_splits(batch, num_kv_heads, max_tiles, _sm_count(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_splits == 1:
+        partial, lse = out, out  # the kernel writes the output itself and no lse
+        partial_strides = (out.stride(0), out.stride(1), 0)
+        lse_strides = (0, 0)
+    else:
+        partial = torch.empty(
+            batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        partial_strides = partial.stride()[:3]
+        lse_strides = lse.stride()[:2]
+    _split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        seq_lens,
+        block_tables,
+        partial,
+        lse,
+        scale * _LOG2_E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        *partial_strides,
+        *lse_strides,
+        GROUP=group,
+        GROUP_PAD=max(_MIN_DOT, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        TILE=tile,
+        # NOTE: tl.dot defaults to tf32 for fp32 operands, ~3 decimal digits; bf16/fp16 ignore it.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WRITE_LSE=num_splits > 1,
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
+    )
+    if num_splits > 1:
+        _combine(partial, lse, out, head_dim_pad)
+    return out
+
+
+def _combine(
+    partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, head_dim_pad: int
+) -> None:
+    batch, num_heads, num_splits, head_dim = partial.shape
+    _combine_kernel[(batch, num_heads)](
+        partial,
+        lse,
+        out,
+        num_splits,
+        *partial.stride()[:3],
+        *lse.stride()[:2],
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        CHUNK=_COMBINE_CHUNK,
+        num_warps=_NUM_WARPS,
+    )
+
+
+def _tile_tokens(head_dim_pad: int, element_size: int) -> int:
+    """Tokens per loop step: a power of two in [16, 128] giving ~_TILE_BYTES of K."""
+    tokens = max(1, _TILE_BYTES // (head_dim_pad * element_size))
+    return min(128, max(_MIN_DOT, 1 << (tokens.bit_length() - 1)))
+
+
+@functools.cache
+def _sm_count_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one at a time
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count_of(index)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    out_ptr,  # [B, heads, splits, dim] fp32 partials; [B, heads, dim] output with one split
+    lse_ptr,  # [B, heads, splits] fp32, log2 domain; unused with one split
+    scale_log2,  # softmax scale times log2(e): exp2 replaces exp
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_table,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_tiles = tl.cdiv(seq_len, TILE)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    row_dim_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_dim_mask,
+        other=0.0,
+    )
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max, log2 domain
+    sum_exp = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    table = block_tables_ptr + seq * stride_table
+    tokens = tl.arange(0, TILE)
+    for t in range(tile_begin, tile_end):
+        pos = t * TILE + tokens
+        valid = pos < seq_len
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        # NOTE: slots past the sequence end may hold NaN bit patterns (a remote sender writes
+        # whole blocks), and 0 * NaN is NaN: both K and V loads must be masked, not just scores.
+        kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(
+            k_head + (block * stride_kb + offset * stride_kt)[:, None] + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        # Every tile holds at least one valid token, so m_new is finite.
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        sum_exp = sum_exp * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_head + (block * stride_vb + offset * stride_vt)[:, None] + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        # p is rounded to the cache dtype for the tensor-core dot, as in flash attention.
+        p = p.to(v_ptr.dtype.element_ty)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m = m_new
+
+    # An empty split (or a zero-length sequence) has sum_exp == 0: it stores out = 0, lse = -inf.
+    nonempty = sum_exp > 0
+    acc = acc / tl.where(nonempty, sum_exp, 1.0)[:, None]
+    tl.store(
+        out_ptr + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_dim_mask,
+    )
+    if WRITE_LSE:
+        lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, sum_exp, 1.0)), float("-inf"))
+        tl.store(lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=rows < GROUP)
+
+
+@triton.jit
+def _combine_kernel(
+    partial_ptr,  # [B, heads, splits, dim] fp32
+    lse_ptr,  # [B, heads, splits] fp32, log2 domain
+    out_ptr,  # [B, heads, dim]
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    chunk = tl.arange(0, CHUNK)
+    partial = partial_ptr + seq * stride_pb + head * stride_ph
+    lses = lse_ptr + seq * stride_lb + head * stride_lh
+    m = tl.full([], float("-inf"), tl.float32)
+    denom = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    for first in range(0, num_splits, CHUNK):
+        splits = first + chunk
+        in_range = splits < num_splits
+        lse = tl.load(lses + splits, mask=in_range, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        # Until a non-empty split is seen m_new is -inf; shifting by 0 keeps exp2 free of NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - shift)
+        weight = tl.exp2(lse - shift)  # 0 for empty splits, whose partial output is 0
+        part = tl.load(
+            partial + splits[:, None] * stride_ps + dims[None, :],
+            mask=in_range[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha + tl.sum(weight[:, None] * part, 0)
+        denom = denom * alpha + tl.sum(weight, 0)
+        m = m_new
+    out = tl.where(denom > 0, acc / tl.where(denom > 0, denom, 1.0), 0.0)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_mask,
+    )
