@@ -99,9 +99,10 @@ class Sampler:
         logits = logits.float()
         if any(r.params.penalized for r in rows):
             logits = _apply_penalties(logits, rows)
-        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
-        if bool(greedy.all()):
+        flags = [r.params.greedy for r in rows]
+        if all(flags):  # decided on the host: no device round trip on the common path
             return logits.argmax(dim=-1)
+        greedy = torch.tensor(flags, device=logits.device)
         probs = self._filtered_probs(logits, rows)
         sampled = self._race(probs, rows)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)

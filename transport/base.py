@@ -1,0 +1,170 @@
+"""The KV data plane's one interface: one-sided writes of (address, length) runs into a peer's
+registered memory, with a deadline on every operation.
+
+Life of a transfer:
+  receiver: register(regions) -> endpoint() bytes, published (in the decode server's ticket)
+  sender:   register(its staging memory) -> connect(receiver endpoint, deadline) -> Peer
+            write(peer, [WriteOp...], deadline, notify?) -> Transfer
+            Transfer.poll() -> PENDING | DONE | FAILED, or Transfer.wait() (raises on failure)
+  receiver: notifications() -> the `notify` payloads of completed transfers, if asked for
+
+Every failure is an exception of this module, carrying the backend's reason, within the
+operation's deadline: a peer that died -> TransferError promptly; a peer that stopped answering
+-> DeadlineExceeded at the deadline; a write outside the peer's registered regions -> TransferError
+before any byte moves. The transport moves bytes and knows nothing of models or KV layouts.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class TransportError(Exception):
+    """Base of every transport failure; the message carries the backend's reason."""
+
+
+class TransferError(TransportError):
+    """A transfer failed (peer gone, bad address, backend error)."""
+
+
+class HandshakeError(TransportError):
+    """connect() failed: the endpoint is malformed, unreachable, or of another backend."""
+
+
+class DeadlineExceeded(TransportError):
+    """The operation did not complete by its deadline (the peer may be stopped or overloaded)."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered range of memory: host (device "cpu") or GPU ("cuda:N")."""
+
+    addr: int
+    nbytes: int
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.addr <= 0 or self.nbytes <= 0:
+            raise ValueError(f"region: addr {self.addr:#x} and nbytes {self.nbytes} must be > 0")
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.nbytes
+
+    def contains(self, addr: int, nbytes: int) -> bool:
+        return self.addr <= addr and addr + nbytes <= self.end
+
+
+@dataclass(frozen=True)
+class WriteOp:
+    """Copy nbytes from a local address to a remote one (both inside registered regions)."""
+
+    src: int
+    dst: int
+    nbytes: int
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Transfer(abc.ABC):
+    """One write() in flight."""
+
+    @abc.abstractmethod
+    def poll(self) -> TransferState:
+        """Non-blocking; past the deadline a pending transfer becomes FAILED (DeadlineExceeded)."""
+
+    @abc.abstractmethod
+    def error(self) -> TransportError | None:
+        """Why the transfer failed, once poll() says FAILED."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Stops waiting; bytes already sent may have landed."""
+
+    def wait(self, poll_interval: float = 0.0005) -> None:
+        """Blocks until DONE; raises the transfer's error if it FAILED."""
+        while (state := self.poll()) is TransferState.PENDING:
+            time.sleep(poll_interval)
+        if state is TransferState.FAILED:
+            raise self.error() or TransferError("transfer failed")
+
+
+class Peer(abc.ABC):
+    """A connected remote agent: what write() needs to reach it."""
+
+    regions: Sequence[Region]
+    """The peer's registered regions, from its endpoint: writes are checked against them."""
+
+    def check(self, ops: Sequence[WriteOp]) -> None:
+        """Raises TransferError for any op outside the peer's regions, before any I/O."""
+        for op in ops:
+            if op.nbytes < 0:
+                raise TransferError(f"write of {op.nbytes} bytes to {op.dst:#x}")
+            if op.nbytes and not any(r.contains(op.dst, op.nbytes) for r in self.regions):
+                raise TransferError(
+                    f"write of {op.nbytes} bytes to {op.dst:#x} is outside the peer's "
+                    f"registered regions"
+                )
+
+
+class Transport(abc.ABC):
+    """One agent of a backend: registers local memory, connects to peers, writes to them."""
+
+    name: str
+    one_sided: bool
+    """True when writes complete without the peer's CPU (RDMA, cross-memory attach): a stopped
+    peer cannot stall them. False when the peer's process receives the bytes (TCP)."""
+
+    @abc.abstractmethod
+    def register(self, addr: int, nbytes: int, device: str = "cpu") -> Region:
+        """Makes [addr, addr + nbytes) usable as a source or destination. Call endpoint() again
+        afterwards: peers only accept writes into regions their copy of the endpoint lists."""
+
+    @abc.abstractmethod
+    def deregister(self, region: Region) -> None: ...
+
+    @abc.abstractmethod
+    def endpoint(self) -> bytes:
+        """What a peer needs to connect and write here (TransportEndpoint.metadata)."""
+
+    @abc.abstractmethod
+    def connect(self, endpoint: bytes, deadline: float) -> Peer:
+        """Connects to the agent that published `endpoint`; raises HandshakeError."""
+
+    @abc.abstractmethod
+    def write(
+        self,
+        peer: Peer,
+        ops: Sequence[WriteOp],
+        deadline: float,
+        notify: bytes | None = None,
+    ) -> Transfer:
+        """Starts one-sided writes; `notify` is delivered to the peer's notifications() once
+        every byte has landed. `deadline` is absolute, in time.monotonic() seconds."""
+
+    @abc.abstractmethod
+    def notifications(self) -> list[bytes]:
+        """Notify payloads of transfers into this agent that completed since the last call."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases every listener, thread and registration; idempotent."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def remaining(deadline: float) -> float:
+    """Seconds left until `deadline` (time.monotonic), never negative."""
+    return max(0.0, deadline - time.monotonic())

@@ -1,0 +1,1 @@
+"""Same-host backend (cross-memory attach)."""

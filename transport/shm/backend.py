@@ -1,0 +1,195 @@
+"""Same-host transport: copies straight into the peer process's memory.
+
+The copy is Linux cross-memory attach (process_vm_writev): one kernel copy from this process's
+pages into the peer's, with no shared mapping to set up, so any host memory the peer registered
+(a torch tensor, an mmap) is a valid destination. Notifications travel as datagrams on a Unix
+socket in the abstract namespace. Needs the same user (or CAP_SYS_PTRACE) on both sides and
+ptrace not restricted by Yama (kernel.yama.ptrace_scope <= 1 with a related process, or 0).
+
+A dead peer fails the next copy (ESRCH) at once; a stopped peer does not stop the copy, which
+needs nothing of it: only its notification waits for it to run again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+from transport.base import (
+    DeadlineExceeded,
+    HandshakeError,
+    Peer,
+    Region,
+    Transfer,
+    TransferError,
+    TransferState,
+    Transport,
+    TransportError,
+    WriteOp,
+    remaining,
+)
+
+_CHUNK = 64 * 1024 * 1024  # bytes per syscall: bounds the time between deadline checks
+_MAX_IOV = 1024  # IOV_MAX: descriptors per process_vm_writev call
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.process_vm_writev.restype = ctypes.c_ssize_t
+
+
+class ShmTransport(Transport):
+    name = "shm"
+    one_sided = True
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        del host  # same host only: nothing to bind
+        self._regions: list[Region] = []
+        self._lock = threading.Lock()
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._address = f"\0tandem-shm-{os.getpid()}-{id(self):x}"
+        self._socket.bind(self._address)
+        self._socket.setblocking(False)
+        self._closed = False
+
+    def register(self, addr: int, nbytes: int, device: str = "cpu") -> Region:
+        if device != "cpu":
+            raise ValueError(f"shm: cannot register {device} memory (host memory only; use nixl)")
+        region = Region(addr, nbytes, device)
+        with self._lock:
+            self._regions.append(region)
+        return region
+
+    def deregister(self, region: Region) -> None:
+        with self._lock:
+            self._regions.remove(region)
+
+    def endpoint(self) -> bytes:
+        with self._lock:
+            regions = [[r.addr, r.nbytes] for r in self._regions]
+        return json.dumps(
+            {
+                "transport": "shm",
+                "pid": os.getpid(),
+                "socket": self._address[1:],
+                "regions": regions,
+            }
+        ).encode()
+
+    def connect(self, endpoint: bytes, deadline: float) -> Peer:
+        try:
+            info = json.loads(endpoint)
+            if info.get("transport") != "shm":
+                raise HandshakeError(f"shm: endpoint is for {info.get('transport')!r}")
+            peer = _ShmPeer(
+                int(info["pid"]), "\0" + info["socket"], [Region(a, n) for a, n in info["regions"]]
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise HandshakeError(f"shm: malformed endpoint: {e}") from None
+        try:
+            os.kill(peer.pid, 0)
+        except ProcessLookupError:
+            raise HandshakeError(f"shm: no process {peer.pid} on this host") from None
+        return peer
+
+    def write(
+        self, peer: Peer, ops: Sequence[WriteOp], deadline: float, notify: bytes | None = None
+    ) -> Transfer:
+        assert isinstance(peer, _ShmPeer)
+        peer.check(ops)
+        with self._lock:
+            local = list(self._regions)
+        for op in ops:
+            if op.nbytes and not any(r.contains(op.src, op.nbytes) for r in local):
+                raise TransferError(f"shm: source {op.src:#x}+{op.nbytes} is not registered here")
+        # The copy is synchronous (a kernel memcpy); the transfer is done or failed on return.
+        try:
+            _copy(peer.pid, [op for op in ops if op.nbytes], deadline)
+            if notify:
+                peer.notify(notify, deadline)
+        except TransportError as e:
+            return _ShmTransfer(e)
+        return _ShmTransfer(None)
+
+    def notifications(self) -> list[bytes]:
+        out = []
+        while True:
+            try:
+                out.append(self._socket.recv(65536))
+            except BlockingIOError:
+                return out
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._socket.close()
+
+
+class _ShmPeer(Peer):
+    def __init__(self, pid: int, address: str, regions: list[Region]) -> None:
+        self.pid = pid
+        self.regions = regions
+        self._address = address
+
+    def notify(self, payload: bytes, deadline: float) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(max(remaining(deadline), 0.001))
+            try:
+                sock.sendto(payload, self._address)
+            except TimeoutError:
+                raise DeadlineExceeded("shm: peer did not take the notification in time") from None
+            except OSError as e:
+                raise TransferError(f"shm: notification to pid {self.pid} failed: {e}") from None
+
+
+class _ShmTransfer(Transfer):
+    def __init__(self, error: TransportError | None) -> None:
+        self._error = error
+
+    def poll(self) -> TransferState:
+        return TransferState.FAILED if self._error else TransferState.DONE
+
+    def error(self) -> TransportError | None:
+        return self._error
+
+    def abort(self) -> None:
+        pass  # already complete
+
+
+def _copy(pid: int, ops: Sequence[WriteOp], deadline: float) -> None:
+    """process_vm_writev in batches of at most _MAX_IOV runs and about _CHUNK bytes, checking
+    the deadline between batches."""
+    for batch in _batches(ops):
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded("shm: copy did not finish by its deadline")
+        local = (_IoVec * len(batch))(*[(src, n) for src, _, n in batch])
+        remote = (_IoVec * len(batch))(*[(dst, n) for _, dst, n in batch])
+        expected = sum(n for _, _, n in batch)
+        done = _libc.process_vm_writev(pid, local, len(batch), remote, len(batch), 0)
+        if done != expected:
+            errno = ctypes.get_errno()
+            reason = os.strerror(errno) if done < 0 else f"short copy ({done} of {expected})"
+            raise TransferError(f"shm: copy into pid {pid} failed: {reason}")
+
+
+def _batches(ops: Sequence[WriteOp]) -> Iterator[list[tuple[int, int, int]]]:
+    batch: list[tuple[int, int, int]] = []
+    size = 0
+    for op in ops:
+        for start in range(0, op.nbytes, _CHUNK):
+            n = min(_CHUNK, op.nbytes - start)
+            batch.append((op.src + start, op.dst + start, n))
+            size += n
+            if len(batch) == _MAX_IOV or size >= _CHUNK:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch

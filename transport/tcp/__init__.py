@@ -1,0 +1,1 @@
+"""Pure-Python TCP backend."""
