@@ -6,6 +6,7 @@ The pool knows nothing of sequences or tensors; the cache knows nothing of owner
 """
 
 import bisect
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -94,6 +95,9 @@ class BlockPool:
     Free ids are kept as maximal runs of consecutive ids so that allocations come out as
     contiguous ranges whenever one fits: the transport moves a run of adjacent blocks as one
     descriptor, and descriptor count, not bytes, bounds transfer time.
+
+    Thread-safe: the decode server reserves blocks for incoming KV from its RPC threads while
+    the engine's thread allocates and frees them for running sequences.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -104,6 +108,7 @@ class BlockPool:
         self._starts = [0]  # sorted start ids of the free runs
         self._run_len = {0: num_blocks}  # run start -> run length
         self._run_at_end = {num_blocks: 0}  # run end (exclusive) -> run start, for merging
+        self._lock = threading.Lock()
 
     @property
     def num_total(self) -> int:
@@ -120,6 +125,10 @@ class BlockPool:
         """n block ids in ascending order, each with refcount 1; None if fewer than n are free."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
+        with self._lock:
+            return self._allocate(n)
+
+    def _allocate(self, n: int) -> list[int] | None:
         if n > self._num_free:
             return None
         # First fit: the lowest run long enough gives one contiguous range.
@@ -144,20 +153,22 @@ class BlockPool:
 
     def incref(self, ids: Iterable[int]) -> None:
         """Adds an owner to each of ids, which must be allocated."""
-        for block_id in ids:
-            assert 0 <= block_id < len(self._refs), f"block id {block_id} out of range"
-            assert self._refs[block_id] > 0, f"incref of free block {block_id}"
-            self._refs[block_id] += 1
+        with self._lock:
+            for block_id in ids:
+                assert 0 <= block_id < len(self._refs), f"block id {block_id} out of range"
+                assert self._refs[block_id] > 0, f"incref of free block {block_id}"
+                self._refs[block_id] += 1
 
     def free(self, ids: Iterable[int]) -> None:
         """Drops one owner of each of ids; a block with no owner left returns to the pool."""
-        for block_id in ids:
-            assert 0 <= block_id < len(self._refs), f"block id {block_id} out of range"
-            assert self._refs[block_id] > 0, f"double free of block {block_id}"
-            self._refs[block_id] -= 1
-            if self._refs[block_id] == 0:
-                self._release(block_id)
-                self._num_free += 1
+        with self._lock:
+            for block_id in ids:
+                assert 0 <= block_id < len(self._refs), f"block id {block_id} out of range"
+                assert self._refs[block_id] > 0, f"double free of block {block_id}"
+                self._refs[block_id] -= 1
+                if self._refs[block_id] == 0:
+                    self._release(block_id)
+                    self._num_free += 1
 
     def _take(self, start: int, count: int) -> None:
         """Removes the first count ids of the free run beginning at start."""

@@ -1,0 +1,37 @@
+"""Prometheus metrics of one decode server (their own registry, so several servers can live in
+one process, as they do in tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class DecodeMetrics:
+    def __init__(self, gauges: dict[str, Callable[[], float]]) -> None:
+        """`gauges`: name suffix -> a function read at scrape time (pool and queue sizes)."""
+        self.registry = CollectorRegistry()
+        help_text = {
+            "kv_blocks_total": "KV blocks in the pool",
+            "kv_blocks_free": "KV blocks free",
+            "kv_blocks_quarantined": "KV blocks held back for a writer that may still write",
+            "running": "sequences in the running batch",
+            "waiting": "sequences admitted and waiting for blocks or a batch slot",
+            "reserved": "tickets waiting for their KV",
+        }
+        for name, read in gauges.items():
+            gauge = Gauge(f"tandem_decode_{name}", help_text[name], registry=self.registry)
+            gauge.set_function(read)
+        self.tokens_generated = Counter(
+            "tandem_decode_tokens_generated", "tokens generated", registry=self.registry
+        )
+        self.transfer_bytes = Counter(
+            "tandem_decode_transfer_bytes", "KV bytes committed by senders", registry=self.registry
+        )
+        self.handover_seconds = Histogram(
+            "tandem_decode_handover_seconds",
+            "Generate call to its first token: waiting for commits, admission, first token",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+            registry=self.registry,
+        )

@@ -1,0 +1,172 @@
+"""The decode server: tandem.v1.DecodeService over gRPC on top of the engine.
+
+    python -m decode.server --model DIR --host 127.0.0.1 --grpc-port 50051 --metrics-port 9100 \
+        --transport tcp --device cpu --dtype bfloat16
+
+Its KV cache is registered with the transport at start-up; tickets point senders straight into
+its blocks. A component that cannot start (bad model folder, port taken, transport unavailable)
+exits non-zero with one line saying what and how to fix it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import start_http_server
+
+import transport
+from decode.admission import Admission
+from decode.engine_loop import EngineLoop
+from decode.layout import decode_layout
+from decode.metrics import DecodeMetrics
+from decode.service import DecodeServicer
+from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+from proto.tandem.v1 import decode_pb2_grpc, layout_pb2
+
+
+@dataclass(frozen=True)
+class DecodeServerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    """Interface for gRPC, metrics and the transport's listener."""
+    grpc_port: int = 0
+    """0: the OS picks one (printed at start-up)."""
+    metrics_port: int | None = None
+    """Prometheus /metrics; None: not served."""
+    transport: str = "tcp"
+    """KV transport backend: tcp, shm, nixl, mooncake."""
+    model_name: str = ""
+    """Served model name (informational); default: the model argument."""
+    transfer_timeout_s: float = 30.0
+    """Default time senders have to write and commit a ticket's KV."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"grpc_port: {self.grpc_port} is not a port number")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s: {self.transfer_timeout_s} must be positive")
+        if self.transport not in transport.BACKENDS:
+            raise ValueError(
+                f"transport: {self.transport!r} is not one of {', '.join(transport.BACKENDS)}"
+            )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        EngineConfig.add_cli_args(parser)
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--grpc-port", type=int, default=0)
+        parser.add_argument("--metrics-port", type=int, default=None)
+        parser.add_argument("--transport", default="tcp", help="tcp, shm, nixl or mooncake")
+        parser.add_argument("--served-model-name", default="")
+        parser.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> DecodeServerConfig:
+        return cls(
+            engine=EngineConfig.from_cli_args(args),
+            host=args.host,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            transport=args.transport,
+            model_name=args.served_model_name,
+            transfer_timeout_s=args.transfer_timeout,
+        )
+
+
+class DecodeServer:
+    """Everything one decode instance runs; `start()` returns once it serves."""
+
+    def __init__(self, config: DecodeServerConfig) -> None:
+        self.config = config
+        self.engine = LLMEngine.build(config.engine)
+        self.transport = transport.create(config.transport, host=config.host)
+        device = str(self.engine.kv_cache.storage.device)
+        addr, nbytes = self.engine.kv_cache.region()
+        self.transport.register(addr, nbytes, "cpu" if device == "cpu" else device)
+        self.admission = Admission(
+            self.engine.pool,
+            config.engine.block_size,
+            self.engine.model_config.num_layers,
+            self.engine.model_config.kv_bytes_per_token(DTYPES[config.engine.dtype]),
+            self.engine.max_model_len,
+            default_timeout_s=config.transfer_timeout_s,
+        )
+        self.loop = EngineLoop(self.engine)
+        layout = decode_layout(
+            self.engine.model_config,
+            config.model_name or config.engine.model,
+            config.engine.block_size,
+            DTYPES[config.engine.dtype],
+            config.transport,
+        )
+        endpoint = layout_pb2.TransportEndpoint(
+            transport=config.transport, metadata=self.transport.endpoint()
+        )
+        pool = self.engine.pool
+        self.metrics = DecodeMetrics(
+            {
+                "kv_blocks_total": lambda: pool.num_total,
+                "kv_blocks_free": lambda: pool.num_free,
+                "kv_blocks_quarantined": lambda: self.admission.num_quarantined_blocks,
+                "running": lambda: self.loop.num_running,
+                "waiting": lambda: self.loop.num_waiting,
+                "reserved": lambda: self.admission.num_reserved,
+            }
+        )
+        self.servicer = DecodeServicer(
+            self.admission, self.loop, self.engine.kv_cache, layout, endpoint, self.metrics
+        )
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self._grpc)
+        self.port = self._grpc.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {config.host}:{config.grpc_port} (port taken?)")
+        self._stop = threading.Event()
+        self._expiry = threading.Thread(target=self._expire_loop, daemon=True)
+        self.metrics_port: int | None = None
+
+    def start(self) -> None:
+        self._grpc.start()
+        self._expiry.start()
+        if self.config.metrics_port is not None:
+            server, _ = start_http_server(
+                self.config.metrics_port, self.config.host, registry=self.metrics.registry
+            )
+            self.metrics_port = server.server_port
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._grpc.stop(grace=None).wait()
+        self.loop.stop()
+        self.transport.close()
+
+    def _expire_loop(self) -> None:
+        """Frees quarantined blocks and fails overdue tickets even when no RPC arrives."""
+        while not self._stop.wait(0.2):
+            self.admission.expire()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m decode.server", description=__doc__)
+    DecodeServerConfig.add_cli_args(parser)
+    args = parser.parse_args()
+    try:
+        server = DecodeServer(DecodeServerConfig.from_cli_args(args))
+        server.start()
+    except (ValueError, OSError, FileNotFoundError) as e:
+        sys.exit(f"decode.server: cannot start: {e}")
+    metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
+    print(f"decode.server: serving gRPC on {args.host}:{server.port}{metrics}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Ticket states, generations, deadlines and quarantine, on a fake clock; every test ends with
+the pool back to all free."""
+
+import threading
+
+import pytest
+
+from decode.admission import QUARANTINE_GRACE_S, Admission, AdmissionError, TicketState
+from engine.kv_cache import BlockPool
+
+LAYERS, PER_TOKEN = 4, 100  # 4 layers, 100 KV bytes per token
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture()
+def clock():
+    return Clock()
+
+
+@pytest.fixture()
+def admission(clock):
+    adm = Admission(BlockPool(10), 16, LAYERS, PER_TOKEN, 1000, default_timeout_s=5, clock=clock)
+    yield adm
+    clock.now += 1000  # every deadline and quarantine behind us
+    adm.expire()
+    assert adm.pool.num_free == adm.pool.num_total
+    assert adm.num_reserved == 0 and adm.num_quarantined_blocks == 0
+
+
+def _code(call) -> str:
+    with pytest.raises(AdmissionError) as err:
+        call()
+    return err.value.code
+
+
+def test_reserve_commit_take(admission):
+    res = admission.reserve("a", list(range(40)), num_senders=2, max_tokens=8)
+    assert (res.generation, res.block_ids, res.expected_bytes) == (1, [0, 1, 2], 4000)
+    assert admission.commit("a", 1, rank=1, nbytes=1500, layers=LAYERS) == (1, 2)
+    assert res.state is TicketState.RESERVED
+    assert admission.commit("a", 1, rank=0, nbytes=2500, layers=LAYERS) == (2, 2)
+    assert admission.wait_ready("a", 1) is res
+    assert admission.take(res) == [0, 1, 2]
+    admission.pool.free(res.block_ids)  # as the engine would when the sequence ends
+
+
+def test_wait_ready_wakes_when_the_last_sender_commits(admission):
+    admission.reserve("a", [1] * 10, num_senders=1, max_tokens=1)
+    ready = []
+    waiter = threading.Thread(target=lambda: ready.append(admission.wait_ready("a", 1)))
+    waiter.start()
+    admission.commit("a", 1, 0, 1000, LAYERS)
+    waiter.join(timeout=5)
+    assert ready and ready[0].state is TicketState.READY
+    admission.pool.free(admission.take(ready[0]))
+
+
+def test_missing_commit_fails_at_the_deadline_and_quarantines_until_grace(admission, clock):
+    res = admission.reserve("a", [1] * 20, num_senders=2, max_tokens=1)
+    admission.commit("a", 1, 0, 1000, LAYERS)
+    clock.now = res.deadline
+    assert _code(lambda: admission.wait_ready("a", 1)) == "DEADLINE_EXCEEDED"
+    # Sender 1 may still be writing: its blocks stay out of the pool until the grace is over.
+    assert admission.num_quarantined_blocks == 2 and admission.pool.num_free == 8
+    clock.now = res.deadline + QUARANTINE_GRACE_S
+    admission.expire()
+    assert admission.pool.num_free == 10
+
+
+def test_late_commit_of_a_failed_ticket_releases_its_quarantine_at_once(admission):
+    admission.reserve("a", [1] * 20, num_senders=1, max_tokens=1)
+    assert admission.abort("a", reason="client gone")
+    assert admission.num_quarantined_blocks == 2
+    assert _code(lambda: admission.commit("a", 1, 0, 2000, LAYERS)) == "FAILED_PRECONDITION"
+    assert admission.num_quarantined_blocks == 0 and admission.pool.num_free == 10
+
+
+def test_abort_of_a_ready_ticket_frees_at_once(admission):
+    admission.reserve("a", [1] * 20, num_senders=1, max_tokens=1)
+    admission.commit("a", 1, 0, 2000, LAYERS)
+    assert admission.abort("a")
+    assert admission.pool.num_free == 10
+    assert _code(lambda: admission.wait_ready("a", 1)) == "NOT_FOUND"
+
+
+def test_stale_generation_is_refused_and_changes_nothing(admission):
+    admission.reserve("a", [1] * 20, num_senders=1, max_tokens=1)
+    admission.abort("a")
+    res = admission.reserve("a", [1] * 20, num_senders=1, max_tokens=1)
+    assert res.generation == 2
+    code = _code(lambda: admission.commit("a", 1, 0, 2000, LAYERS))
+    assert code == "FAILED_PRECONDITION"  # generation 1's quarantine: released, refused
+    assert res.state is TicketState.RESERVED and res.committed == {}
+    assert _code(lambda: admission.commit("a", 7, 0, 2000, LAYERS)) == "FAILED_PRECONDITION"
+    admission.abort("a")
+
+
+def test_wrong_byte_count_or_layers_fail_the_ticket(admission):
+    admission.reserve("a", [1] * 20, num_senders=1, max_tokens=1)
+    assert _code(lambda: admission.commit("a", 1, 0, 1999, LAYERS)) == "INVALID_ARGUMENT"
+    assert admission.pool.num_free == 10  # its only sender committed: nothing can still write
+    admission.reserve("b", [1] * 20, num_senders=1, max_tokens=1)
+    assert _code(lambda: admission.commit("b", 1, 0, 2000, LAYERS - 1)) == "INVALID_ARGUMENT"
+    assert _code(lambda: admission.wait_ready("b", 1)) == "NOT_FOUND"
+
+
+def test_sender_error_fails_the_ticket_with_its_reason(admission):
+    admission.reserve("a", [1] * 20, num_senders=2, max_tokens=1)
+    admission.commit("a", 1, 1, 0, 0, error="CUDA out of memory")
+    assert admission.num_quarantined_blocks == 2  # rank 0 has not committed: may be writing
+
+
+def test_capacity_and_argument_checks(admission):
+    assert _code(lambda: admission.reserve("a", [1] * 200, 1, 1)) == "RESOURCE_EXHAUSTED"
+    assert _code(lambda: admission.reserve("a", [1] * 990, 1, 20)) == "INVALID_ARGUMENT"
+    assert _code(lambda: admission.reserve("a", [], 1, 1)) == "INVALID_ARGUMENT"
+    assert _code(lambda: admission.reserve("", [1], 1, 1)) == "INVALID_ARGUMENT"
+    admission.reserve("a", [1], 1, 1)
+    assert _code(lambda: admission.reserve("a", [1], 1, 1)) == "ALREADY_EXISTS"
+    assert _code(lambda: admission.commit("a", 1, 5, 100, LAYERS)) == "INVALID_ARGUMENT"
+    assert _code(lambda: admission.commit("zz", 1, 0, 100, LAYERS)) == "NOT_FOUND"
+    admission.abort("a")

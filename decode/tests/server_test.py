@@ -1,0 +1,269 @@
+"""The decode server end to end over gRPC and a real transport, on the bundled SmolLM2.
+
+A sender in this process plays the prefill engine: it prefills the prompt with its own engine,
+writes the KV into the ticket's blocks with the shared send path (prefill/kv_sender.py), and
+commits. The decoded tokens must equal one engine doing the whole request. Fault cases end with
+an explicit status in bounded time and the pool back to all free.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+import transport
+from decode.layout import decode_layout
+from decode.server import DecodeServer, DecodeServerConfig
+from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+from engine.sampling import SamplingParams
+from engine.sequence import StopConditions
+from prefill.kv_sender import BlockLayout, LayerKV, layer_ops, valid_bytes
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
+
+MODEL = "tools/smollm2-135m-instruct"  # Bazel data: //tools:smollm2
+ENGINE = dict(model=MODEL, dtype="float32", block_size=16, kv_cache_gb=0.1)
+PROMPTS = [
+    [1, 504, 3458, 2767, 28, 1442, 1463, 253, 2353],
+    list(range(100, 160)),
+    [9690, 198, 2683, 359, 253, 5356, 5646],
+    list(range(3000, 3037)),
+]
+NEW_TOKENS = 12
+
+
+class Sender:
+    """A prefill engine and its transport agent, sending to one decode server."""
+
+    def __init__(self, stub, backend: str) -> None:
+        self.stub = stub
+        self.engine = LLMEngine.build(EngineConfig(**ENGINE))
+        self.agent = transport.create(backend)
+        self.agent.register(*self.engine.kv_cache.region())
+        self.layout = decode_layout(self.engine.model_config, MODEL, 16, DTYPES["float32"], backend)
+        self.layout.layout = "tandem-hnd"
+        self._peers: dict[bytes, object] = {}
+        self._lock = threading.Lock()
+
+    def hello(self) -> None:
+        self.stub.Hello(decode_pb2.HelloRequest(sender_layout=self.layout, sender_id="test"))
+
+    def reserve(self, request_id: str, prompt: list[int], timeout_ms: int = 0):
+        request = decode_pb2.ReserveRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            num_senders=1,
+            max_tokens=NEW_TOKENS,
+            transfer_timeout_ms=timeout_ms,
+        )
+        return self.stub.Reserve(request, timeout=10).ticket
+
+    def prefill_and_write(self, ticket, prompt: list[int], *, drop_layers: int = 0) -> int:
+        """Prefills locally, writes the KV into the ticket's blocks; returns the first token."""
+        with self._lock:  # one engine, stepped by one thread at a time
+            seq = self.engine.add_request(
+                ticket.request_id, prompt, SamplingParams(), StopConditions(max_tokens=2)
+            )
+            [out] = self.engine.step()
+            kv = self.engine.kv_cache
+            src_layout = BlockLayout(16, kv.block_stride_bytes, kv.head_stride_bytes, 64 * 4)
+            dst_layout = BlockLayout(
+                ticket.layout.block_size, ticket.block_stride_bytes, ticket.head_stride_bytes,
+                64 * 4,
+            )  # fmt: skip
+            shard = ticket.shards[0]
+            ops = []
+            layers = len(shard.layers) - drop_layers
+            for layer, (k, v) in enumerate(kv.kv_caches[:layers]):
+                dst = shard.layers[layer]
+                ops += layer_ops(
+                    LayerKV(k.data_ptr(), v.data_ptr()), LayerKV(dst.k.addr, dst.v.addr),
+                    src_layout, dst_layout, seq.block_ids, list(ticket.block_ids),
+                    ticket.num_tokens, range(3),
+                )  # fmt: skip
+            peer = self._peer(shard.endpoint.metadata)
+            self.agent.write(peer, ops, time.monotonic() + 10).wait()
+            self.engine.abort(ticket.request_id)
+        return out.token_id
+
+    def commit(self, ticket, nbytes: int | None = None, layers: int = 30, generation=None):
+        return self.stub.Commit(
+            decode_pb2.CommitRequest(
+                request_id=ticket.request_id,
+                generation=ticket.generation if generation is None else generation,
+                sender_rank=0,
+                bytes_written=valid_bytes(ticket.num_tokens, 3, 64 * 4, 30)
+                if nbytes is None
+                else nbytes,
+                layers_written=layers,
+            ),
+            timeout=10,
+        )
+
+    def generate(self, ticket, first_token: int, **kwargs):
+        return self.stub.Generate(
+            decode_pb2.GenerateRequest(
+                request_id=ticket.request_id,
+                generation=ticket.generation,
+                first_token_id=first_token,
+                max_tokens=NEW_TOKENS,
+                **kwargs,
+            ),
+            timeout=60,
+        )
+
+    def _peer(self, endpoint: bytes):
+        if endpoint not in self._peers:
+            self._peers[endpoint] = self.agent.connect(endpoint, time.monotonic() + 10)
+        return self._peers[endpoint]
+
+
+@pytest.fixture(scope="module", params=["tcp", "shm"])
+def stack(request):
+    config = DecodeServerConfig(
+        engine=EngineConfig(**ENGINE), transport=request.param, metrics_port=0
+    )
+    server = DecodeServer(config)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = decode_pb2_grpc.DecodeServiceStub(channel)
+    sender = Sender(stub, request.param)
+    sender.hello()
+    yield server, stub, sender
+    sender.agent.close()
+    channel.close()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[int, list[int]]:
+    engine = LLMEngine.build(EngineConfig(**ENGINE))
+    outs = engine.generate(PROMPTS, SamplingParams(), StopConditions(max_tokens=NEW_TOKENS))
+    return dict(enumerate(outs))
+
+
+def _assert_pool_free(server: DecodeServer, stub) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        stats = stub.Stats(decode_pb2.StatsRequest())
+        if stats.kv_blocks_free == stats.kv_blocks_total and not stats.running + stats.reserved:
+            break
+        time.sleep(0.05)
+    assert (stats.kv_blocks_free, stats.running, stats.reserved) == (stats.kv_blocks_total, 0, 0)
+    scrape = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read()
+    assert f"tandem_decode_kv_blocks_free {float(stats.kv_blocks_total)}".encode() in scrape
+
+
+def _run(sender, request_id: str, prompt: list[int]) -> list[int]:
+    ticket = sender.reserve(request_id, prompt)
+    first = sender.prefill_and_write(ticket, prompt)
+    sender.commit(ticket)
+    messages = list(sender.generate(ticket, first))
+    assert messages[-1].finish_reason in (
+        decode_pb2.FINISH_REASON_LENGTH,
+        decode_pb2.FINISH_REASON_STOP,
+    )
+    return [t for m in messages for t in m.token_ids]
+
+
+def test_disaggregated_tokens_equal_one_engine_and_requests_batch(stack, reference):
+    server, stub, sender = stack
+    peak = 0
+    done = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, stub.Stats(decode_pb2.StatsRequest()).running)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        outs = list(pool.map(lambda i: _run(sender, f"r{i}", PROMPTS[i]), range(len(PROMPTS))))
+    done.set()
+    watcher.join()
+    assert outs == [reference[i] for i in range(len(PROMPTS))]
+    assert peak > 1  # decoded as a batch, not one at a time
+    _assert_pool_free(server, stub)
+
+
+def test_commit_never_sent_fails_generate_at_the_deadline(stack):
+    server, stub, sender = stack
+    ticket = sender.reserve("late", PROMPTS[0], timeout_ms=400)
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(sender.generate(ticket, 1))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 2
+    _assert_pool_free(server, stub)  # quarantine ends one grace second after the deadline
+
+
+def test_short_transfer_fails_loudly_never_decodes(stack):
+    server, stub, sender = stack
+    ticket = sender.reserve("short", PROMPTS[1])
+    first = sender.prefill_and_write(ticket, PROMPTS[1], drop_layers=1)
+    with pytest.raises(grpc.RpcError) as err:
+        sender.commit(ticket, layers=29)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "29 layers" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        list(sender.generate(ticket, first))
+    assert err.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
+    _assert_pool_free(server, stub)
+
+
+def test_stale_commit_is_refused_and_changes_nothing(stack, reference):
+    server, stub, sender = stack
+    old = sender.reserve("again", PROMPTS[2])
+    stub.Abort(decode_pb2.AbortRequest(request_id="again", reason="retry"))
+    new = sender.reserve("again", PROMPTS[2])
+    assert new.generation == old.generation + 1
+    with pytest.raises(grpc.RpcError) as err:
+        sender.commit(old)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    first = sender.prefill_and_write(new, PROMPTS[2])
+    sender.commit(new)
+    sender.commit(new)  # a duplicate commit of the same rank is harmless
+    tokens = [t for m in sender.generate(new, first) for t in m.token_ids]
+    assert tokens == reference[2]
+    _assert_pool_free(server, stub)
+
+
+def test_reserve_beyond_capacity_is_resource_exhausted(stack):
+    server, stub, sender = stack
+    total = stub.Stats(decode_pb2.StatsRequest()).kv_blocks_total
+    with pytest.raises(grpc.RpcError) as err:
+        sender.reserve("huge", [5] * (total * 16 + 1))
+    assert err.value.code() in (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INVALID_ARGUMENT,  # longer than the context, checked first
+    )
+    _assert_pool_free(server, stub)
+
+
+def test_client_abort_mid_stream_frees_the_sequence(stack):
+    server, stub, sender = stack
+    ticket = sender.reserve("gone", PROMPTS[3])
+    first = sender.prefill_and_write(ticket, PROMPTS[3])
+    sender.commit(ticket)
+    stream = sender.generate(ticket, first, ignore_eos=True)
+    next(stream)
+    stream.cancel()
+    _assert_pool_free(server, stub)
+
+
+def test_mismatched_layout_is_refused_at_hello_naming_both_values(stack):
+    _, stub, sender = stack
+    bad = decode_pb2.HelloRequest(sender_layout=sender.layout, sender_id="p9")
+    bad.sender_layout.model.num_layers = 32
+    bad.sender_layout.model.kv_dtype = "bfloat16"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Hello(bad)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "num_layers: decode has 30, sender has 32" in err.value.details()
+    assert "kv_dtype: decode has 'float32', sender has 'bfloat16'" in err.value.details()

@@ -1,0 +1,178 @@
+"""The send path shared by tandem's prefill server and the vLLM connector: turns one request's
+KV, layer by layer, into one-sided writes into the decode server's blocks (a Ticket).
+
+Both sides address KV as (layer, K|V, block, head, token-in-block, head_dim); a `BlockLayout`
+gives the byte strides of one side. With equal block sizes and head-contiguous blocks (both
+"HND"), a block of all the sender's heads is one run and adjacent blocks coalesce; otherwise
+the writes go per (head, run of tokens that stays inside one block on both sides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transport.base import WriteOp
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Byte strides of one layer's K (or V) on one side."""
+
+    block_size: int
+    block_stride: int
+    """Bytes from block b to b + 1."""
+    head_stride: int
+    """Bytes from head h to h + 1 inside a block."""
+    token_stride: int
+    """Bytes from one token to the next inside a block and head: head_dim * element size."""
+
+    @property
+    def head_block_bytes(self) -> int:
+        return self.block_size * self.token_stride
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's K and V base addresses on one side."""
+
+    k: int
+    v: int
+
+
+def layer_ops(
+    src: LayerKV,
+    dst: LayerKV,
+    src_layout: BlockLayout,
+    dst_layout: BlockLayout,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    num_tokens: int,
+    heads: range,
+    dst_head_offset: int = 0,
+) -> list[WriteOp]:
+    """Writes of tokens [0, num_tokens) of `heads` (sender head indices) for one layer's K and
+    V; the destination head is h - dst_head_offset."""
+    same_blocks = src_layout.block_size == dst_layout.block_size
+    whole_blocks = (
+        same_blocks
+        and src_layout.head_stride == src_layout.head_block_bytes
+        and dst_layout.head_stride == dst_layout.head_block_bytes
+    )
+    ops = []
+    for src_base, dst_base in ((src.k, dst.k), (src.v, dst.v)):
+        if whole_blocks:
+            ops += _block_runs(
+                src_base,
+                dst_base,
+                src_layout,
+                dst_layout,
+                src_blocks,
+                dst_blocks,
+                num_tokens,
+                heads,
+                dst_head_offset,
+            )
+        else:
+            ops += _token_runs(
+                src_base,
+                dst_base,
+                src_layout,
+                dst_layout,
+                src_blocks,
+                dst_blocks,
+                num_tokens,
+                heads,
+                dst_head_offset,
+            )
+    return coalesce(ops)
+
+
+def valid_bytes(num_tokens: int, num_heads: int, token_stride: int, num_layers: int) -> int:
+    """KV bytes of the prompt proper (what a commit reports): all layers, K and V."""
+    return 2 * num_layers * num_tokens * num_heads * token_stride
+
+
+def coalesce(ops: list[WriteOp]) -> list[WriteOp]:
+    """Merges runs that continue each other on both sides: descriptor count, not bytes, bounds
+    transfer time."""
+    merged: list[WriteOp] = []
+    for op in ops:
+        if merged:
+            last = merged[-1]
+            if last.src + last.nbytes == op.src and last.dst + last.nbytes == op.dst:
+                merged[-1] = WriteOp(last.src, last.dst, last.nbytes + op.nbytes)
+                continue
+        merged.append(op)
+    return merged
+
+
+def _block_runs(
+    src_base,
+    dst_base,
+    src_layout,
+    dst_layout,
+    src_blocks,
+    dst_blocks,
+    num_tokens,
+    heads,
+    dst_head_offset,
+) -> list[WriteOp]:
+    """Same block size, head-contiguous blocks: each block's heads in one run (the last block
+    whole, padding rows included: they are the sequence's own and never read)."""
+    first, count = heads.start, len(heads)
+    nbytes = count * src_layout.head_stride
+    return [
+        WriteOp(
+            src_base + src_block * src_layout.block_stride + first * src_layout.head_stride,
+            dst_base
+            + dst_block * dst_layout.block_stride
+            + (first - dst_head_offset) * dst_layout.head_stride,
+            nbytes,
+        )
+        for src_block, dst_block in zip(
+            src_blocks[: _blocks(num_tokens, src_layout)],
+            dst_blocks[: _blocks(num_tokens, dst_layout)],
+            strict=True,
+        )
+    ]
+
+
+def _token_runs(
+    src_base,
+    dst_base,
+    src_layout,
+    dst_layout,
+    src_blocks,
+    dst_blocks,
+    num_tokens,
+    heads,
+    dst_head_offset,
+) -> list[WriteOp]:
+    """Any block sizes: per head, runs of tokens that stay inside one block on both sides."""
+    ops = []
+    for head in heads:
+        t = 0
+        while t < num_tokens:
+            s_block, s_off = divmod(t, src_layout.block_size)
+            d_block, d_off = divmod(t, dst_layout.block_size)
+            run = min(src_layout.block_size - s_off, dst_layout.block_size - d_off, num_tokens - t)
+            ops.append(
+                WriteOp(
+                    src_base
+                    + src_blocks[s_block] * src_layout.block_stride
+                    + head * src_layout.head_stride
+                    + s_off * src_layout.token_stride,
+                    dst_base
+                    + dst_blocks[d_block] * dst_layout.block_stride
+                    + (head - dst_head_offset) * dst_layout.head_stride
+                    + d_off * dst_layout.token_stride,
+                    run * src_layout.token_stride,
+                )
+            )
+            t += run
+    return ops
+
+
+def _blocks(num_tokens: int, layout: BlockLayout) -> int:
+    return -(-num_tokens // layout.block_size)
