@@ -12,6 +12,7 @@ The decode server admits sequences whose prompt KV was written by a remote prefi
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from engine.kv_cache import BlockPool, KVCache
 from engine.model import EAGER_OPS, CausalLM
 from engine.model_runner import ModelRunner
 from engine.sampling import Sampler, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence, StopConditions
 from engine.weights import init_random_weights, load_weights
 
@@ -137,8 +138,14 @@ class LLMEngine:
     sequences: dict[str, Sequence] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, config: EngineConfig) -> LLMEngine:
-        model_config, model = load_model(config)
+    def build(
+        cls,
+        config: EngineConfig,
+        wrap_attention: Callable[[AttentionBackend], AttentionBackend] | None = None,
+    ) -> LLMEngine:
+        """`wrap_attention` decorates the device's attention backend (e.g. to act on each
+        layer's freshly written KV)."""
+        model_config, model = load_model(config, wrap_attention)
         dtype = DTYPES[config.dtype]
         block_bytes = model_config.kv_bytes_per_token(dtype) * config.block_size
         num_blocks = int(config.kv_cache_gb * 2**30) // block_bytes
@@ -211,11 +218,14 @@ class LLMEngine:
         self.sequences.pop(seq_id, None)
         return self.scheduler.abort(seq_id) is not None
 
-    def step(self) -> list[StepOutput]:
-        """Runs one forward; returns the token each sampling sequence generated."""
+    def step(self, before_run: Callable[[StepPlan], None] | None = None) -> list[StepOutput]:
+        """Runs one forward; returns the token each sampling sequence generated. `before_run`
+        sees the plan first (the prefill server arms its per-layer KV sends with it)."""
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        if before_run is not None:
+            before_run(plan)
         sampled = self.runner.run(plan)
         finished = {seq.seq_id for seq in self.scheduler.update(plan, sampled)}
         outputs = []
@@ -237,7 +247,10 @@ class LLMEngine:
         return [seq.output_ids for seq in seqs]
 
 
-def load_model(config: EngineConfig) -> tuple[ModelConfig, CausalLM]:
+def load_model(
+    config: EngineConfig,
+    wrap_attention: Callable[[AttentionBackend], AttentionBackend] | None = None,
+) -> tuple[ModelConfig, CausalLM]:
     """Builds the model on the meta device and fills it: from a folder, or randomly."""
     dtype = DTYPES[config.dtype]
     if config.model.startswith("random:"):
@@ -253,8 +266,11 @@ def load_model(config: EngineConfig) -> tuple[ModelConfig, CausalLM]:
         from engine.fusion import compiled_ops  # imports torch.compile's stack only when used
 
         ops = compiled_ops()
+    backend = attention_backend(config.device)
+    if wrap_attention is not None:
+        backend = wrap_attention(backend)
     with torch.device("meta"):
-        model = CausalLM(model_config, attention_backend(config.device), ops)
+        model = CausalLM(model_config, backend, ops)
     if config.model.startswith("random:"):
         init_random_weights(model, config.seed, dtype, config.device)
     else:

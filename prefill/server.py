@@ -1,0 +1,227 @@
+"""tandem's own prefill server, behind the subset of vLLM's HTTP API the router uses, so the
+router cannot tell it from vLLM with tandem's connector:
+
+  POST /v1/completions   token-id (or text) prompt; with `kv_transfer_params` carrying a tandem
+                         ticket and max_tokens=1, the prompt's KV goes to the decode server and
+                         the reply's `kv_transfer_params` holds the first token and transfer stats
+  POST /tokenize         {"prompt": str} or {"messages": [...]} -> {"tokens": [...], "count"}
+  GET  /health, GET /v1/models
+
+    python -m prefill.server --model DIR --host 127.0.0.1 --port 8100 --transport tcp
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+import transport
+from decode.layout import decode_layout
+from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+from engine.sampling import SamplingParams
+from engine.sequence import StopConditions
+from prefill.publisher import KvPublisher
+from prefill.worker import Job, KvTransfer, PrefillError, PrefillWorker
+
+# Completion fields accepted and ignored because they change nothing here.
+_IGNORED = {"model", "stream", "n", "echo", "return_token_ids", "user"}
+_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+             "presence_penalty", "frequency_penalty"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PrefillServerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    transport: str = "tcp"
+    served_model_name: str = ""
+    transfer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: {self.port} is not a port number")
+        if self.transport not in transport.BACKENDS:
+            raise ValueError(
+                f"transport: {self.transport!r} is not one of {', '.join(transport.BACKENDS)}"
+            )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        EngineConfig.add_cli_args(parser)
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8100)
+        parser.add_argument("--transport", default="tcp", help="tcp, shm, nixl or mooncake")
+        parser.add_argument("--served-model-name", default="")
+        parser.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> PrefillServerConfig:
+        return cls(
+            engine=EngineConfig.from_cli_args(args),
+            host=args.host,
+            port=args.port,
+            transport=args.transport,
+            served_model_name=args.served_model_name,
+            transfer_timeout_s=args.transfer_timeout,
+        )
+
+
+class PrefillServer:
+    def __init__(self, config: PrefillServerConfig) -> None:
+        self.config = config
+        self.name = config.served_model_name or config.engine.model
+        publisher = KvPublisher()
+        self.engine = LLMEngine.build(config.engine, wrap_attention=publisher.wrap)
+        publisher.bind(self.engine.kv_cache)
+        self.agent = transport.create(config.transport, host=config.host)
+        device = self.engine.kv_cache.storage.device
+        self.agent.register(*self.engine.kv_cache.region(), str(device))
+        layout = decode_layout(
+            self.engine.model_config, self.name, config.engine.block_size,
+            DTYPES[config.engine.dtype], config.transport,
+        )  # fmt: skip
+        layout.layout = "tandem-hnd"
+        self.worker = PrefillWorker(
+            self.engine, publisher, self.agent, layout, config.transfer_timeout_s
+        )
+        self.tokenizer = _tokenizer(config.engine.model)
+        self.app = self._routes()
+
+    def _routes(self) -> FastAPI:
+        app = FastAPI(title="tandem prefill")
+
+        @app.exception_handler(PrefillError)
+        async def refused(request: Request, error: PrefillError) -> JSONResponse:
+            return _error(error.status, str(error))
+
+        @app.get("/health")
+        async def health() -> dict:
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models() -> dict:
+            card = {"id": self.name, "object": "model", "owned_by": "tandem",
+                    "max_model_len": self.engine.max_model_len}  # fmt: skip
+            return {"object": "list", "data": [card]}
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            body = await _json(request)
+            if self.tokenizer is None:
+                return _error(400, "this model folder has no tokenizer")
+            if "messages" in body:
+                text = self.tokenizer.apply_chat_template(
+                    body["messages"], tokenize=False,
+                    add_generation_prompt=body.get("add_generation_prompt", True),
+                )  # fmt: skip
+                tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            elif isinstance(body.get("prompt"), str):
+                add = body.get("add_special_tokens", True)
+                tokens = self.tokenizer(body["prompt"], add_special_tokens=add)["input_ids"]
+            else:
+                return _error(400, "tokenize: give `prompt` (a string) or `messages`")
+            return {"tokens": tokens, "count": len(tokens),
+                    "max_model_len": self.engine.max_model_len}  # fmt: skip
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            job = self._job(await _json(request))
+            result = await asyncio.wrap_future(self.worker.submit(job))
+            text = self.tokenizer.decode(result.token_ids) if self.tokenizer else ""
+            completion = len(result.token_ids)
+            reply = {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.name,
+                "choices": [{"index": 0, "text": text, "token_ids": result.token_ids,
+                             "finish_reason": result.finish_reason, "logprobs": None}],
+                "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": result.prompt_tokens + completion},
+                "kv_transfer_params": result.kv_transfer_params,
+            }  # fmt: skip
+            return reply
+
+        return app
+
+    def _job(self, body: dict) -> Job:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and self.tokenizer is not None:
+            prompt = self.tokenizer(prompt)["input_ids"]
+        if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+            raise PrefillError(400, "prompt: must be a non-empty list of token ids or a string")
+        unknown = set(body) - _IGNORED - _SAMPLING - {"prompt", "max_tokens", "kv_transfer_params"}
+        if unknown:
+            raise PrefillError(400, f"unsupported parameter(s): {', '.join(sorted(unknown))}")
+        max_tokens = body.get("max_tokens", 16)
+        params = body.get("kv_transfer_params")
+        transfer = KvTransfer.parse(params) if params else None
+        if transfer is not None and max_tokens != 1:
+            raise PrefillError(400, f"max_tokens: {max_tokens}; a KV transfer needs exactly 1")
+        try:
+            sampling = SamplingParams.from_dict({k: body[k] for k in _SAMPLING if k in body})
+            stop = StopConditions(max_tokens=int(max_tokens))
+        except (ValueError, TypeError) as e:
+            raise PrefillError(400, str(e)) from None
+        return Job(list(prompt), sampling, stop, transfer)
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.agent.close()
+
+
+async def _json(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise PrefillError(400, "body: not valid JSON") from None
+    if not isinstance(body, dict):
+        raise PrefillError(400, "body: must be a JSON object")
+    return body
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "upstream_error"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _tokenizer(model: str):
+    if model.startswith("random:"):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m prefill.server", description=__doc__)
+    PrefillServerConfig.add_cli_args(parser)
+    args = parser.parse_args()
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as e:
+        sys.exit(f"prefill.server: cannot listen on {args.host}:{args.port}: {e}")
+    try:
+        server = PrefillServer(PrefillServerConfig.from_cli_args(args))
+    except (ValueError, OSError) as e:
+        sys.exit(f"prefill.server: cannot start: {e}")
+    port = sock.getsockname()[1]
+    print(f"prefill.server: serving on http://{args.host}:{port}", flush=True)
+    config = uvicorn.Config(server.app, log_level="warning")
+    uvicorn.Server(config).run(sockets=[sock])
+    server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The prefill engine's thread: runs prompts, sends their KV layer by layer to the decode
+server named in each request's ticket, and commits.
+
+A job's life: submit() -> queued -> (ticket: Hello once per decode server, connect its
+transport) -> prefilled in the engine's next steps, its layers sent as they are computed ->
+sampled -> (ticket: writes awaited, then Commit, on a finisher thread so the engine keeps
+going) -> its future resolves. The job's blocks are held until its writes have completed.
+"""
+
+from __future__ import annotations
+
+import base64
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from engine.scheduler import StepPlan
+from engine.sequence import Sequence, StopConditions
+from prefill.publisher import KvPublisher, SendSession
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
+from transport.base import Transport, TransportError
+
+TICKET_KEY = "tandem_ticket"  # base64 of a serialized tandem.v1.Ticket
+DECODE_KEY = "decode_address"  # host:port of the decode server's gRPC
+
+
+class PrefillError(Exception):
+    """The request cannot be served; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    ticket: decode_pb2.Ticket
+    decode_address: str
+
+    @classmethod
+    def parse(cls, params: dict) -> KvTransfer:
+        try:
+            ticket = decode_pb2.Ticket.FromString(base64.b64decode(params[TICKET_KEY]))
+            address = str(params[DECODE_KEY])
+        except (KeyError, ValueError, TypeError) as e:
+            raise PrefillError(400, f"kv_transfer_params: malformed tandem ticket ({e})") from None
+        if not ticket.request_id or not ticket.shards:
+            raise PrefillError(400, "kv_transfer_params: ticket has no request id or shards")
+        return cls(ticket, address)
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop: StopConditions
+    transfer: KvTransfer | None
+    future: Future = field(default_factory=Future)
+    session: SendSession | None = None
+    request_id: str = ""
+    seq: Sequence | None = None
+
+
+@dataclass(frozen=True)
+class Result:
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    kv_transfer_params: dict | None
+
+
+class DecodeClient:
+    """One decode server: its gRPC stub, checked by Hello once, and transport peers."""
+
+    def __init__(self, address: str, sender_layout: layout_pb2.LayoutDescriptor) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
+        try:
+            self.stub.Hello(
+                decode_pb2.HelloRequest(sender_layout=sender_layout, sender_id="prefill"),
+                timeout=10,
+            )
+        except grpc.RpcError as e:
+            self.channel.close()
+            raise PrefillError(502, f"decode server {address}: {e.details()}") from None
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        publisher: KvPublisher,
+        agent: Transport,
+        sender_layout: layout_pb2.LayoutDescriptor,
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
+        self.engine = engine
+        self.publisher = publisher
+        self.agent = agent
+        self.sender_layout = sender_layout
+        self.transfer_timeout_s = transfer_timeout_s
+        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._live: dict[str, Job] = {}
+        self._decoders: dict[str, DecodeClient] = {}
+        self._peers: dict[bytes, object] = {}
+        self._finisher = ThreadPoolExecutor(4, thread_name_prefix="prefill-commit")
+        self._ids = iter(range(1, 1 << 62))
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> Future:
+        self._jobs.put(job)
+        self._wake.set()
+        return job.future
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self._finisher.shutdown(wait=True)
+        for client in self._decoders.values():
+            client.channel.close()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._admit_jobs()
+            if not self.engine.has_unfinished:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            outputs = self.engine.step(before_run=self._arm)
+            self.publisher.armed = []
+            for out in outputs:
+                job = self._live.get(out.seq_id)
+                if job is not None and out.finish_reason is not None:
+                    del self._live[out.seq_id]
+                    self._finisher.submit(self._finish, job, out.finish_reason.value)
+
+    def _admit_jobs(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            job.request_id = f"p{next(self._ids)}"
+            try:
+                if job.transfer is not None:
+                    job.session = self._session(job.transfer)
+                seq = self.engine.add_request(
+                    job.request_id, job.prompt_ids, job.sampling, job.stop
+                )
+            except PrefillError as e:
+                job.future.set_exception(e)
+                continue
+            except TransportError as e:
+                job.future.set_exception(PrefillError(502, f"KV transport: {e}"))
+                continue
+            except ValueError as e:
+                job.future.set_exception(PrefillError(400, str(e)))
+                continue
+            job.seq = seq
+            self._live[job.request_id] = job
+
+    def _session(self, transfer: KvTransfer) -> SendSession:
+        client = self._decoders.get(transfer.decode_address)
+        if client is None:
+            client = DecodeClient(transfer.decode_address, self.sender_layout)
+            self._decoders[transfer.decode_address] = client
+        endpoint = transfer.ticket.shards[0].endpoint.metadata
+        deadline = time.monotonic() + self.transfer_timeout_s
+        if endpoint not in self._peers:
+            self._peers[endpoint] = self.agent.connect(endpoint, deadline)
+        return SendSession(
+            transfer.ticket, self.agent, self._peers[endpoint], self.engine.kv_cache, deadline
+        )
+
+    def _arm(self, plan: StepPlan) -> None:
+        """Before a forward: the sessions of prompts that complete in it send each layer."""
+        armed = []
+        for item in plan.scheduled:
+            job = self._live.get(item.seq.seq_id)
+            session = job.session if job is not None else None
+            if session is not None and item.samples and not session.src_blocks:
+                session.src_blocks = list(item.seq.block_ids)
+                # Held until the writes complete: the engine frees them when it finishes the
+                # sequence, right after this step.
+                self.engine.pool.incref(session.src_blocks)
+                armed.append(session)
+        self.publisher.armed = armed
+
+    def _finish(self, job: Job, finish_reason: str) -> None:
+        seq = job.seq
+        kv_params = None
+        if job.session is not None:
+            stats = job.session.finish()
+            self.engine.pool.free(job.session.src_blocks)
+            ticket = job.transfer.ticket
+            client = self._decoders[job.transfer.decode_address]
+            try:
+                client.stub.Commit(
+                    decode_pb2.CommitRequest(
+                        request_id=ticket.request_id,
+                        generation=ticket.generation,
+                        sender_rank=0,
+                        bytes_written=stats.bytes_written,
+                        layers_written=stats.layers,
+                        error=stats.error,
+                    ),
+                    timeout=10,
+                )
+            except grpc.RpcError as e:
+                job.future.set_exception(PrefillError(502, f"commit refused: {e.details()}"))
+                return
+            if stats.error:
+                job.future.set_exception(PrefillError(502, f"KV transfer failed: {stats.error}"))
+                return
+            kv_params = {
+                "first_token_id": seq.output_ids[0],
+                "bytes_written": stats.bytes_written,
+                "layers": stats.layers,
+                "transfer_ms": round(stats.seconds * 1000, 3),
+            }
+        job.future.set_result(
+            Result(seq.output_ids, finish_reason, seq.num_prompt_tokens, kv_params)
+        )
