@@ -121,11 +121,20 @@ class DecodeServer:
         self.servicer = DecodeServicer(
             self.admission, self.loop, self.engine.kv_cache, layout, endpoint, self.metrics
         )
-        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+        # NOTE: without so_reuseport=0 a second server would silently share a taken port.
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=64), options=[("grpc.so_reuseport", 0)]
+        )
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self._grpc)
-        self.port = self._grpc.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        address = f"{config.host}:{config.grpc_port}"
+        try:
+            self.port = self._grpc.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind gRPC to {config.host}:{config.grpc_port} (port taken?)")
+            self.loop.stop()
+            self.transport.close()
+            raise OSError(f"cannot listen on {address}: port taken? pick another --grpc-port")
         self._stop = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loop, daemon=True)
         self.metrics_port: int | None = None

@@ -9,10 +9,6 @@ concurrent requests of different lengths, and decode must batch them.
 from __future__ import annotations
 
 import base64
-import os
-import re
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,9 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
+from tests.servers import MODEL, start_decode, start_prefill
 
-MODEL = "tools/smollm2-135m-instruct"  # Bazel data: //tools:smollm2
-COMMON = ["--model", MODEL, "--dtype", "float32", "--block-size", "16", "--kv-cache-gb", "0.1"]
 PROMPTS = [
     [1, 504, 3458, 2767, 28, 1442, 1463, 253, 2353],
     list(range(100, 170)),
@@ -36,40 +31,13 @@ PROMPTS = [
 NEW_TOKENS = 12
 
 
-def _start(args: list[str], ready: str) -> tuple[subprocess.Popen, re.Match]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=env,
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{args[0]} exited: {''.join(lines)}")
-        lines.append(line)
-        if match := re.search(ready, line):
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining
-            return proc, match
-    raise RuntimeError(f"{args[0]} not ready in time: {''.join(lines)}")
-
-
 @pytest.fixture(scope="module", params=["tcp", "shm"])
 def stack(request):
-    backend = request.param
-    decode, m = _start(
-        ["decode.server", *COMMON, "--transport", backend, "--grpc-port", "0"],
-        r"serving gRPC on [\d.]+:(\d+)",
-    )
-    decode_address = f"127.0.0.1:{m.group(1)}"
-    prefill, m = _start(
-        ["prefill.server", *COMMON, "--transport", backend, "--port", "0"],
-        r"serving on (http://[\d.:]+)",
-    )
+    decode, decode_address = start_decode(request.param)
+    prefill, prefill_url = start_prefill(request.param)
     channel = grpc.insecure_channel(decode_address)
     stub = decode_pb2_grpc.DecodeServiceStub(channel)
-    http = httpx.Client(base_url=m.group(1), timeout=60)
+    http = httpx.Client(base_url=prefill_url, timeout=60)
     yield stub, http, decode_address
     http.close()
     channel.close()
