@@ -31,7 +31,7 @@ PROMPTS = [
 NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=["tcp", "shm"])
+@pytest.fixture(scope="module", params=["tcp", "shm", "mooncake", "nixl"])
 def stack(request):
     decode, decode_address = start_decode(request.param)
     prefill, prefill_url = start_prefill(request.param)

@@ -15,7 +15,8 @@ COMMON = ["--model", MODEL, "--dtype", "float32", "--block-size", "16", "--kv-ca
 
 def start(args: list[str], ready: str, timeout: float = 120) -> tuple[subprocess.Popen, re.Match]:
     """Runs `python -m ARGS...` and waits for a stdout line matching `ready`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MC_LOG_LEVEL": "ERROR"}
+    env.update(NIXL_LOG_LEVEL="WARN", UCX_LOG_FILE="stderr")
     proc = subprocess.Popen(
         [sys.executable, "-m", *args],
         stdout=subprocess.PIPE,

@@ -1,0 +1,1 @@
+"""NIXL backend (UCX: cross-memory attach, cuda_ipc/NVLink, RDMA, TCP)."""
