@@ -165,6 +165,13 @@ class Transport(abc.ABC):
         self.close()
 
 
+def check_sources(backend: str, ops: Sequence[WriteOp], regions: Sequence[Region]) -> None:
+    """Raises TransferError for any op whose source is outside this agent's `regions`."""
+    for op in ops:
+        if op.nbytes and not any(r.contains(op.src, op.nbytes) for r in regions):
+            raise TransferError(f"{backend}: source {op.src:#x}+{op.nbytes} is not registered here")
+
+
 def remaining(deadline: float) -> float:
     """Seconds left until `deadline` (time.monotonic), never negative."""
     return max(0.0, deadline - time.monotonic())

@@ -84,6 +84,7 @@ from transport.base import (
     Transport,
     TransportError,
     WriteOp,
+    check_sources,
     remaining,
 )
 
@@ -217,10 +218,7 @@ class MooncakeTransport(Transport):
         assert isinstance(peer, _MooncakePeer)
         peer.check(ops)
         with self._lock:
-            local = list(self._regions)
-        for op in ops:
-            if op.nbytes and not any(r.contains(op.src, op.nbytes) for r in local):
-                raise TransferError(f"mooncake: source {op.src:#x}+{op.nbytes} is not registered")
+            check_sources("mooncake", ops, self._regions)
         if notify and len(notify) > _MAX_NOTIFY:
             raise TransferError(f"mooncake: notify of {len(notify)} bytes (at most {_MAX_NOTIFY})")
         transfer = _MooncakeTransfer(self, peer, [op for op in ops if op.nbytes], deadline, notify)

@@ -31,6 +31,7 @@ from transport.base import (
     Transport,
     TransportError,
     WriteOp,
+    check_sources,
     remaining,
 )
 
@@ -106,10 +107,7 @@ class ShmTransport(Transport):
         assert isinstance(peer, _ShmPeer)
         peer.check(ops)
         with self._lock:
-            local = list(self._regions)
-        for op in ops:
-            if op.nbytes and not any(r.contains(op.src, op.nbytes) for r in local):
-                raise TransferError(f"shm: source {op.src:#x}+{op.nbytes} is not registered here")
+            check_sources("shm", ops, self._regions)
         # The copy is synchronous (a kernel memcpy); the transfer is done or failed on return.
         try:
             _copy(peer.pid, [op for op in ops if op.nbytes], deadline)

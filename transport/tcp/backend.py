@@ -34,6 +34,7 @@ from transport.base import (
     Transport,
     TransportError,
     WriteOp,
+    check_sources,
     remaining,
 )
 from transport.memory import view
@@ -112,10 +113,7 @@ class TcpTransport(Transport):
         assert isinstance(peer, _TcpPeer)
         peer.check(ops)
         with self._lock:
-            local = list(self._regions)
-        for op in ops:
-            if op.nbytes and not any(r.contains(op.src, op.nbytes) for r in local):
-                raise TransferError(f"tcp: source {op.src:#x}+{op.nbytes} is not registered here")
+            check_sources("tcp", ops, self._regions)
         return peer.submit(ops, deadline, notify or b"")
 
     # -- receiving -----------------------------------------------------------------------------
