@@ -115,16 +115,18 @@ def _prefill_chunk(
 
     mask = None if n == seq_len else causal_lower_right(n, seq_len)
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    # NOTE: 4-D inputs ([1, heads, tokens, dim]): with 3-D ones SDPA skips the flash kernels
+    # and falls back to the math path, which materializes the whole score matrix.
     with sdpa_kernel(backends):
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            context(k_blocks),
-            context(v_blocks),
+            q.transpose(0, 1).unsqueeze(0),
+            context(k_blocks).unsqueeze(0),
+            context(v_blocks).unsqueeze(0),
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,
         )
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sm_count: int) -> int:

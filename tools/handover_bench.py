@@ -1,0 +1,122 @@
+"""Handover benchmark: what disaggregation costs a request, against prefill alone on the same
+engine, in the same run.
+
+Starts a decode server and a prefill server (as `python -m ...`, on the given device and
+transport) and, for each prompt length, times:
+  prefill_alone_ms  POST /v1/completions, max_tokens=1, no ticket: the prefill engine by itself
+  disagg_ttft_ms    Reserve + POST with the ticket, which returns once every layer's KV landed
+                    and was committed: the first token as the client sees it
+  overhead_ms       disagg_ttft_ms - prefill_alone_ms (target: under 5% of the prefill)
+  transfer_tail_ms  the prefill's own report: first layer's writes to last completion
+  handover_ms       prefill reply -> Generate's first token computed by the decode server
+Median of `--repeats` after a warm-up; prints a table and writes JSON.
+
+    python -m tools.handover_bench --model random:llama3-8b --device cuda --transport nixl \
+        --prompt-lens 1024,8192 --out handover.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import random
+import statistics
+import time
+
+import grpc
+import httpx
+
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
+from tools.launch import start
+
+
+def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
+    start = time.perf_counter()
+    reply = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    reply.raise_for_status()
+    alone = time.perf_counter() - start
+
+    start = time.perf_counter()
+    request = decode_pb2.ReserveRequest(
+        request_id=tag, prompt_token_ids=prompt, num_senders=1, max_tokens=2
+    )
+    ticket = stub.Reserve(request, timeout=60).ticket
+    params = {"tandem_ticket": base64.b64encode(ticket.SerializeToString()).decode(),
+              "decode_address": address}  # fmt: skip
+    reply = http.post("/v1/completions", json={
+        "prompt": prompt, "max_tokens": 1, "kv_transfer_params": params})  # fmt: skip
+    reply.raise_for_status()
+    ttft = time.perf_counter() - start
+    kv = reply.json()["kv_transfer_params"]
+    replied = time.perf_counter()
+    stream = stub.Generate(decode_pb2.GenerateRequest(
+        request_id=tag, generation=ticket.generation, first_token_id=kv["first_token_id"],
+        max_tokens=2, ignore_eos=True), timeout=60)  # fmt: skip
+    tokens = 0
+    handover = None
+    for message in stream:
+        tokens += len(message.token_ids)
+        if tokens >= 2 and handover is None:
+            handover = time.perf_counter() - replied
+    return {
+        "prefill_alone_ms": alone * 1e3,
+        "disagg_ttft_ms": ttft * 1e3,
+        "overhead_ms": (ttft - alone) * 1e3,
+        "transfer_tail_ms": kv["transfer_ms"],
+        "handover_ms": handover * 1e3,
+        "kv_bytes": kv["bytes_written"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="random:llama3-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--transport", default="nixl")
+    parser.add_argument("--kv-cache-gb", default="8")
+    parser.add_argument("--prompt-lens", default="1024,8192")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="handover.json")
+    args = parser.parse_args()
+    lens = [int(n) for n in args.prompt_lens.split(",")]
+    common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
+              "--kv-cache-gb", args.kv_cache_gb, "--transport", args.transport,
+              "--max-model-len", str(max(lens) + 64), "--max-num-batched-tokens",
+              str(max(lens))]  # fmt: skip
+    decode, m = start(["decode.server", *common], r"serving gRPC on [\d.]+:(\d+)", 600)
+    address = f"127.0.0.1:{m.group(1)}"
+    prefill, m = start(["prefill.server", *common, "--port", "0"], r"serving on (\S+)", 600)
+    stub = decode_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(address))
+    http = httpx.Client(base_url=m.group(1), timeout=600)
+    rng = random.Random(0)
+    results = []
+    try:
+        for n in lens:
+            prompt = [rng.randrange(1, 200) for _ in range(n)]  # valid in any vocabulary
+            measure(stub, http, address, prompt, f"warm-{n}")
+            runs = [measure(stub, http, address, prompt, f"r{n}-{i}") for i in range(args.repeats)]
+            row = {"prompt_len": n}
+            for key in runs[0]:
+                row[key] = statistics.median(r[key] for r in runs)
+            row["overhead_pct"] = 100 * row["overhead_ms"] / row["prefill_alone_ms"]
+            results.append(row)
+            print(
+                f"prompt {n:>6}: prefill alone {row['prefill_alone_ms']:8.1f} ms  "
+                f"disaggregated TTFT {row['disagg_ttft_ms']:8.1f} ms  "
+                f"overhead {row['overhead_ms']:6.1f} ms ({row['overhead_pct']:.1f}%)  "
+                f"transfer {row['transfer_tail_ms']:6.1f} ms  "
+                f"handover {row['handover_ms']:6.1f} ms  KV {row['kv_bytes'] / 2**20:.0f} MiB",
+                flush=True,
+            )
+    finally:
+        for proc in (prefill, decode):
+            proc.terminate()
+            proc.wait(timeout=60)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
