@@ -52,17 +52,19 @@ class Sender:
     def hello(self) -> None:
         self.stub.Hello(decode_pb2.HelloRequest(sender_layout=self.layout, sender_id="test"))
 
-    def reserve(self, request_id: str, prompt: list[int], timeout_ms: int = 0):
+    def reserve(self, request_id: str, prompt: list[int], timeout_ms: int = 0, senders: int = 1):
         request = decode_pb2.ReserveRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
-            num_senders=1,
+            num_senders=senders,
             max_tokens=NEW_TOKENS,
             transfer_timeout_ms=timeout_ms,
         )
         return self.stub.Reserve(request, timeout=10).ticket
 
-    def prefill_and_write(self, ticket, prompt: list[int], *, drop_layers: int = 0) -> int:
+    def prefill_and_write(
+        self, ticket, prompt: list[int], *, drop_layers: int = 0, heads: range = range(3)
+    ) -> int:
         """Prefills locally, writes the KV into the ticket's blocks; returns the first token."""
         with self._lock:  # one engine, stepped by one thread at a time
             seq = self.engine.add_request(
@@ -83,20 +85,20 @@ class Sender:
                 ops += layer_ops(
                     LayerKV(k.data_ptr(), v.data_ptr()), LayerKV(dst.k.addr, dst.v.addr),
                     src_layout, dst_layout, seq.block_ids, list(ticket.block_ids),
-                    ticket.num_tokens, range(3),
+                    ticket.num_tokens, heads,
                 )  # fmt: skip
             peer = self._peer(shard.endpoint.metadata)
             self.agent.write(peer, ops, time.monotonic() + 10).wait()
             self.engine.abort(ticket.request_id)
         return out.token_id
 
-    def commit(self, ticket, nbytes: int | None = None, layers: int = 30, generation=None):
+    def commit(self, ticket, nbytes=None, layers: int = 30, generation=None, rank=0, heads=3):
         return self.stub.Commit(
             decode_pb2.CommitRequest(
                 request_id=ticket.request_id,
                 generation=ticket.generation if generation is None else generation,
-                sender_rank=0,
-                bytes_written=valid_bytes(ticket.num_tokens, 3, 64 * 4, 30)
+                sender_rank=rank,
+                bytes_written=valid_bytes(ticket.num_tokens, heads, 64 * 4, 30)
                 if nbytes is None
                 else nbytes,
                 layers_written=layers,
@@ -267,3 +269,18 @@ def test_mismatched_layout_is_refused_at_hello_naming_both_values(stack):
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "num_layers: decode has 30, sender has 32" in err.value.details()
     assert "kv_dtype: decode has 'float32', sender has 'bfloat16'" in err.value.details()
+
+
+def test_two_sender_ranks_each_write_their_heads(stack, reference):
+    """Tensor-parallel prefill: rank 0 owns KV heads [0, 2), rank 1 head 2; decoding starts only
+    once both committed, and the tokens are the single-engine ones."""
+    server, stub, sender = stack
+    ticket = sender.reserve("tp", PROMPTS[1], senders=2)
+    first = sender.prefill_and_write(ticket, PROMPTS[1], heads=range(0, 2))
+    assert sender.commit(ticket, rank=0, heads=2).committed_senders == 1
+    assert stub.Stats(decode_pb2.StatsRequest()).reserved == 1  # still waiting for rank 1
+    sender.prefill_and_write(ticket, PROMPTS[1], heads=range(2, 3))
+    done = sender.commit(ticket, rank=1, heads=1)
+    assert (done.committed_senders, done.expected_senders) == (2, 2)
+    assert [t for m in sender.generate(ticket, first) for t in m.token_ids] == reference[1]
+    _assert_pool_free(server, stub)
