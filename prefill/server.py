@@ -46,6 +46,8 @@ class PrefillServerConfig:
     transport: str = "tcp"
     served_model_name: str = ""
     transfer_timeout_s: float = 30.0
+    layerwise_kv: bool = True
+    """Send each layer's KV as soon as it is computed (False: after the whole forward)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -63,6 +65,10 @@ class PrefillServerConfig:
         parser.add_argument("--transport", default="tcp", help="tcp, shm, nixl or mooncake")
         parser.add_argument("--served-model-name", default="")
         parser.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
+        parser.add_argument(
+            "--kv-send", choices=["layerwise", "after-forward"], default="layerwise",
+            help="send each layer as computed (default), or all after the forward (to compare)",
+        )  # fmt: skip
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> PrefillServerConfig:
@@ -73,6 +79,7 @@ class PrefillServerConfig:
             transport=args.transport,
             served_model_name=args.served_model_name,
             transfer_timeout_s=args.transfer_timeout,
+            layerwise_kv=args.kv_send == "layerwise",
         )
 
 
@@ -92,8 +99,9 @@ class PrefillServer:
         )  # fmt: skip
         layout.layout = "tandem-hnd"
         self.worker = PrefillWorker(
-            self.engine, publisher, self.agent, layout, config.transfer_timeout_s
-        )
+            self.engine, publisher, self.agent, layout, config.transfer_timeout_s,
+            config.layerwise_kv,
+        )  # fmt: skip
         self.tokenizer = _tokenizer(config.engine.model)
         self.app = self._routes()
 

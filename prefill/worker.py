@@ -99,14 +99,19 @@ class PrefillWorker:
         agent: Transport,
         sender_layout: layout_pb2.LayoutDescriptor,
         transfer_timeout_s: float = 30.0,
+        layerwise: bool = True,
     ) -> None:
         self.engine = engine
         self.publisher = publisher
         self.agent = agent
         self.sender_layout = sender_layout
         self.transfer_timeout_s = transfer_timeout_s
+        self.layerwise = layerwise
+        """False: send a request's layers only after its whole forward (to measure what sending
+        each layer as it is computed buys)."""
         self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._live: dict[str, Job] = {}
+        self._after_forward: list[SendSession] = []
         self._decoders: dict[str, DecodeClient] = {}
         self._peers: dict[bytes, object] = {}
         self._finisher = ThreadPoolExecutor(4, thread_name_prefix="prefill-commit")
@@ -137,7 +142,10 @@ class PrefillWorker:
                 self._wake.clear()
                 continue
             outputs = self.engine.step(before_run=self._arm)
-            self.publisher.armed = []
+            for session in self._after_forward:
+                for layer in range(len(self.engine.kv_cache.kv_caches)):
+                    session.layer_ready(layer)
+            self.publisher.armed = self._after_forward = []
             for out in outputs:
                 job = self._live.get(out.seq_id)
                 if job is not None and out.finish_reason is not None:
@@ -194,7 +202,10 @@ class PrefillWorker:
                 # sequence, right after this step.
                 self.engine.pool.incref(session.src_blocks)
                 armed.append(session)
-        self.publisher.armed = armed
+        if self.layerwise:
+            self.publisher.armed = armed
+        else:
+            self._after_forward = armed
 
     def _finish(self, job: Job, finish_reason: str) -> None:
         seq = job.seq

@@ -9,7 +9,9 @@ transport) and, for each prompt length, times:
   overhead_ms       disagg_ttft_ms - prefill_alone_ms (target: under 5% of the prefill)
   transfer_tail_ms  the prefill's own report: first layer's writes to last completion
   handover_ms       prefill reply -> Generate's first token computed by the decode server
-Median of `--repeats` after a warm-up; prints a table and writes JSON.
+Median of `--repeats` after a warm-up; prints a table and writes JSON. With both `--kv-send`
+modes it also shows what sending each layer as it is computed buys over sending after the
+whole forward.
 
     python -m tools.handover_bench --model random:llama3-8b --device cuda --transport nixl \
         --prompt-lens 1024,8192 --out handover.json
@@ -78,6 +80,10 @@ def main() -> None:
     parser.add_argument("--kv-cache-gb", default="8")
     parser.add_argument("--prompt-lens", default="1024,8192")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--kv-send", default="layerwise,after-forward",
+        help="prefill send modes to compare: layerwise, after-forward",
+    )  # fmt: skip
     parser.add_argument("--out", default="handover.json")
     args = parser.parse_args()
     lens = [int(n) for n in args.prompt_lens.split(",")]
@@ -87,35 +93,48 @@ def main() -> None:
               str(max(lens))]  # fmt: skip
     decode, m = start(["decode.server", *common], r"serving gRPC on [\d.]+:(\d+)", 600)
     address = f"127.0.0.1:{m.group(1)}"
-    prefill, m = start(["prefill.server", *common, "--port", "0"], r"serving on (\S+)", 600)
     stub = decode_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(address))
-    http = httpx.Client(base_url=m.group(1), timeout=600)
     rng = random.Random(0)
+    prompts = {n: [rng.randrange(1, 200) for _ in range(n)] for n in lens}  # any vocabulary
     results = []
     try:
-        for n in lens:
-            prompt = [rng.randrange(1, 200) for _ in range(n)]  # valid in any vocabulary
-            measure(stub, http, address, prompt, f"warm-{n}")
-            runs = [measure(stub, http, address, prompt, f"r{n}-{i}") for i in range(args.repeats)]
-            row = {"prompt_len": n}
-            for key in runs[0]:
-                row[key] = statistics.median(r[key] for r in runs)
-            row["overhead_pct"] = 100 * row["overhead_ms"] / row["prefill_alone_ms"]
-            results.append(row)
-            print(
-                f"prompt {n:>6}: prefill alone {row['prefill_alone_ms']:8.1f} ms  "
-                f"disaggregated TTFT {row['disagg_ttft_ms']:8.1f} ms  "
-                f"overhead {row['overhead_ms']:6.1f} ms ({row['overhead_pct']:.1f}%)  "
-                f"transfer {row['transfer_tail_ms']:6.1f} ms  "
-                f"handover {row['handover_ms']:6.1f} ms  KV {row['kv_bytes'] / 2**20:.0f} MiB",
-                flush=True,
+        for mode in args.kv_send.split(","):
+            prefill, m = start(
+                ["prefill.server", *common, "--port", "0", "--kv-send", mode],
+                r"serving on (\S+)",
+                600,
             )
+            http = httpx.Client(base_url=m.group(1), timeout=600)
+            try:
+                for n in lens:
+                    results.append(bench_point(stub, http, address, prompts[n], mode, args))
+            finally:
+                prefill.terminate()
+                prefill.wait(timeout=60)
     finally:
-        for proc in (prefill, decode):
-            proc.terminate()
-            proc.wait(timeout=60)
+        decode.terminate()
+        decode.wait(timeout=60)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+def bench_point(stub, http, address: str, prompt: list[int], mode: str, args) -> dict:
+    n = len(prompt)
+    measure(stub, http, address, prompt, f"warm-{mode}-{n}")
+    runs = [measure(stub, http, address, prompt, f"{mode}-{n}-{i}") for i in range(args.repeats)]
+    row = {"kv_send": mode, "prompt_len": n}
+    for key in runs[0]:
+        row[key] = statistics.median(r[key] for r in runs)
+    row["overhead_pct"] = 100 * row["overhead_ms"] / row["prefill_alone_ms"]
+    print(
+        f"{mode:>13} prompt {n:>6}: prefill alone {row['prefill_alone_ms']:8.1f} ms  "
+        f"disaggregated TTFT {row['disagg_ttft_ms']:8.1f} ms  "
+        f"overhead {row['overhead_ms']:6.1f} ms ({row['overhead_pct']:.1f}%)  "
+        f"transfer {row['transfer_tail_ms']:6.1f} ms  "
+        f"handover {row['handover_ms']:6.1f} ms  KV {row['kv_bytes'] / 2**20:.0f} MiB",
+        flush=True,
+    )
+    return row
 
 
 if __name__ == "__main__":
