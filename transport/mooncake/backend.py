@@ -60,13 +60,10 @@ which live as long as it does. None of them are Python threads.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
-import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -85,7 +82,15 @@ from transport.base import (
     TransportError,
     WriteOp,
     check_sources,
-    remaining,
+)
+from transport.mooncake.side_channel import (
+    MAX_NOTIFY,
+    NOTIFY,
+    REPLY,
+    REQUEST,
+    NotifyListener,
+    hello,
+    shutdown,
 )
 
 _PROTOCOLS = ("tcp", "rdma")
@@ -93,10 +98,6 @@ _RDMA_SYSFS = "/sys/class/infiniband"
 _NO_HCA = "tandem-tcp-only"  # a device filter no HCA matches: Mooncake then installs TCP
 _WINDOW = 512  # runs in flight per peer session (Mooncake rejects beyond ~2,000)
 _SUBMIT_FAILED = (0, 2**64 - 1)  # transfer_submit_write's failures: 0 and (uint64_t)-1
-_MAX_NOTIFY = 1024 * 1024
-_REQUEST = struct.Struct("!BQI")  # kind, id, payload length; then the payload
-_REPLY = struct.Struct("!QB")  # id, ok
-_HELLO, _NOTIFY = 1, 2
 
 
 class MooncakeTransport(Transport):
@@ -132,7 +133,7 @@ class MooncakeTransport(Transport):
         self._orphans: dict[int, str] = {}  # batch id -> session, of runs nobody waits for
         self._closed = False
         try:
-            self._listener = _NotifyListener(host)
+            self._listener = NotifyListener(host)
         except OSError as e:
             raise ValueError(f"host: cannot listen on {host!r}: {e}") from None
         engine = TransferEngine()
@@ -198,7 +199,7 @@ class MooncakeTransport(Transport):
             raise HandshakeError(f"mooncake: malformed endpoint: {e}") from None
         if protocol != self._protocol:
             raise HandshakeError(f"mooncake: peer {session} speaks {protocol}, we {self._protocol}")
-        peer = _MooncakePeer(session, regions, _hello(address, session, deadline))
+        peer = _MooncakePeer(session, regions, hello(address, session, deadline))
         with self._lock:
             if self._engine is None:
                 peer.close()
@@ -219,8 +220,8 @@ class MooncakeTransport(Transport):
         peer.check(ops)
         with self._lock:
             check_sources("mooncake", ops, self._regions)
-        if notify and len(notify) > _MAX_NOTIFY:
-            raise TransferError(f"mooncake: notify of {len(notify)} bytes (at most {_MAX_NOTIFY})")
+        if notify and len(notify) > MAX_NOTIFY:
+            raise TransferError(f"mooncake: notify of {len(notify)} bytes (at most {MAX_NOTIFY})")
         transfer = _MooncakeTransfer(self, peer, [op for op in ops if op.nbytes], deadline, notify)
         transfer.poll()  # starts the I/O now
         return transfer
@@ -380,7 +381,7 @@ class _MooncakePeer(Peer):
     def notify(self, payload: bytes) -> int:
         """Queues a NOTIFY frame (drain() sends it); returns the id its ACK will carry."""
         notify_id = next(self._ids)
-        self._outbox += _REQUEST.pack(_NOTIFY, notify_id, len(payload)) + payload
+        self._outbox += REQUEST.pack(NOTIFY, notify_id, len(payload)) + payload
         self._waiting.add(notify_id)
         return notify_id
 
@@ -415,142 +416,20 @@ class _MooncakePeer(Peer):
             pass
         except OSError as e:
             self._break(e)
-        while len(self._inbox) >= _REPLY.size:
-            notify_id, _ = _REPLY.unpack_from(self._inbox)
-            del self._inbox[: _REPLY.size]
+        while len(self._inbox) >= REPLY.size:
+            notify_id, _ = REPLY.unpack_from(self._inbox)
+            del self._inbox[: REPLY.size]
             if notify_id in self._waiting:
                 self._acked.add(notify_id)
 
     def close(self) -> None:
         self._broken = self._broken or TransferError("mooncake: transport closed")
-        _shutdown(self._sock)
+        shutdown(self._sock)
 
     def _break(self, error: OSError) -> None:
         self._broken = TransferError(f"mooncake: peer {self.session} is gone: {error}")
-        _shutdown(self._sock)
+        shutdown(self._sock)
         raise self._broken
-
-
-def _hello(address: tuple[str, int], session: str, deadline: float) -> socket.socket:
-    """A side-channel connection to the peer, once it confirmed it is `session`."""
-    try:
-        sock = socket.create_connection(address, timeout=max(remaining(deadline), 0.001))
-    except TimeoutError:
-        raise DeadlineExceeded(f"mooncake: connect to {address} timed out") from None
-    except OSError as e:
-        raise HandshakeError(f"mooncake: cannot connect to {address}: {e}") from None
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(max(remaining(deadline), 0.001))
-        name = session.encode()
-        sock.sendall(_REQUEST.pack(_HELLO, 0, len(name)) + name)
-        _, ok = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
-    except TimeoutError:
-        _shutdown(sock)
-        raise DeadlineExceeded(f"mooncake: {address} did not answer by the deadline") from None
-    except OSError as e:
-        _shutdown(sock)
-        raise HandshakeError(f"mooncake: handshake with {address} failed: {e}") from None
-    if not ok:
-        _shutdown(sock)
-        raise HandshakeError(f"mooncake: the agent at {address} is not {session} (stale endpoint)")
-    sock.setblocking(False)
-    return sock
-
-
-class _NotifyListener:
-    """The side channel's receiving end on `host`: one thread answers HELLOs and records NOTIFY
-    payloads for every connected sender (selectors; a socketpair wakes it to stop)."""
-
-    def __init__(self, host: str) -> None:
-        self._server = socket.create_server((host, 0))
-        self._server.setblocking(False)
-        self.address = self._server.getsockname()[:2]
-        self._wake, self._waker = socket.socketpair()
-        self._selector = selectors.DefaultSelector()
-        self._lock = threading.Lock()
-        self._received: list[bytes] = []
-        self._session = b""
-        self._thread: threading.Thread | None = None
-
-    def start(self, session: str) -> None:
-        self._session = session.encode()
-        self._selector.register(self._server, selectors.EVENT_READ)
-        self._selector.register(self._wake, selectors.EVENT_READ)
-        self._thread = threading.Thread(target=self._run, name="mooncake-notify", daemon=True)
-        self._thread.start()
-
-    def take(self) -> list[bytes]:
-        with self._lock:
-            out, self._received = self._received, []
-        return out
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._waker.send(b"x")
-            self._thread.join(timeout=5)
-        for key in list(self._selector.get_map().values()):
-            key.fileobj.close()
-        self._selector.close()
-        for sock in (self._server, self._wake, self._waker):
-            sock.close()
-
-    def _run(self) -> None:
-        while True:
-            for key, events in self._selector.select():
-                if key.fileobj is self._wake:
-                    return
-                if key.fileobj is self._server:
-                    self._accept()
-                else:
-                    self._serve(key.fileobj, key.data, events)
-
-    def _accept(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            conn, _ = self._server.accept()
-            conn.setblocking(False)
-            self._selector.register(conn, selectors.EVENT_READ, _Buffers())
-
-    def _serve(self, conn: socket.socket, buffers: _Buffers, events: int) -> None:
-        try:
-            if events & selectors.EVENT_READ:
-                data = conn.recv(65536)
-                if not data:
-                    raise ConnectionError("sender closed the connection")
-                buffers.inbox += data
-                self._handle(buffers)
-            while buffers.outbox:
-                del buffers.outbox[: conn.send(buffers.outbox)]
-        except BlockingIOError:
-            pass
-        except (OSError, ValueError):  # gone, or broke the protocol: drop it
-            self._selector.unregister(conn)
-            conn.close()
-            return
-        wanted = selectors.EVENT_READ | (selectors.EVENT_WRITE if buffers.outbox else 0)
-        self._selector.modify(conn, wanted, buffers)
-
-    def _handle(self, buffers: _Buffers) -> None:
-        """Answers every complete frame in the inbox."""
-        while len(buffers.inbox) >= _REQUEST.size:
-            kind, frame_id, size = _REQUEST.unpack_from(buffers.inbox)
-            if kind not in (_HELLO, _NOTIFY) or size > _MAX_NOTIFY:
-                raise ValueError(f"bad frame (kind {kind}, {size} bytes)")
-            end = _REQUEST.size + size
-            if len(buffers.inbox) < end:
-                return
-            payload = bytes(buffers.inbox[_REQUEST.size : end])
-            del buffers.inbox[:end]
-            if kind == _NOTIFY:
-                with self._lock:
-                    self._received.append(payload)
-            buffers.outbox += _REPLY.pack(frame_id, kind == _NOTIFY or payload == self._session)
-
-
-class _Buffers:
-    def __init__(self) -> None:
-        self.inbox = bytearray()
-        self.outbox = bytearray()
 
 
 def _rdma_devices(device_name: str) -> list[str]:
@@ -562,19 +441,3 @@ def _rdma_devices(device_name: str) -> list[str]:
         return []
     wanted = [name for name in device_name.split(",") if name]
     return [name for name in found if not wanted or name in wanted]
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        data = sock.recv(n - len(buf))
-        if not data:
-            raise ConnectionError("peer closed the connection")
-        buf += data
-    return bytes(buf)
-
-
-def _shutdown(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
