@@ -24,3 +24,13 @@ def start_prefill(backend: str) -> tuple[subprocess.Popen, str]:
         r"serving on (http://[\d.:]+)",
     )
     return proc, m.group(1)
+
+
+def start_router(prefill_urls: list[str], decode_addresses: list[str]):
+    args = ["router.server", "--model", MODEL, "--port", "0"]
+    for url in prefill_urls:
+        args += ["--prefill", url]
+    for address in decode_addresses:
+        args += ["--decode", address]
+    proc, m = start(args, r"serving on (http://[\d.:]+)")
+    return proc, m.group(1)

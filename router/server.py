@@ -1,0 +1,88 @@
+"""The router: OpenAI-compatible HTTP in front of prefill and decode instances.
+
+    python -m router.server --model DIR --host 127.0.0.1 --port 8000 \
+        --prefill http://127.0.0.1:8100 [--prefill ...] --decode 127.0.0.1:50051 [--decode ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from router.openai_api import create_app
+from router.orchestrator import Orchestrator
+from router.tokenization import SegmentTokenizer
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str
+    """Hugging Face folder: the tokenizer, chat template and context length come from it."""
+    prefill: tuple[str, ...]
+    """Prefill base URLs (tandem's prefill server or vLLM with tandem's connector)."""
+    decode: tuple[str, ...]
+    """Decode servers' gRPC host:port."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = ""
+
+    def __post_init__(self) -> None:
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model: {self.model} is not a Hugging Face folder (no config.json)")
+        if not self.prefill or not self.decode:
+            raise ValueError("prefill, decode: give at least one --prefill URL and one --decode")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: {self.port} is not a port number")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m router.server", description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--prefill", action="append", default=[], help="prefill base URL")
+    parser.add_argument("--decode", action="append", default=[], help="decode host:port")
+    parser.add_argument("--served-model-name", default="")
+    args = parser.parse_args()
+    try:
+        config = RouterConfig(args.model, tuple(args.prefill), tuple(args.decode), args.host,
+                              args.port, args.served_model_name)  # fmt: skip
+        sock = socket.create_server((config.host, config.port))
+    except (ValueError, OSError) as e:
+        sys.exit(f"router.server: cannot start: {e}")
+    from transformers import AutoTokenizer
+
+    tokenizer = SegmentTokenizer(AutoTokenizer.from_pretrained(config.model))
+    if not tokenizer.self_check():
+        print("router.server: segment-cached tokenization disagrees with whole-prompt "
+              "tokenization for this tokenizer; tokenizing whole prompts", flush=True)  # fmt: skip
+    hf_config = json.loads((Path(config.model) / "config.json").read_text())
+    max_model_len = int(hf_config.get("max_position_embeddings", 4096))
+    orchestrator = Orchestrator(config.prefill, config.decode)
+    app = create_app(orchestrator, tokenizer, config.served_model_name or config.model,
+                     max_model_len)  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await orchestrator.start()
+        probe = asyncio.create_task(orchestrator.probe_forever())
+        yield
+        probe.cancel()
+        await orchestrator.close()
+
+    app.router.lifespan_context = lifespan
+    port = sock.getsockname()[1]
+    print(f"router.server: serving on http://{config.host}:{port}", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The router in front of real prefill and decode servers, driven by the official `openai`
+client: chat and completions, streaming and not, stop strings, usage; greedy text equals
+Hugging Face's. Bad input gets a 4xx with OpenAI's error body, and the router keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.servers import MODEL, start_decode, start_prefill, start_router
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def router():
+    decode, address = start_decode("tcp")
+    prefill, prefill_url = start_prefill("tcp")
+    proc, url = start_router([prefill_url], [address])
+    yield url
+    for p in (proc, prefill, decode):
+        p.terminate()
+        p.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(router):
+    return openai.OpenAI(base_url=f"{router}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def hf_chat_text() -> str:
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    eos = model.generation_config.eos_token_id
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos)  # fmt: skip
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_chat_greedy_equals_hugging_face(client, hf_chat_text):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=NEW_TOKENS, temperature=0
+    )
+    assert reply.choices[0].message.content == hf_chat_text
+    assert reply.usage.completion_tokens <= NEW_TOKENS and reply.usage.prompt_tokens > 0
+
+
+def test_streaming_chat_with_usage_equals_non_streaming(client, hf_chat_text):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=NEW_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == hf_chat_text
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_completions_with_token_ids_and_stop_string(client):
+    whole = client.completions.create(
+        model=MODEL, prompt=[504, 3458, 2767, 28], max_tokens=NEW_TOKENS, temperature=0
+    )
+    text = whole.choices[0].text
+    assert whole.choices[0].finish_reason == "length" and len(text) > 4
+    stop = text[3:6]
+    cut = client.completions.create(
+        model=MODEL, prompt=[504, 3458, 2767, 28], max_tokens=NEW_TOKENS, temperature=0,
+        stop=[stop],
+    )  # fmt: skip
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, 400, "context length"),
+        ({"model": MODEL, "prompt": [1] * 9000, "max_tokens": 1}, 400, "context length"),
+        ({"model": "gpt-9", "prompt": "hi"}, 404, "not found"),
+        ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "n": 3}, 400, "n:"),
+        ({"model": MODEL, "prompt": 42}, 400, "prompt"),
+    ],
+)
+def test_bad_input_gets_openai_error_bodies_and_the_router_keeps_serving(
+    router, client, body, status, words
+):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    reply = httpx.post(f"{router}/v1/completions", timeout=30, **kwargs)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert words in error["message"] and error["type"] and error["code"] == status
+    ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    assert ok.choices[0].text is not None
+
+
+def test_oversized_body_is_refused(router):
+    reply = httpx.post(f"{router}/v1/completions", timeout=30,
+                       content=b'{"prompt": "' + b"a" * (9 * 1024 * 1024) + b'"}')  # fmt: skip
+    assert reply.status_code == 413
+
+
+def test_models_and_health(router):
+    assert httpx.get(f"{router}/v1/models").json()["data"][0]["id"] == MODEL
+    health = httpx.get(f"{router}/health").json()
+    assert health["status"] == "ok" and health["tokenizer"] == "segmented"
+    assert list(health["decode"].values()) == ["up"]
