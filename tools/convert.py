@@ -206,7 +206,8 @@ def _publish(work: Path, target: Path) -> None:
         os.replace(work, target)
 
 
-def _default_cache_dir() -> Path:
+def default_cache_dir() -> Path:
+    """$TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem, else ~/.cache/tandem."""
     if "TANDEM_CACHE_DIR" in os.environ:
         return Path(os.environ["TANDEM_CACHE_DIR"])
     if "XDG_CACHE_HOME" in os.environ:
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
             convert_gguf(args.gguf, args.out, args.dtype)
             folder = args.out
         else:
-            folder = ensure_smollm2(args.cache_dir or _default_cache_dir())
+            folder = ensure_smollm2(args.cache_dir or default_cache_dir())
     except (MissingPackageError, ValueError) as error:
         raise SystemExit(f"convert: {error}") from None
     print(folder)

@@ -1,0 +1,110 @@
+"""The whole stack on one machine: decode server(s), prefill server(s) and the router, on free
+ports, with the bundled SmolLM2 unless --model names a Hugging Face folder.
+
+    ./bazelw run //tools:serve                      # or: python -m tools.serve
+    ./bazelw run //tools:serve -- --model DIR --device cuda --transport nixl --port 8000
+
+Prints `tandem ready: http://HOST:PORT` once the router answers; Ctrl-C (or SIGTERM) stops every
+component. If one cannot start, or dies, everything stops with its last words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from tools.launch import start
+
+SMOLLM2 = "smollm2"
+
+
+def _model_folder(model: str) -> str:
+    if model != SMOLLM2:
+        return model
+    from tools.convert import MissingPackageError, default_cache_dir, ensure_smollm2
+
+    try:
+        return str(ensure_smollm2(default_cache_dir()))
+    except MissingPackageError as e:
+        sys.exit(f"serve: {e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="tools/serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=SMOLLM2, help="HF folder, or smollm2 (bundled)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--prefill", choices=["embedded", "vllm"], default="embedded")
+    parser.add_argument("--transport", default="tcp", help="tcp, shm, nixl or mooncake")
+    parser.add_argument("--num-prefill", type=int, default=1)
+    parser.add_argument("--num-decode", type=int, default=1)
+    parser.add_argument("--kv-cache-gb", default="1")
+    args = parser.parse_args()
+    if args.prefill == "vllm":
+        sys.exit("serve: --prefill vllm is not available yet (tandem's vLLM connector is not "
+                 "built); use --prefill embedded")  # fmt: skip
+    if args.num_prefill < 1 or args.num_decode < 1:
+        sys.exit("serve: --num-prefill and --num-decode must be at least 1")
+    model = _model_folder(args.model)
+    if not (Path(model) / "config.json").is_file():
+        sys.exit(f"serve: --model {model} is not a Hugging Face folder (no config.json)")
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    common = ["--model", model, "--host", args.host, "--device", args.device, "--dtype", dtype,
+              "--transport", args.transport, "--kv-cache-gb", args.kv_cache_gb]  # fmt: skip
+    procs = []
+    stopping = threading.Event()
+
+    def stop_all(*_: object) -> None:
+        stopping.set()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(0)))
+    try:
+        decodes, prefills = [], []
+        for _ in range(args.num_decode):
+            proc, m = start(["decode.server", *common, "--grpc-port", "0"],
+                            r"serving gRPC on [\d.]+:(\d+)", timeout=900)  # fmt: skip
+            procs.append(proc)
+            decodes += ["--decode", f"{args.host}:{m.group(1)}"]
+        for _ in range(args.num_prefill):
+            proc, m = start(["prefill.server", *common, "--port", "0"],
+                            r"serving on (http://\S+)", timeout=900)  # fmt: skip
+            procs.append(proc)
+            prefills += ["--prefill", m.group(1)]
+        proc, m = start(["router.server", "--model", model, "--host", args.host,
+                         "--port", str(args.port), "--served-model-name", Path(model).name,
+                         *prefills, *decodes],
+                        r"serving on (http://\S+)", timeout=300)  # fmt: skip
+        procs.append(proc)
+    except RuntimeError as e:
+        stop_all()
+        sys.exit(f"serve: a component could not start: {e}")
+    print(f"tandem ready: {m.group(1)}", flush=True)
+    try:
+        while not stopping.is_set():
+            for proc in procs:
+                if proc.poll() is not None:
+                    stop_all()
+                    sys.exit(f"serve: {proc.args[2]} exited with {proc.returncode}; stopped all")
+            stopping.wait(1.0)
+    except KeyboardInterrupt:
+        stop_all()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
