@@ -9,11 +9,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from proto.tandem.v1 import decode_pb2
 from router.detokenizer import IncrementalDetokenizer
+from router.metrics import RequestTimer, RouterMetrics
 from router.orchestrator import BackendError, Finished, GenerationRequest, Orchestrator
 from router.tokenization import SegmentTokenizer
 
@@ -34,10 +36,36 @@ class RequestError(Exception):
 
 
 def create_app(
-    orchestrator: Orchestrator, tokenizer: SegmentTokenizer, model: str, max_model_len: int
+    orchestrator: Orchestrator,
+    tokenizer: SegmentTokenizer,
+    model: str,
+    max_model_len: int,
+    api_key: str | None = None,
 ) -> FastAPI:
     app = FastAPI(title="tandem router")
     hf = tokenizer.tokenizer
+    metrics = RouterMetrics(orchestrator)
+
+    @app.middleware("http")
+    async def gate_and_count(request: Request, call_next):
+        """API key (Bearer) on /v1/*, X-Request-Id in and out, request and error counts."""
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = request_id
+        authorized = request.headers.get("authorization") == f"Bearer {api_key}"
+        if api_key and request.url.path.startswith("/v1/") and not authorized:
+            response = error_response(401, "missing or wrong API key (Authorization: Bearer ...)")
+        else:
+            response = await call_next(request)
+        response.headers["X-Request-Id"] = request_id
+        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        if response.status_code >= 400:
+            kind = "bad_request" if response.status_code < 500 else "backend"
+            metrics.errors.labels(kind).inc()
+        return response
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, error: RequestError) -> JSONResponse:
@@ -65,6 +93,7 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request, _COMPLETIONS)
+        request_id = request.state.request_id
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -74,11 +103,13 @@ def create_app(
             prompt_ids = prompt
         else:
             raise RequestError(400, "prompt: a string or a non-empty list of token ids", "prompt")
-        return await _respond(body, prompt_ids, "text_completion", body.get("max_tokens", 16))
+        max_tokens = body.get("max_tokens", 16)
+        return await _respond(body, prompt_ids, "text_completion", max_tokens, request_id)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _body(request, _CHAT)
+        request_id = request.state.request_id
         messages = body.get("messages")
         if not (isinstance(messages, list) and messages and all(
             isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
@@ -87,7 +118,7 @@ def create_app(
             raise RequestError(400, "messages: a non-empty list of {role, content}", "messages")
         prompt_ids = tokenizer.encode(tokenizer.render(messages))
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        return await _respond(body, prompt_ids, "chat.completion", limit)
+        return await _respond(body, prompt_ids, "chat.completion", limit, request_id)
 
     async def _body(request: Request, allowed: set[str]) -> dict:
         raw = await request.body()
@@ -108,14 +139,14 @@ def create_app(
             raise RequestError(400, "n: only 1 is supported", "n")
         return body
 
-    async def _respond(body: dict, prompt_ids: list[int], kind: str, max_tokens):
+    async def _respond(body: dict, prompt_ids: list[int], kind: str, max_tokens, request_id):
         generation = _generation(body, prompt_ids, max_tokens, max_model_len)
         stops = body.get("stop") or []
         stops = [stops] if isinstance(stops, str) else stops
         if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
             raise RequestError(400, "stop: a string or a list of non-empty strings", "stop")
-        request_id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
-        events = _text_events(orchestrator, hf, generation, request_id, stops)
+        events = _text_events(orchestrator, hf, generation, request_id, stops, metrics)
+        request_id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{request_id}"
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             try:  # failures before the first token still get an HTTP status
@@ -179,15 +210,24 @@ def _generation(body: dict, prompt_ids: list[int], max_tokens, max_model_len: in
 
 
 async def _text_events(
-    orchestrator: Orchestrator, hf, request: GenerationRequest, request_id: str, stops: list[str]
+    orchestrator: Orchestrator,
+    hf,
+    request: GenerationRequest,
+    request_id: str,
+    stops: list[str],
+    metrics: RouterMetrics,
 ) -> AsyncIterator[str | Finished]:
     """Text deltas, then a Finished; stop strings end the generation (and are not returned)."""
     detok = IncrementalDetokenizer(hf, request.prompt_ids)
     completion = 0
     held = ""  # text that could still be the start of a stop string
     stream = orchestrator.generate(request, request_id)
+    timer = RequestTimer(metrics)
+    metrics.in_flight.inc()
     try:
         async for item in stream:
+            if not isinstance(item, Finished):
+                timer.tokens_arrived(len(item))
             if isinstance(item, Finished):
                 tail = held + detok.flush()
                 if tail:
@@ -208,6 +248,8 @@ async def _text_events(
                 yield held[:cut]
                 held = held[cut:]
     finally:
+        metrics.in_flight.dec()
+        timer.done()
         await stream.aclose()  # a stop string or a gone client: abort on the decode server
 
 

@@ -33,6 +33,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str = ""
+    api_key: str | None = None
+    """When set, /v1/* requests need `Authorization: Bearer <api_key>`."""
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -51,10 +53,11 @@ def main() -> None:
     parser.add_argument("--prefill", action="append", default=[], help="prefill base URL")
     parser.add_argument("--decode", action="append", default=[], help="decode host:port")
     parser.add_argument("--served-model-name", default="")
+    parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     args = parser.parse_args()
     try:
         config = RouterConfig(args.model, tuple(args.prefill), tuple(args.decode), args.host,
-                              args.port, args.served_model_name)  # fmt: skip
+                              args.port, args.served_model_name, args.api_key)  # fmt: skip
         sock = socket.create_server((config.host, config.port))
     except (ValueError, OSError) as e:
         sys.exit(f"router.server: cannot start: {e}")
@@ -68,7 +71,7 @@ def main() -> None:
     max_model_len = int(hf_config.get("max_position_embeddings", 4096))
     orchestrator = Orchestrator(config.prefill, config.decode)
     app = create_app(orchestrator, tokenizer, config.served_model_name or config.model,
-                     max_model_len)  # fmt: skip
+                     max_model_len, config.api_key)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -17,14 +17,21 @@ NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def router():
+def backends():
     decode, address = start_decode("tcp")
     prefill, prefill_url = start_prefill("tcp")
-    proc, url = start_router([prefill_url], [address])
-    yield url
-    for p in (proc, prefill, decode):
+    yield [prefill_url], [address]
+    for p in (prefill, decode):
         p.terminate()
         p.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def router(backends):
+    proc, url = start_router(*backends)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +125,38 @@ def test_models_and_health(router):
     health = httpx.get(f"{router}/health").json()
     assert health["status"] == "ok" and health["tokenizer"] == "segmented"
     assert list(health["decode"].values()) == ["up"]
+
+
+def test_metrics_count_requests_and_time_tokens(router, client):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
+    text = httpx.get(f"{router}/metrics").text
+    assert 'tandem_router_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert 'tandem_router_errors_total{kind="bad_request"}' in text  # from the bad-input tests
+    count = next(
+        line for line in text.splitlines() if line.startswith("tandem_router_ttft_seconds_count")
+    )
+    assert float(count.split()[-1]) >= 1
+    assert "tandem_router_decode_outstanding_tokens{instance=" in text
+
+
+def test_request_id_is_echoed(router):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    reply = httpx.post(
+        f"{router}/v1/completions", headers={"X-Request-Id": "trace-42"}, json=body, timeout=30
+    )
+    assert reply.headers["x-request-id"] == "trace-42"
+    assert reply.json()["id"] == "cmpl-trace-42"
+
+
+def test_api_key_is_required_when_set(backends):
+    proc, url = start_router(*backends, "--api-key", "s3cret")
+    try:
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert refused.status_code == 401 and "API key" in refused.json()["error"]["message"]
+        ok = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        reply = ok.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+        assert reply.choices[0].text is not None
+        assert httpx.get(f"{url}/health").status_code == 200  # health stays open for probes
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -26,8 +26,8 @@ def start_prefill(backend: str) -> tuple[subprocess.Popen, str]:
     return proc, m.group(1)
 
 
-def start_router(prefill_urls: list[str], decode_addresses: list[str]):
-    args = ["router.server", "--model", MODEL, "--port", "0"]
+def start_router(prefill_urls: list[str], decode_addresses: list[str], *extra: str):
+    args = ["router.server", "--model", MODEL, "--port", "0", *extra]
     for url in prefill_urls:
         args += ["--prefill", url]
     for address in decode_addresses:
