@@ -21,6 +21,8 @@ class RouterMetrics:
         )  # fmt: skip
         self.errors = Counter("tandem_router_errors", "errors by kind", ["kind"], registry=r)
         self.in_flight = Gauge("tandem_router_in_flight", "requests being served", registry=r)
+        self.active = 0
+        """The same count as a plain int, for admission decisions."""
         self.ttft = Histogram("tandem_router_ttft_seconds", "time to first token",
                               buckets=_LATENCY, registry=r)  # fmt: skip
         self.itl = Histogram("tandem_router_itl_seconds", "time between streamed tokens",

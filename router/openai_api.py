@@ -41,7 +41,9 @@ def create_app(
     model: str,
     max_model_len: int,
     api_key: str | None = None,
+    max_queue: int = 0,
 ) -> FastAPI:
+    """`max_queue` > 0: requests beyond that many in flight get 429 with Retry-After."""
     app = FastAPI(title="tandem router")
     hf = tokenizer.tokenizer
     metrics = RouterMetrics(orchestrator)
@@ -145,6 +147,12 @@ def create_app(
         stops = [stops] if isinstance(stops, str) else stops
         if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
             raise RequestError(400, "stop: a string or a list of non-empty strings", "stop")
+        if max_queue and metrics.active >= max_queue:
+            response = error_response(429, f"{metrics.active} requests in flight, the limit")
+            response.headers["Retry-After"] = "1"
+            return response
+        # NOTE: nothing awaits between this check and the generator's first step, which counts
+        # the request as active: concurrent requests cannot all slip past the limit.
         events = _text_events(orchestrator, hf, generation, request_id, stops, metrics)
         request_id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{request_id}"
         if body.get("stream"):
@@ -224,6 +232,7 @@ async def _text_events(
     stream = orchestrator.generate(request, request_id)
     timer = RequestTimer(metrics)
     metrics.in_flight.inc()
+    metrics.active += 1
     try:
         async for item in stream:
             if not isinstance(item, Finished):
@@ -248,6 +257,7 @@ async def _text_events(
                 yield held[:cut]
                 held = held[cut:]
     finally:
+        metrics.active -= 1
         metrics.in_flight.dec()
         timer.done()
         await stream.aclose()  # a stop string or a gone client: abort on the decode server

@@ -35,6 +35,8 @@ class RouterConfig:
     served_model_name: str = ""
     api_key: str | None = None
     """When set, /v1/* requests need `Authorization: Bearer <api_key>`."""
+    max_queue: int = 512
+    """Requests in flight beyond this get 429 with Retry-After; 0: no limit."""
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -43,6 +45,8 @@ class RouterConfig:
             raise ValueError("prefill, decode: give at least one --prefill URL and one --decode")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a port number")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue: {self.max_queue} must be >= 0")
 
 
 def main() -> None:
@@ -54,10 +58,12 @@ def main() -> None:
     parser.add_argument("--decode", action="append", default=[], help="decode host:port")
     parser.add_argument("--served-model-name", default="")
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    parser.add_argument("--max-queue", type=int, default=512, help="429 beyond this many")
     args = parser.parse_args()
     try:
         config = RouterConfig(args.model, tuple(args.prefill), tuple(args.decode), args.host,
-                              args.port, args.served_model_name, args.api_key)  # fmt: skip
+                              args.port, args.served_model_name, args.api_key,
+                              args.max_queue)  # fmt: skip
         sock = socket.create_server((config.host, config.port))
     except (ValueError, OSError) as e:
         sys.exit(f"router.server: cannot start: {e}")
@@ -71,7 +77,7 @@ def main() -> None:
     max_model_len = int(hf_config.get("max_position_embeddings", 4096))
     orchestrator = Orchestrator(config.prefill, config.decode)
     app = create_app(orchestrator, tokenizer, config.served_model_name or config.model,
-                     max_model_len, config.api_key)  # fmt: skip
+                     max_model_len, config.api_key, config.max_queue)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

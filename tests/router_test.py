@@ -4,6 +4,8 @@ Hugging Face's. Bad input gets a 4xx with OpenAI's error body, and the router ke
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -157,6 +159,29 @@ def test_api_key_is_required_when_set(backends):
         reply = ok.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
         assert reply.choices[0].text is not None
         assert httpx.get(f"{url}/health").status_code == 200  # health stays open for probes
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_queue_limit_gives_429_with_retry_after(backends):
+    proc, url = start_router(*backends, "--max-queue", "1")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        long = client.completions.create(
+            model=MODEL, prompt="Count:", max_tokens=300, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        next(iter(long))  # the first request is being served
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == 429
+        long.close()
+        deadline = time.monotonic() + 10
+        while httpx.post(f"{url}/v1/completions",
+                         json={"prompt": "Hi", "max_tokens": 2}).status_code == 429:  # fmt: skip
+            assert time.monotonic() < deadline, "the slot was never given back"
+            time.sleep(0.1)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
