@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,11 +166,47 @@ class Transport(abc.ABC):
         self.close()
 
 
-def check_sources(backend: str, ops: Sequence[WriteOp], regions: Sequence[Region]) -> None:
-    """Raises TransferError for any op whose source is outside this agent's `regions`."""
-    for op in ops:
-        if op.nbytes and not any(r.contains(op.src, op.nbytes) for r in regions):
-            raise TransferError(f"{backend}: source {op.src:#x}+{op.nbytes} is not registered here")
+class RegionTable:
+    """One agent's registered regions, thread-safe: what its endpoint advertises, what its
+    writes may read from and what peers may write into."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self._regions: list[Region] = []
+        self._lock = threading.Lock()
+
+    def add(self, region: Region) -> Region:
+        with self._lock:
+            self._regions.append(region)
+        return region
+
+    def remove(self, region: Region) -> None:
+        with self._lock:
+            self._regions.remove(region)
+
+    def pairs(self) -> list[list[int]]:
+        """[[addr, nbytes], ...], as endpoints publish them."""
+        with self._lock:
+            return [[r.addr, r.nbytes] for r in self._regions]
+
+    def contains(self, addr: int, nbytes: int) -> bool:
+        with self._lock:
+            return any(r.contains(addr, nbytes) for r in self._regions)
+
+    def check_sources(self, ops: Sequence[WriteOp]) -> None:
+        """Raises TransferError for any op whose source is outside these regions."""
+        for op in ops:
+            if op.nbytes and not self.contains(op.src, op.nbytes):
+                raise TransferError(
+                    f"{self.backend}: source {op.src:#x}+{op.nbytes} is not registered here"
+                )
+
+
+def host_region(backend: str, addr: int, nbytes: int, device: str) -> Region:
+    """A Region for a backend that moves host memory only; GPU memory is refused by name."""
+    if device != "cpu":
+        raise ValueError(f"{backend}: cannot register {device} memory (host memory only; use nixl)")
+    return Region(addr, nbytes, device)
 
 
 def remaining(deadline: float) -> float:

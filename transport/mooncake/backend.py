@@ -75,13 +75,13 @@ from transport.base import (
     HandshakeError,
     Peer,
     Region,
+    RegionTable,
     Transfer,
     TransferError,
     TransferState,
     Transport,
     TransportError,
     WriteOp,
-    check_sources,
 )
 from transport.mooncake.side_channel import (
     MAX_NOTIFY,
@@ -127,7 +127,7 @@ class MooncakeTransport(Transport):
         self.one_sided = protocol == "rdma"
         self._protocol = protocol
         self._lock = threading.Lock()  # guards the engine calls and everything below
-        self._regions: list[Region] = []
+        self._regions = RegionTable("mooncake")
         self._peers: list[_MooncakePeer] = []
         self._inflight: dict[str, int] = {}  # peer session -> runs submitted, not yet reaped
         self._orphans: dict[int, str] = {}  # batch id -> session, of runs nobody waits for
@@ -162,7 +162,7 @@ class MooncakeTransport(Transport):
             rc = self._live_engine().register_memory(addr, nbytes)
             if rc != 0:
                 raise TransportError(f"mooncake: register_memory({addr:#x}, {nbytes}) -> {rc}")
-            self._regions.append(region)
+            self._regions.add(region)
         return region
 
     def deregister(self, region: Region) -> None:
@@ -173,8 +173,7 @@ class MooncakeTransport(Transport):
                 raise TransportError(f"mooncake: unregister_memory({region.addr:#x}) -> {rc}")
 
     def endpoint(self) -> bytes:
-        with self._lock:
-            regions = [[r.addr, r.nbytes] for r in self._regions]
+        regions = self._regions.pairs()
         return json.dumps(
             {
                 "transport": "mooncake",
@@ -218,8 +217,7 @@ class MooncakeTransport(Transport):
     ) -> Transfer:
         assert isinstance(peer, _MooncakePeer)
         peer.check(ops)
-        with self._lock:
-            check_sources("mooncake", ops, self._regions)
+        self._regions.check_sources(ops)
         if notify and len(notify) > MAX_NOTIFY:
             raise TransferError(f"mooncake: notify of {len(notify)} bytes (at most {MAX_NOTIFY})")
         transfer = _MooncakeTransfer(self, peer, [op for op in ops if op.nbytes], deadline, notify)

@@ -16,7 +16,6 @@ import ctypes
 import json
 import os
 import socket
-import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -25,13 +24,14 @@ from transport.base import (
     HandshakeError,
     Peer,
     Region,
+    RegionTable,
     Transfer,
     TransferError,
     TransferState,
     Transport,
     TransportError,
     WriteOp,
-    check_sources,
+    host_region,
     remaining,
 )
 
@@ -53,8 +53,7 @@ class ShmTransport(Transport):
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         del host  # same host only: nothing to bind
-        self._regions: list[Region] = []
-        self._lock = threading.Lock()
+        self._regions = RegionTable("shm")
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._address = f"\0tandem-shm-{os.getpid()}-{id(self):x}"
         self._socket.bind(self._address)
@@ -62,20 +61,13 @@ class ShmTransport(Transport):
         self._closed = False
 
     def register(self, addr: int, nbytes: int, device: str = "cpu") -> Region:
-        if device != "cpu":
-            raise ValueError(f"shm: cannot register {device} memory (host memory only; use nixl)")
-        region = Region(addr, nbytes, device)
-        with self._lock:
-            self._regions.append(region)
-        return region
+        return self._regions.add(host_region("shm", addr, nbytes, device))
 
     def deregister(self, region: Region) -> None:
-        with self._lock:
-            self._regions.remove(region)
+        self._regions.remove(region)
 
     def endpoint(self) -> bytes:
-        with self._lock:
-            regions = [[r.addr, r.nbytes] for r in self._regions]
+        regions = self._regions.pairs()
         return json.dumps(
             {
                 "transport": "shm",
@@ -106,8 +98,7 @@ class ShmTransport(Transport):
     ) -> Transfer:
         assert isinstance(peer, _ShmPeer)
         peer.check(ops)
-        with self._lock:
-            check_sources("shm", ops, self._regions)
+        self._regions.check_sources(ops)
         # The copy is synchronous (a kernel memcpy); the transfer is done or failed on return.
         try:
             _copy(peer.pid, [op for op in ops if op.nbytes], deadline)

@@ -28,13 +28,14 @@ from transport.base import (
     HandshakeError,
     Peer,
     Region,
+    RegionTable,
     Transfer,
     TransferError,
     TransferState,
     Transport,
     TransportError,
     WriteOp,
-    check_sources,
+    host_region,
     remaining,
 )
 from transport.memory import view
@@ -52,7 +53,7 @@ class TcpTransport(Transport):
     one_sided = False
 
     def __init__(self, host: str = "127.0.0.1") -> None:
-        self._regions: list[Region] = []
+        self._regions = RegionTable("tcp")
         self._lock = threading.Lock()
         self._notifications: list[bytes] = []
         self._listener = socket.create_server((host, 0))
@@ -66,20 +67,13 @@ class TcpTransport(Transport):
     # -- local memory --------------------------------------------------------------------------
 
     def register(self, addr: int, nbytes: int, device: str = "cpu") -> Region:
-        if device != "cpu":
-            raise ValueError(f"tcp: cannot register {device} memory (host memory only; use nixl)")
-        region = Region(addr, nbytes, device)
-        with self._lock:
-            self._regions.append(region)
-        return region
+        return self._regions.add(host_region("tcp", addr, nbytes, device))
 
     def deregister(self, region: Region) -> None:
-        with self._lock:
-            self._regions.remove(region)
+        self._regions.remove(region)
 
     def endpoint(self) -> bytes:
-        with self._lock:
-            regions = [[r.addr, r.nbytes] for r in self._regions]
+        regions = self._regions.pairs()
         return json.dumps(
             {"transport": "tcp", "host": self._host, "port": self._port, "regions": regions}
         ).encode()
@@ -112,8 +106,7 @@ class TcpTransport(Transport):
     ) -> Transfer:
         assert isinstance(peer, _TcpPeer)
         peer.check(ops)
-        with self._lock:
-            check_sources("tcp", ops, self._regions)
+        self._regions.check_sources(ops)
         return peer.submit(ops, deadline, notify or b"")
 
     # -- receiving -----------------------------------------------------------------------------
@@ -153,7 +146,7 @@ class TcpTransport(Transport):
             while True:
                 kind, xfer, addr, nbytes = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
                 if kind == _DATA:
-                    if not self._inside(addr, nbytes):
+                    if not self._regions.contains(addr, nbytes):
                         reason = f"write of {nbytes} bytes to {addr:#x} is outside the regions"
                         conn.sendall(_ack(xfer, reason))
                         return  # the stream holds a payload we will not read: drop it
@@ -172,10 +165,6 @@ class TcpTransport(Transport):
             with self._lock:
                 self._connections.discard(conn)
             conn.close()
-
-    def _inside(self, addr: int, nbytes: int) -> bool:
-        with self._lock:
-            return any(r.contains(addr, nbytes) for r in self._regions)
 
     def _spawn(self, target, name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
