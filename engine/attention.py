@@ -14,12 +14,14 @@ GPU backend is another module or object with the same two functions.
 """
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass(frozen=True)
@@ -160,86 +162,106 @@ def paged_attention(
 
     The new tokens' K/V must already be written (`write_kv`). Returns [T, num_heads, head_dim].
     """
+    return attend_batch(q, k_cache, v_cache, meta, scale, _attend_single_tokens)
+
+
+# (q rows [n, heads, dim], k_cache, v_cache, seq_lens [n] int32, block_tables [n, w] int32,
+#  scale) -> out [n, heads, dim]: attention of one new token per row.
+DecodeRows = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+
+
+def attend_batch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    decode_rows: DecodeRows,
+) -> torch.Tensor:
+    """Any batch, eagerly (it reads lengths on the host): the one-token rows together through the
+    backend's `decode_rows`, each longer query (a prompt or a chunk of one) through
+    `attend_chunk`, one sequence at a time, since padding every query to the longest would cost
+    B * max_query_len * max_seq_len of mask."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     query_lens = [end - start for start, end in itertools.pairwise(starts)]
-    # Single-token queries need no causal mask, so they batch into one padded call; longer
-    # queries run one sequence at a time, since padding every query to the longest would cost
-    # B * max_query_len * max_seq_len of mask.
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
     if decodes:
-        _attend_single_tokens(q, k_cache, v_cache, meta, scale, decodes, starts, seq_lens, out)
+        index = torch.tensor(decodes, device=q.device)
+        rows = torch.tensor([starts[i] for i in decodes], device=q.device)
+        out[rows] = decode_rows(
+            q[rows], k_cache, v_cache, meta.seq_lens[index], meta.block_tables[index], scale
+        )
+    block_size = k_cache.shape[2]
     for i, n in enumerate(query_lens):
-        if n > 1:
-            _attend_chunk(q, k_cache, v_cache, meta, scale, i, starts[i], n, seq_lens[i], out)
+        if n == 1:
+            continue
+        start, seq_len = starts[i], seq_lens[i]
+        table = meta.block_tables[i, : -(-seq_len // block_size)].long()
+        out[start : start + n] = attend_chunk(
+            q[start : start + n], k_cache[table], v_cache[table], seq_len, scale
+        )
     return out
+
+
+def attend_chunk(
+    q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, seq_len: int, scale: float
+) -> torch.Tensor:
+    """q [n, heads, dim], the context's blocks [blocks, kv_heads, bs, dim] -> out [n, heads, dim];
+    the n queries are the context's last n tokens.
+
+    NOTE: on CUDA, SDPA's default choice here (cuDNN) builds a plan per new shape, which costs
+    ~100 ms each time a prompt length is first seen: the flash and memory-efficient kernels are
+    asked for instead, and they need 4-D inputs ([1, heads, tokens, dim]; with 3-D ones SDPA
+    falls back to the math path, which materializes the whole score matrix) and no GQA.
+    """
+    n, heads, _ = q.shape
+    group = heads // k_blocks.shape[1]
+
+    def context(blocks: torch.Tensor) -> torch.Tensor:  # [heads, seq_len, dim]
+        kv = blocks.transpose(0, 1).flatten(1, 2)[:, :seq_len]
+        return kv.repeat_interleave(group, dim=0) if group > 1 else kv
+
+    # SDPA's is_causal aligns the mask top-left, right only when queries == keys.
+    mask = None if n == seq_len else causal_lower_right(n, seq_len)
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(backends):
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            context(k_blocks).unsqueeze(0),
+            context(v_blocks).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+        )
+    return o[0].transpose(0, 1)
 
 
 def _attend_single_tokens(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
     scale: float,
-    seqs: list[int],
-    starts: list[int],
-    seq_lens: list[int],
-    out: torch.Tensor,
-) -> None:
-    device = q.device
-    rows = torch.tensor([starts[i] for i in seqs], device=device)
-    index = torch.tensor(seqs, device=device)
-    lens = meta.seq_lens[index]
+) -> torch.Tensor:
+    """Single-token queries need no causal mask, so they batch into one padded SDPA call."""
     block_size = k_cache.shape[2]
-    width = -(-max(seq_lens[i] for i in seqs) // block_size)
-    tables = meta.block_tables[index, :width].long()
+    width = -(-int(seq_lens.max()) // block_size)
+    tables = block_tables[:, :width].long()
     k, v = _gather(k_cache, tables), _gather(v_cache, tables)  # [n, kv_heads, width*bs, dim]
-    mask = torch.arange(width * block_size, device=device)[None, :] < lens[:, None]
+    mask = torch.arange(width * block_size, device=q.device)[None, :] < seq_lens[:, None]
     # NOTE: slots past a sequence's end may hold anything a sender wrote (NaN bit patterns too),
     # and a masked-out NaN still poisons softmax (NaN - inf is NaN): zero them.
     valid = mask[:, None, :, None]
     k, v = k.masked_fill(~valid, 0), v.masked_fill(~valid, 0)
     o = F.scaled_dot_product_attention(
-        q[rows].unsqueeze(2),
-        k,
-        v,
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
+        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
     )
-    out[rows] = o.squeeze(2)
-
-
-def _attend_chunk(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    seq: int,
-    start: int,
-    n: int,
-    seq_len: int,
-    out: torch.Tensor,
-) -> None:
-    block_size = k_cache.shape[2]
-    table = meta.block_tables[seq : seq + 1, : -(-seq_len // block_size)].long()
-    k = _gather(k_cache, table)[:, :, :seq_len]
-    v = _gather(v_cache, table)[:, :, :seq_len]
-    query = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-    if n == seq_len:
-        # NOTE: SDPA's is_causal aligns the mask top-left, right only when queries == keys.
-        o = F.scaled_dot_product_attention(
-            query, k, v, is_causal=True, scale=scale, enable_gqa=True
-        )
-    else:
-        query_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            query, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )
-    out[start : start + n] = o[0].transpose(0, 1)
+    return o.squeeze(2)
 
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

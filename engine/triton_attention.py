@@ -21,16 +21,12 @@ The decode path is CUDA-graph capturable: launch grids and buffer sizes depend o
 """
 
 import functools
-import itertools
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
-from engine.attention import AttentionMetadata, write_kv
+from engine.attention import AttentionMetadata, attend_batch, write_kv
 
 __all__ = ["choose_num_splits", "paged_attention", "write_kv"]
 
@@ -60,73 +56,13 @@ def paged_attention(
     `num_splits` overrides the decode path's split count (tests and tuning); None picks it with
     `choose_num_splits`.
     """
-    if meta.max_query_len != 1:
-        return _mixed(q, k_cache, v_cache, meta, scale)
+    if meta.max_query_len != 1:  # prefill in the batch: never in a CUDA graph
+        return attend_batch(q, k_cache, v_cache, meta, scale, _decode_rows)
     return _decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, num_splits)
 
 
-def _mixed(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Prefill chunks, with or without decodes: never in a CUDA graph, so host syncs are fine.
-
-    Decode rows go through the decode kernel; each prefill chunk through flash attention over its
-    gathered context. NOTE: SDPA's default choice here (cuDNN) builds a plan per new shape, which
-    costs ~100 ms each time a prompt length is first seen; flash and memory-efficient don't.
-    """
-    out = torch.empty_like(q)
-    starts = meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens.tolist()
-    query_lens = [end - start for start, end in itertools.pairwise(starts)]
-    decodes = [i for i, n in enumerate(query_lens) if n == 1]
-    if decodes:
-        index = torch.tensor(decodes, device=q.device)
-        rows = torch.tensor([starts[i] for i in decodes], device=q.device)
-        out[rows] = _decode(
-            q[rows], k_cache, v_cache, meta.seq_lens[index], meta.block_tables[index], scale, None
-        )
-    block_size = k_cache.shape[2]
-    for i, n in enumerate(query_lens):
-        if n == 1:
-            continue
-        start, seq_len = starts[i], seq_lens[i]
-        table = meta.block_tables[i, : -(-seq_len // block_size)].long()
-        out[start : start + n] = _prefill_chunk(
-            q[start : start + n], k_cache[table], v_cache[table], seq_len, scale
-        )
-    return out
-
-
-def _prefill_chunk(
-    q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, seq_len: int, scale: float
-) -> torch.Tensor:
-    """q [n, heads, dim], the context's blocks [blocks, kv_heads, bs, dim] -> out [n, heads, dim];
-    the n queries are the context's last n tokens."""
-    n, heads, _ = q.shape
-    group = heads // k_blocks.shape[1]
-
-    def context(blocks: torch.Tensor) -> torch.Tensor:  # [heads, seq_len, dim]
-        kv = blocks.transpose(0, 1).flatten(1, 2)[:, :seq_len]
-        return kv.repeat_interleave(group, dim=0) if group > 1 else kv
-
-    mask = None if n == seq_len else causal_lower_right(n, seq_len)
-    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    # NOTE: 4-D inputs ([1, heads, tokens, dim]): with 3-D ones SDPA skips the flash kernels
-    # and falls back to the math path, which materializes the whole score matrix.
-    with sdpa_kernel(backends):
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            context(k_blocks).unsqueeze(0),
-            context(v_blocks).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-        )
-    return o[0].transpose(0, 1)
+def _decode_rows(q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
+    return _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, None)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_tiles: int, sm_count: int) -> int:
