@@ -17,7 +17,7 @@ from proto.tandem.v1 import decode_pb2
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RequestTimer, RouterMetrics
 from router.orchestrator import BackendError, Finished, GenerationRequest, Orchestrator
-from router.tokenization import SegmentTokenizer
+from router.prompts import PromptTokenizer
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
              "presence_penalty", "frequency_penalty")  # fmt: skip
@@ -37,7 +37,7 @@ class RequestError(Exception):
 
 def create_app(
     orchestrator: Orchestrator,
-    tokenizer: SegmentTokenizer,
+    prompts: PromptTokenizer,
     model: str,
     max_model_len: int,
     api_key: str | None = None,
@@ -45,7 +45,7 @@ def create_app(
 ) -> FastAPI:
     """`max_queue` > 0: requests beyond that many in flight get 429 with Retry-After."""
     app = FastAPI(title="tandem router")
-    hf = tokenizer.tokenizer
+    hf = prompts.local.tokenizer
     metrics = RouterMetrics(orchestrator)
 
     @app.middleware("http")
@@ -77,7 +77,11 @@ def create_app(
     async def health() -> dict:
         return {
             "status": "ok",
-            "tokenizer": "segmented" if tokenizer.segmented else "whole",
+            "tokenizer": {
+                "source": prompts.source,
+                "parity": prompts.parity,
+                "segmented": prompts.local.segmented,
+            },
             "decode": {d.address: "up" if d.healthy else "down" for d in orchestrator.decodes},
             "prefill": [p.url for p in orchestrator.prefills],
         }
@@ -100,7 +104,7 @@ def create_app(
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = hf(prompt)["input_ids"]
+            prompt_ids = await _tokenized(prompts.text(prompt))
         elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             prompt_ids = prompt
         else:
@@ -118,9 +122,15 @@ def create_app(
             for m in messages
         )):  # fmt: skip
             raise RequestError(400, "messages: a non-empty list of {role, content}", "messages")
-        prompt_ids = tokenizer.encode(tokenizer.render(messages))
+        prompt_ids = await _tokenized(prompts.chat(messages))
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         return await _respond(body, prompt_ids, "chat.completion", limit, request_id)
+
+    async def _tokenized(ids) -> list[int]:
+        try:
+            return await ids
+        except BackendError as e:  # tokenized by a prefill that refused or failed
+            raise RequestError(e.status, str(e)) from None
 
     async def _body(request: Request, allowed: set[str]) -> dict:
         raw = await request.body()

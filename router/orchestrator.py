@@ -4,8 +4,10 @@
   in flight) -> POST /v1/completions with the ticket (on failure: once more, on another prefill)
   -> Generate, streamed back as lists of token ids, then a Finished.
 
-Cancelling the consumer (client gone) aborts the request on the decode server. A decode instance
-whose RPC fails with UNAVAILABLE is marked down; it is used again once a Stats probe answers.
+Cancelling the consumer (client gone) aborts the request on the decode server, and so does a
+prefill failure (the reservation is released at once instead of at its deadline). A decode
+instance whose RPC fails with UNAVAILABLE is marked down until a Stats probe answers; a prefill
+instance that cannot be reached is marked down until its /health answers.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class PrefillInstance:
     url: str
     client: httpx.AsyncClient
     in_flight: int = 0
+    healthy: bool = True
 
 
 @dataclass
@@ -104,7 +107,11 @@ class Orchestrator:
             ticket = await decode.stub.Reserve(decode_pb2.ReserveRequest(
                 request_id=rid, prompt_token_ids=request.prompt_ids, num_senders=1,
                 max_tokens=request.max_tokens), timeout=30)  # fmt: skip
-            first = await self._prefill(ticket.ticket, decode.address, request.prompt_ids)
+            try:
+                first = await self._prefill(ticket.ticket, decode.address, request.prompt_ids)
+            except BackendError:
+                await asyncio.shield(self._abort(decode, rid, "prefill failed"))
+                raise
             stream = decode.stub.Generate(decode_pb2.GenerateRequest(
                 request_id=rid, generation=ticket.ticket.generation, first_token_id=first,
                 sampling=request.sampling, max_tokens=request.max_tokens,
@@ -126,7 +133,7 @@ class Orchestrator:
             raise self._failed(decode, e) from None
         except (asyncio.CancelledError, GeneratorExit):
             if started:  # the client is gone: stop decoding for it
-                await asyncio.shield(self._abort(decode, rid))
+                await asyncio.shield(self._abort(decode, rid, "client gone"))
             raise
         finally:
             decode.outstanding_tokens -= request.max_tokens
@@ -137,8 +144,26 @@ class Orchestrator:
         for decode in self.decodes:
             await decode.channel.close()
 
+    async def tokenize(self, body: dict) -> list[int]:
+        """Token ids from a prefill instance's /tokenize (`prompt` or `messages`)."""
+        error = "no prefill instance is available"
+        for prefill in self._prefill_order():
+            prefill.in_flight += 1
+            try:
+                reply = await prefill.client.post("/tokenize", json=body)
+                if reply.status_code == 200:
+                    return reply.json()["tokens"]
+                raise BackendError(reply.status_code, f"prefill {prefill.url} /tokenize: "
+                                   f"{reply.text[:200]}")  # fmt: skip
+            except httpx.HTTPError as e:
+                prefill.healthy = not isinstance(e, httpx.TransportError)
+                error = f"prefill {prefill.url} failed: {e!r}"
+            finally:
+                prefill.in_flight -= 1
+        raise BackendError(503, error)
+
     async def probe_forever(self) -> None:
-        """Brings decode instances marked down back once they answer Stats."""
+        """Brings instances marked down back once they answer (decode: Stats, prefill: /health)."""
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             for decode in self.decodes:
@@ -148,6 +173,11 @@ class Orchestrator:
                         decode.healthy = True
                     except grpc.aio.AioRpcError:
                         pass
+            for prefill in self.prefills:
+                if not prefill.healthy:
+                    with contextlib.suppress(httpx.HTTPError):
+                        reply = await prefill.client.get("/health", timeout=2)
+                        prefill.healthy = reply.status_code == 200
 
     def _pick_decode(self) -> DecodeInstance:
         healthy = [d for d in self.decodes if d.healthy]
@@ -159,12 +189,8 @@ class Orchestrator:
         params = {"tandem_ticket": base64.b64encode(ticket.SerializeToString()).decode(),
                   "decode_address": decode_address}  # fmt: skip
         body = {"prompt": prompt_ids, "max_tokens": 1, "kv_transfer_params": params}
-        tried: set[str] = set()
         error = "no prefill instance is available"
-        for _ in range(2):  # a failed prefill is retried once, on another instance
-            candidates = [p for p in self.prefills if p.url not in tried] or self.prefills
-            prefill = min(candidates, key=lambda p: p.in_flight)
-            tried.add(prefill.url)
+        for prefill in self._prefill_order():
             prefill.in_flight += 1
             try:
                 reply = await prefill.client.post("/v1/completions", json=body)
@@ -174,10 +200,17 @@ class Orchestrator:
                 if reply.status_code < 500:
                     break  # the request itself is at fault: another prefill would refuse it too
             except httpx.HTTPError as e:
+                prefill.healthy = not isinstance(e, httpx.TransportError)
                 error = f"prefill {prefill.url} failed: {e!r}"
             finally:
                 prefill.in_flight -= 1
         raise BackendError(503, error)
+
+    def _prefill_order(self) -> list[PrefillInstance]:
+        """The instances to try, at most two (a failure is retried once, on another): least in
+        flight first, healthy ones before those marked down (which may be back already)."""
+        ranked = sorted(self.prefills, key=lambda p: (not p.healthy, p.in_flight))
+        return ranked[:2]
 
     def _failed(self, decode: DecodeInstance, error: grpc.aio.AioRpcError) -> BackendError:
         code = error.code()
@@ -190,7 +223,7 @@ class Orchestrator:
             return BackendError(400, error.details())
         return BackendError(502, f"decode server {decode.address}: {error.details()}")
 
-    async def _abort(self, decode: DecodeInstance, rid: str) -> None:
+    async def _abort(self, decode: DecodeInstance, rid: str, reason: str) -> None:
         # A failure means the decode server is gone or done with it: nothing left to stop.
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await decode.stub.Abort(decode_pb2.AbortRequest(request_id=rid, reason="client gone"))
+            await decode.stub.Abort(decode_pb2.AbortRequest(request_id=rid, reason=reason))

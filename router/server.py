@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import sys
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import uvicorn
 
 from router.openai_api import create_app
 from router.orchestrator import Orchestrator
+from router.prompts import PromptTokenizer
 from router.tokenization import SegmentTokenizer
 
 
@@ -60,6 +62,7 @@ def main() -> None:
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     parser.add_argument("--max-queue", type=int, default=512, help="429 beyond this many")
     args = parser.parse_args()
+    logging.basicConfig(format="router.server: %(message)s", level=logging.INFO)
     try:
         config = RouterConfig(args.model, tuple(args.prefill), tuple(args.decode), args.host,
                               args.port, args.served_model_name, args.api_key,
@@ -76,12 +79,14 @@ def main() -> None:
     hf_config = json.loads((Path(config.model) / "config.json").read_text())
     max_model_len = int(hf_config.get("max_position_embeddings", 4096))
     orchestrator = Orchestrator(config.prefill, config.decode)
-    app = create_app(orchestrator, tokenizer, config.served_model_name or config.model,
+    prompts = PromptTokenizer(tokenizer, orchestrator)
+    app = create_app(orchestrator, prompts, config.served_model_name or config.model,
                      max_model_len, config.api_key, config.max_queue)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await orchestrator.start()
+        await prompts.check_parity()
         probe = asyncio.create_task(orchestrator.probe_forever())
         yield
         probe.cancel()

@@ -4,6 +4,8 @@ Hugging Face's. Bad input gets a 4xx with OpenAI's error body, and the router ke
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 
 import httpx
@@ -125,7 +127,8 @@ def test_oversized_body_is_refused(router):
 def test_models_and_health(router):
     assert httpx.get(f"{router}/v1/models").json()["data"][0]["id"] == MODEL
     health = httpx.get(f"{router}/health").json()
-    assert health["status"] == "ok" and health["tokenizer"] == "segmented"
+    assert health["status"] == "ok"
+    assert health["tokenizer"] == {"source": "router", "parity": "ok", "segmented": True}
     assert list(health["decode"].values()) == ["up"]
 
 
@@ -182,6 +185,36 @@ def test_queue_limit_gives_429_with_retry_after(backends):
                          json={"prompt": "Hi", "max_tokens": 2}).status_code == 429:  # fmt: skip
             assert time.monotonic() < deadline, "the slot was never given back"
             time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_tokenizer_mismatch_falls_back_to_the_prefills_tokenization(backends, client, tmp_path):
+    """A router whose tokenizer lowercases its input disagrees with the prefill's at start-up
+    and then lets the prefill tokenize: its answers equal those of a router that agrees."""
+    folder = tmp_path / "lowercasing"
+    shutil.copytree(MODEL, folder)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["normalizer"] = {"type": "Lowercase"}
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    proc, url = start_router(*backends, "--model", str(folder), "--served-model-name", MODEL)
+    try:
+        health = httpx.get(f"{url}/health").json()["tokenizer"]
+        assert health["source"] == "prefill" and health["parity"].startswith("mismatch")
+        fallback = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        for create in ("completions", "chat"):
+            replies = []
+            for c in (client, fallback):
+                if create == "completions":
+                    r = c.completions.create(model=MODEL, prompt="The Capital of FRANCE is",
+                                             max_tokens=8, temperature=0)  # fmt: skip
+                    replies.append((r.choices[0].text, r.usage.prompt_tokens))
+                else:
+                    r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                                  temperature=0)  # fmt: skip
+                    replies.append((r.choices[0].message.content, r.usage.prompt_tokens))
+            assert replies[0] == replies[1], create
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -1,0 +1,93 @@
+"""Prompts to token ids: in the router (segment-cached), unless the start-up parity check finds
+the router's tokenization disagreeing with the prefill's; then every prompt is tokenized by a
+prefill instance's `/tokenize`, so the KV that prefill computes is for the tokens it would have
+chosen itself.
+
+The check sends sample prompts (plain text and chat conversations, every turn prefix) to the
+prefill's `/tokenize` (tandem's prefill server and vLLM answer it alike) and compares ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import httpx
+
+from router.orchestrator import BackendError, Orchestrator
+from router.tokenization import SAMPLE_CONVERSATIONS, SegmentTokenizer
+
+log = logging.getLogger("router.prompts")
+
+SAMPLE_TEXTS = [
+    "Hello, world!",
+    "  Leading spaces, UTF-8: naïve café, 東京, emoji 🚀, and\ttabs.\n",
+    "def add(a, b):\n    return a + b\n",
+]
+
+
+class PromptTokenizer:
+    def __init__(self, local: SegmentTokenizer, orchestrator: Orchestrator) -> None:
+        self.local = local
+        self.orchestrator = orchestrator
+        self.source = "router"
+        """Who tokenizes: "router", or "prefill" after a mismatch."""
+        self.parity = "unchecked"
+        """"ok", "mismatch: ...", or "unchecked" (no prefill answered the check)."""
+
+    async def check_parity(self, attempts: int = 5, wait_s: float = 1.0) -> None:
+        """Compares the router's ids with the prefill's on the samples; on any difference
+        switches to the prefill's tokenization. Retries while no prefill answers."""
+        for attempt in range(attempts):
+            try:
+                mismatch = await self._first_mismatch()
+            except (BackendError, httpx.HTTPError) as e:
+                if attempt + 1 == attempts:
+                    log.warning("tokenizer parity check could not reach a prefill: %s", e)
+                    return
+                await asyncio.sleep(wait_s)
+                continue
+            if mismatch is None:
+                self.parity = "ok"
+                return
+            self.parity = f"mismatch: {mismatch}"
+            self.source = "prefill"
+            log.warning(
+                "router tokenization differs from the prefill's (%s); prompts are tokenized by "
+                "the prefill from now on (check that the router's --model folder has the "
+                "prefill's tokenizer)",
+                mismatch,
+            )
+            return
+
+    async def text(self, prompt: str) -> list[int]:
+        """A completions prompt (special tokens added as the tokenizer's defaults say)."""
+        if self.source == "prefill":
+            return await self.orchestrator.tokenize({"prompt": prompt})
+        return self.local.tokenizer(prompt)["input_ids"]
+
+    async def chat(self, messages: Sequence[dict]) -> list[int]:
+        """A conversation rendered with the model's chat template, generation prompt added."""
+        if self.source == "prefill":
+            return await self.orchestrator.tokenize(
+                {"messages": list(messages), "add_generation_prompt": True}
+            )
+        return self.local.encode(self.local.render(messages))
+
+    async def _first_mismatch(self) -> str | None:
+        for text in SAMPLE_TEXTS:
+            if (
+                await self.orchestrator.tokenize({"prompt": text})
+                != (self.local.tokenizer(text)["input_ids"])
+            ):
+                return f"text {text[:24]!r}"
+        for conversation in SAMPLE_CONVERSATIONS:
+            for turn in range(1, len(conversation) + 1):
+                messages = conversation[:turn]
+                theirs = await self.orchestrator.tokenize(
+                    {"messages": messages, "add_generation_prompt": True}
+                )
+                if theirs != self.local.encode(self.local.render(messages)):
+                    return f"chat of {turn} message(s)"
+        return None
