@@ -213,13 +213,20 @@ class Admission:
             del self._live[res.request_id]
             return res.block_ids
 
-    def abort(self, request_id: str, generation: int = 0, reason: str = "aborted") -> bool:
-        """Fails a reserved or ready ticket; False if none matched."""
+    def abort(
+        self,
+        request_id: str,
+        generation: int = 0,
+        reason: str = "aborted",
+        writers_possible: bool = True,
+    ) -> bool:
+        """Fails a reserved or ready ticket; False if none matched. `writers_possible=False`
+        (the ticket never reached a sender) frees reserved blocks without quarantine."""
         with self._cond:
             res = self._live.get(request_id)
             if res is None or (generation and generation != res.generation):
                 return False
-            self._fail_locked(res, reason)
+            self._fail_locked(res, reason, writers_possible)
             return True
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -270,14 +277,14 @@ class Admission:
                     self.pool.free(res.block_ids)
                 raise AdmissionError("FAILED_PRECONDITION", f"request {request_id!r}: {res.error}")
 
-    def _fail_locked(self, res: Reservation, reason: str) -> None:
+    def _fail_locked(self, res: Reservation, reason: str, writers_possible: bool = True) -> None:
         if res.state is TicketState.FAILED:
             return
         was_reserved = res.state is TicketState.RESERVED
         res.state = TicketState.FAILED
         res.error = reason
         self._live.pop(res.request_id, None)
-        if was_reserved and len(res.committed) < res.num_senders:
+        if writers_possible and was_reserved and len(res.committed) < res.num_senders:
             # A sender that has not committed may still be writing into these blocks.
             res.quarantined_until = res.deadline + QUARANTINE_GRACE_S
             self._quarantine.append(res)

@@ -154,7 +154,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def Abort(self, request, context):
         aborted = self.admission.abort(
-            request.request_id, request.generation, request.reason or "aborted by client"
+            request.request_id,
+            request.generation,
+            request.reason or "aborted by client",
+            writers_possible=not request.ticket_undelivered,
         )
         if not aborted and request.request_id in self.loop.engine.sequences:
             self.loop.abort(request.request_id)

@@ -35,6 +35,15 @@ class BackendError(Exception):
         self.status = status
 
 
+class PrefillFailed(BackendError):
+    """No prefill instance prefilled the request; `ticket_delivered` is False when none even
+    accepted the connection (so nothing can be writing into the reserved blocks)."""
+
+    def __init__(self, message: str, ticket_delivered: bool) -> None:
+        super().__init__(503, message)
+        self.ticket_delivered = ticket_delivered
+
+
 @dataclass
 class PrefillInstance:
     url: str
@@ -109,8 +118,9 @@ class Orchestrator:
                 max_tokens=request.max_tokens), timeout=30)  # fmt: skip
             try:
                 first = await self._prefill(ticket.ticket, decode.address, request.prompt_ids)
-            except BackendError:
-                await asyncio.shield(self._abort(decode, rid, "prefill failed"))
+            except PrefillFailed as e:
+                undelivered = not e.ticket_delivered
+                await asyncio.shield(self._abort(decode, rid, "prefill failed", undelivered))
                 raise
             stream = decode.stub.Generate(decode_pb2.GenerateRequest(
                 request_id=rid, generation=ticket.ticket.generation, first_token_id=first,
@@ -190,10 +200,12 @@ class Orchestrator:
                   "decode_address": decode_address}  # fmt: skip
         body = {"prompt": prompt_ids, "max_tokens": 1, "kv_transfer_params": params}
         error = "no prefill instance is available"
+        delivered = False
         for prefill in self._prefill_order():
             prefill.in_flight += 1
             try:
                 reply = await prefill.client.post("/v1/completions", json=body)
+                delivered = True
                 if reply.status_code == 200:
                     return reply.json()["kv_transfer_params"]["first_token_id"]
                 error = f"prefill {prefill.url} answered {reply.status_code}: {reply.text[:200]}"
@@ -201,10 +213,11 @@ class Orchestrator:
                     break  # the request itself is at fault: another prefill would refuse it too
             except httpx.HTTPError as e:
                 prefill.healthy = not isinstance(e, httpx.TransportError)
+                delivered |= not isinstance(e, httpx.ConnectError)
                 error = f"prefill {prefill.url} failed: {e!r}"
             finally:
                 prefill.in_flight -= 1
-        raise BackendError(503, error)
+        raise PrefillFailed(error, delivered)
 
     def _prefill_order(self) -> list[PrefillInstance]:
         """The instances to try, at most two (a failure is retried once, on another): least in
@@ -223,7 +236,10 @@ class Orchestrator:
             return BackendError(400, error.details())
         return BackendError(502, f"decode server {decode.address}: {error.details()}")
 
-    async def _abort(self, decode: DecodeInstance, rid: str, reason: str) -> None:
+    async def _abort(
+        self, decode: DecodeInstance, rid: str, reason: str, ticket_undelivered: bool = False
+    ) -> None:
         # A failure means the decode server is gone or done with it: nothing left to stop.
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await decode.stub.Abort(decode_pb2.AbortRequest(request_id=rid, reason=reason))
+            await decode.stub.Abort(decode_pb2.AbortRequest(
+                request_id=rid, reason=reason, ticket_undelivered=ticket_undelivered))  # fmt: skip

@@ -82,6 +82,12 @@ def test_late_commit_of_a_failed_ticket_releases_its_quarantine_at_once(admissio
     assert admission.num_quarantined_blocks == 0 and admission.pool.num_free == 10
 
 
+def test_abort_of_an_undelivered_ticket_frees_at_once(admission):
+    admission.reserve("a", [1] * 20, num_senders=1, max_tokens=1)
+    assert admission.abort("a", reason="no prefill reachable", writers_possible=False)
+    assert admission.num_quarantined_blocks == 0 and admission.pool.num_free == 10
+
+
 def test_abort_of_a_ready_ticket_frees_at_once(admission):
     admission.reserve("a", [1] * 20, num_senders=1, max_tokens=1)
     admission.commit("a", 1, 0, 2000, LAYERS)

@@ -1,0 +1,102 @@
+"""Failures behind the router: a decode server killed mid-stream ends the client's stream with an
+error event within 5 s and later requests are served by the remaining decode server; a killed
+prefill server is retried on another, and with none left the client gets a 503. Afterwards no
+KV block stays allocated on the surviving decode server."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import httpx
+import pytest
+
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
+from tests.servers import MODEL, start_decode, start_prefill, start_router
+
+REQUEST = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 6, "temperature": 0}
+
+
+def _stop(*procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def _stats(address: str) -> decode_pb2.StatsResponse:
+    with grpc.insecure_channel(address) as channel:
+        return decode_pb2_grpc.DecodeServiceStub(channel).Stats(
+            decode_pb2.StatsRequest(), timeout=5
+        )
+
+
+def _pool_free(address: str, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        stats = _stats(address)
+        if stats.kv_blocks_free == stats.kv_blocks_total and not stats.reserved:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture()
+def two_decodes():
+    decodes = [start_decode("tcp") for _ in range(2)]
+    prefill, prefill_url = start_prefill("tcp")
+    router, url = start_router([prefill_url], [address for _, address in decodes])
+    yield url, decodes
+    _stop(router, prefill, *(proc for proc, _ in decodes))
+
+
+@pytest.fixture()
+def two_prefills():
+    decode, address = start_decode("tcp")
+    prefills = [start_prefill("tcp") for _ in range(2)]
+    router, url = start_router([prefill_url for _, prefill_url in prefills], [address])
+    yield url, address, [proc for proc, _ in prefills]
+    _stop(router, decode, *(proc for proc, _ in prefills))
+
+
+def test_decode_killed_mid_stream_ends_the_stream_with_an_error_then_the_other_serves(two_decodes):
+    url, decodes = two_decodes
+    body = {**REQUEST, "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # decoding has begun
+        running = [_stats(address).running for _, address in decodes]
+        assert sorted(running) == [0, 1], "exactly one decode server runs the request"
+        (victim, _), (_, survivor) = decodes[running.index(1)], decodes[running.index(0)]
+        victim.kill()
+        killed = time.monotonic()
+        events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    assert time.monotonic() - killed < 5.0
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] >= 500 and error["message"]
+    for _ in range(3):
+        reply = httpx.post(f"{url}/v1/completions", json=REQUEST, timeout=30)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == REQUEST["max_tokens"]
+    health = httpx.get(f"{url}/health").json()["decode"]
+    assert sorted(health.values()) == ["down", "up"] and health[survivor] == "up"
+    assert _pool_free(survivor)
+
+
+def test_killed_prefill_is_retried_on_the_other_and_none_left_gives_503(two_prefills):
+    url, decode_address, prefills = two_prefills
+    prefills[0].kill()
+    prefills[0].wait(timeout=10)
+    for _ in range(4):  # whichever the router tries first, each request is served
+        reply = httpx.post(f"{url}/v1/completions", json=REQUEST, timeout=30)
+        assert reply.status_code == 200, reply.text
+    prefills[1].kill()
+    prefills[1].wait(timeout=10)
+    started = time.monotonic()
+    reply = httpx.post(f"{url}/v1/completions", json=REQUEST, timeout=30)
+    assert reply.status_code == 503 and time.monotonic() - started < 5.0
+    assert "prefill" in reply.json()["error"]["message"]
+    assert _pool_free(decode_address)  # released at once: the ticket never reached a prefill
