@@ -47,7 +47,7 @@ class DecodeGraphs:
         self._tables = self._host_tables.to(device)
         self._query_start = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._hidden: dict[int, torch.Tensor] = {}
+        self._logits: dict[int, torch.Tensor] = {}
         self._capture_all(max_model_len)
 
     def run(
@@ -56,7 +56,7 @@ class DecodeGraphs:
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
     ) -> torch.Tensor:
-        """Hidden states [n, hidden] of one decode token per sequence (n <= max_batch)."""
+        """Logits [n, vocab] (float32) of one decode token per sequence (n <= max_batch)."""
         n = len(input_ids)
         bucket = next(b for b in self.buckets if b >= n)
         ids = self._host_ids.numpy()
@@ -79,7 +79,7 @@ class DecodeGraphs:
         self._lens[:bucket].copy_(self._host_lens[:bucket], non_blocking=True)
         self._tables[:bucket, :width].copy_(self._host_tables[:bucket, :width], non_blocking=True)
         self._graphs[bucket].replay()
-        return self._hidden[bucket][:n]
+        return self._logits[bucket][:n]
 
     def _capture_all(self, max_model_len: int) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -96,10 +96,12 @@ class DecodeGraphs:
             args = (self._ids[0, :bucket], self._ids[1, :bucket], self.kv_cache.kv_caches, meta)
             # Padded rows only: slots, positions and lengths all point at the padding block.
             self._ids[2, :bucket] = self.kv_cache.padding_block * self._block_size
-            self.model(*args)  # warm-up: compiles kernels, sets up cuBLAS, outside the capture
+            # Warm-up: compiles kernels, sets up cuBLAS, outside the capture.
+            self.model.compute_logits(self.model(*args))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
+            # lm_head inside the graph: one replay per step, no GEMM and cast launched apart.
             with torch.cuda.graph(graph, pool=pool):
-                self._hidden[bucket] = self.model(*args)
+                self._logits[bucket] = self.model.compute_logits(self.model(*args))
             self._graphs[bucket] = graph
         torch.cuda.synchronize()

@@ -32,22 +32,20 @@ class ModelRunner:
 
     def run(self, plan: StepPlan) -> dict[str, int]:
         """One forward over the plan; returns {seq_id: sampled token} for sequences that sample."""
+        sampling = [item for item in plan.scheduled if item.samples]
         if self.graphs is not None and plan.is_decode_only:
-            hidden = self._decode_with_graph(plan)
-            last_rows = None
+            logits = self._decode_with_graph(plan)
         else:
             hidden, last_rows = self._forward_eager(plan)
-        sampling = [item for item in plan.scheduled if item.samples]
-        if not sampling:
-            return {}
-        if last_rows is not None:
+            if not sampling:
+                return {}
             hidden = hidden[torch.tensor(last_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
         tokens = self.sampler(logits, [item.seq.sampling_row() for item in sampling]).tolist()
         return {item.seq.seq_id: token for item, token in zip(sampling, tokens, strict=True)}
 
     def _decode_with_graph(self, plan: StepPlan) -> torch.Tensor:
-        """Every scheduled sequence feeds its last token, so every row samples."""
+        """Logits of every scheduled sequence: each feeds its last token, so every row samples."""
         seqs = [item.seq for item in plan.scheduled]
         # The graphs are captured up to the scheduler's max_num_seqs.
         assert len(seqs) <= self.graphs.max_batch

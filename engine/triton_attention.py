@@ -1,8 +1,9 @@
 """Paged attention on the GPU: a Triton split-K ("flash-decoding") kernel for decode batches.
 
 The same two functions as engine.attention, so this module is itself a backend
-(`CausalLM(config, attention=engine.triton_attention)`). `write_kv` is the torch one (an index
-write, no host sync). `paged_attention` runs Triton only for decode-only batches
+(`CausalLM(config, attention=engine.triton_attention)`). `write_kv` stores K and V of every new
+token with one kernel (the torch index write takes four: slot arithmetic and two scatters, once
+per layer per step). `paged_attention` runs Triton only for decode-only batches
 (`max_query_len == 1`, row i of q is sequence i's one new token); in prefill and mixed batches
 decode rows still use it, and each prefill chunk runs flash attention (SDPA).
 
@@ -18,6 +19,7 @@ The decode path is CUDA-graph capturable: launch grids and buffer sizes depend o
   out = 0 and lse = -inf. With one split the kernel writes the final output directly.
 - `_combine_kernel`, grid (sequence, query head): merges the splits' partial outputs by
   log-sum-exp.
+- `_write_kv_kernel`, grid (token, kv head): copies one head of one token's K and V to its slot.
 """
 
 import functools
@@ -26,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import AttentionMetadata, attend_batch, write_kv
+from engine.attention import AttentionMetadata, attend_batch
 
 __all__ = ["choose_num_splits", "paged_attention", "write_kv"]
 
@@ -59,6 +61,29 @@ def paged_attention(
     if meta.max_query_len != 1:  # prefill in the batch: never in a CUDA graph
         return attend_batch(q, k_cache, v_cache, meta, scale, _decode_rows)
     return _decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, num_splits)
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Stores new tokens' k, v [T, num_kv_heads, head_dim] at their slots in the paged cache
+    ([num_blocks, num_kv_heads, block_size, head_dim], K and V alike)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    _write_kv_kernel[(num_tokens, num_kv_heads)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[2],
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
 
 
 def _decode_rows(q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
@@ -338,3 +363,33 @@ def _combine_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=dim_mask,
     )
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,  # [T, kv heads, dim]
+    v_ptr,
+    k_cache_ptr,  # [blocks, kv heads, block_size, dim]
+    v_cache_ptr,
+    slot_ptr,  # [T]
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ch,
+    stride_ct,
+    block_size,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = dims < HEAD_DIM
+    dst = (slot // block_size) * stride_cb + head * stride_ch + (slot % block_size) * stride_ct
+    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dims, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dims, mask=mask)
+    tl.store(k_cache_ptr + dst + dims, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst + dims, v.to(v_cache_ptr.dtype.element_ty), mask=mask)

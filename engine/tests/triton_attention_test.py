@@ -247,6 +247,28 @@ def test_zero_length_rows_give_zeros(num_splits):
     torch.testing.assert_close(out[1:].double().cpu(), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=_dtype_id)
+def test_write_kv_matches_the_torch_index_write(dtype):
+    """K and V taken as views of one qkv tensor (strided, as the model passes them), written to
+    scattered slots across and within blocks; every other slot keeps its bits."""
+    gen = torch.Generator().manual_seed(5)
+    heads, head_dim, block_size, num_blocks = 2, 24, 4, 6  # head_dim not a power of two
+    qkv = torch.randn(7, 3 * heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    k, v = qkv[:, heads : 2 * heads], qkv[:, 2 * heads :]
+    slots = torch.tensor([0, 3, 5, 22, 9, 16, 23], device=DEVICE)
+    caches = {
+        name: [
+            _nan_filled((num_blocks, heads, block_size, head_dim), dtype).to(DEVICE)
+            for _ in range(2)
+        ]
+        for name in ("triton", "torch")
+    }
+    triton_attention.write_kv(*caches["triton"], k, v, slots)
+    attention.write_kv(*caches["torch"], k, v, slots)
+    for ours, theirs in zip(caches["triton"], caches["torch"], strict=True):
+        assert torch.equal(ours.cpu().view(torch.uint8), theirs.cpu().view(torch.uint8))
+
+
 def test_prefill_and_mixed_batches_match_the_torch_path():
     """Decode rows take the decode kernel, prefill chunks flash attention (SDPA)."""
     # (seq_len, query_len): a whole prompt, a decode token, a chunk after cached context.
