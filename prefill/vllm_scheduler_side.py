@@ -1,0 +1,133 @@
+"""The connector's scheduler side: which requests send KV, and which tokens in which step.
+
+A ticketed request's life here (any request without a tandem ticket is never tracked):
+  update_state_after_alloc -> tracked (ticket parsed and checked against the prompt)
+  -> build_meta, each step it is scheduled in: a SendPlan for the prompt tokens that step
+     completes (chunked prefill: one per chunk; the prefix-cache hit goes with the first)
+  -> its last prompt chunk: the plan is `final` (the worker side commits after its writes)
+  -> finished: request_finished returns the first token as kv_transfer_params.
+A request that finishes before its final plan (aborted, preempted for good) gets an error plan
+in the next step, so the decode server fails its ticket at once instead of at the deadline.
+
+The worker side commits asynchronously: vLLM hands a finished request's kv_transfer_params to
+the client before the worker side reports back, so the reply carries the first token and what
+will be committed, and the decode server's Generate waits for the commit itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prefill.vllm_metadata import SendPlan, TandemMetadata
+from prefill.worker import TICKET_KEY, KvTransfer, PrefillError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    request: Any
+    """vLLM's Request: request_id, kv_transfer_params, num_prompt_tokens, num_computed_tokens,
+    output_token_ids, is_finished()."""
+    transfer: KvTransfer
+    error: str = ""
+    sent: int = 0
+    """Prompt tokens planned in earlier steps."""
+    announced: bool = False
+    """The worker side has had this request's ticket."""
+    final: bool = False
+
+
+class SchedulerSide:
+    def __init__(self, num_senders: int, block_ids_of: Callable[[str], list[int]] | None = None):
+        self.num_senders = num_senders
+        """vLLM's tensor-parallel degree: every rank commits its own heads."""
+        self.block_ids_of = block_ids_of
+        """request id -> its blocks in token order; bound once vLLM's cache manager exists."""
+        self._tracked: dict[str, _Tracked] = {}
+        self._ended: list[SendPlan] = []
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._tracked)
+
+    def track(self, request) -> None:
+        """Starts tracking `request` if it carries a tandem ticket (idempotent)."""
+        params = request.kv_transfer_params
+        if request.request_id in self._tracked or not params or TICKET_KEY not in params:
+            return
+        try:
+            transfer = KvTransfer.parse(params)
+        except PrefillError as e:
+            # No ticket to fail on the decode side: the router sees the missing first token.
+            logger.error("request %s: %s", request.request_id, e)
+            return
+        ticket, error = transfer.ticket, ""
+        if ticket.num_tokens != request.num_prompt_tokens:
+            error = (
+                f"ticket {ticket.request_id} is for {ticket.num_tokens} prompt tokens, the "
+                f"request has {request.num_prompt_tokens}"
+            )
+        elif ticket.num_senders != self.num_senders:
+            error = (
+                f"ticket {ticket.request_id} expects {ticket.num_senders} sender rank(s), vLLM "
+                f"runs {self.num_senders} tensor-parallel rank(s)"
+            )
+        self._tracked[request.request_id] = _Tracked(request, transfer, error)
+
+    def build_meta(self, num_scheduled_tokens: dict[str, int]) -> TandemMetadata:
+        """This step's plans; `num_scheduled_tokens` is SchedulerOutput's (request id -> tokens
+        this step computes), read before vLLM advances num_computed_tokens past them."""
+        plans, self._ended = self._ended, []
+        for req_id, scheduled in num_scheduled_tokens.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None or tracked.final:
+                continue
+            request = tracked.request
+            end = min(request.num_computed_tokens + scheduled, request.num_prompt_tokens)
+            if end <= tracked.sent:
+                continue  # recomputing, after a preemption, tokens that were already sent
+            final = end == request.num_prompt_tokens
+            plans.append(
+                self._plan(tracked, tracked.sent, end, tuple(self.block_ids_of(req_id)), final)
+            )
+            tracked.sent, tracked.final = end, final
+        return TandemMetadata(plans)
+
+    def finished(self, request) -> tuple[bool, dict | None]:
+        """request_finished: the blocks are never held (the worker side has copied what it sends
+        by the end of each step); kv_transfer_params for a request that sent its prompt."""
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is None:
+            return False, None
+        if not tracked.final:
+            error = tracked.error or "the request ended before its prompt was prefilled"
+            self._ended.append(self._plan(tracked, tracked.sent, tracked.sent, (), True, error))
+            return False, None
+        if not request.output_token_ids:
+            return False, None
+        return False, {
+            "first_token_id": request.output_token_ids[0],
+            "kv_tokens": request.num_prompt_tokens,
+        }
+
+    def has_pending_work(self) -> bool:
+        """Error plans wait for a step: keep vLLM's loop stepping until they are delivered."""
+        return bool(self._ended)
+
+    def _plan(self, tracked, start, end, block_ids, final, error=None) -> SendPlan:
+        first = not tracked.announced
+        tracked.announced = True
+        return SendPlan(
+            req_id=tracked.request.request_id,
+            start=start,
+            end=end,
+            block_ids=block_ids,
+            final=final,
+            ticket=tracked.transfer.ticket.SerializeToString() if first else b"",
+            decode_address=tracked.transfer.decode_address if first else "",
+            error=tracked.error if error is None else error,
+        )
