@@ -1,0 +1,1 @@
+"""tools.bench: a load generator for OpenAI-compatible servers (tandem's router, vLLM, ...)."""
