@@ -294,7 +294,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 def _recv_into(sock: socket.socket, target: memoryview) -> None:
     got = 0
     while got < len(target):
-        n = sock.recv_into(target[got : got + _CHUNK])
+        try:
+            n = sock.recv_into(target[got : got + _CHUNK])
+        except TimeoutError:
+            # A socket has one timeout for both directions: the sender's deadline, not a limit on
+            # how long a connection may sit idle (nothing was consumed: read on).
+            continue
         if n == 0:
             raise ConnectionError("peer closed the connection")
         got += n

@@ -114,6 +114,15 @@ def test_single_write_lands_intact(sender, peer, nbytes):
     assert peer.crc(0, nbytes) == zlib.crc32(buffer.view()[:nbytes])
 
 
+def test_a_connection_idle_past_the_last_deadline_still_writes(sender, peer):
+    agent, buffer = sender
+    remote = agent.connect(peer.endpoint, _deadline())
+    agent.write(remote, [WriteOp(buffer.addr, peer.addr, MiB)], _deadline(0.5)).wait()
+    time.sleep(1.0)  # longer than that write's deadline: an idle connection is not a dead one
+    agent.write(remote, [WriteOp(buffer.addr + MiB, peer.addr, MiB)], _deadline()).wait()
+    assert peer.crc(0, MiB) == zlib.crc32(buffer.view()[MiB : 2 * MiB])
+
+
 def test_thousands_of_small_descriptors_land_intact(sender, peer):
     agent, buffer = sender
     remote = agent.connect(peer.endpoint, _deadline())
