@@ -231,6 +231,8 @@ class PrefillWorker:
                 job.future.set_exception(PrefillError(502, f"commit refused: {e.details()}"))
                 return
             if stats.error:
+                # The connection may be what failed: the next request to it connects afresh.
+                self._peers.pop(ticket.shards[0].endpoint.metadata, None)
                 job.future.set_exception(PrefillError(502, f"KV transfer failed: {stats.error}"))
                 return
             kv_params = {
