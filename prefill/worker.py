@@ -184,7 +184,8 @@ class PrefillWorker:
             self._decoders[transfer.decode_address] = client
         endpoint = transfer.ticket.shards[0].endpoint.metadata
         deadline = time.monotonic() + self.transfer_timeout_s
-        if endpoint not in self._peers:
+        peer = self._peers.get(endpoint)
+        if peer is None or not peer.usable():  # e.g. a TCP connection that broke: reconnect
             self._peers[endpoint] = self.agent.connect(endpoint, deadline)
         return SendSession(
             transfer.ticket, self.agent, self._peers[endpoint], self.engine.kv_cache, deadline
@@ -231,8 +232,6 @@ class PrefillWorker:
                 job.future.set_exception(PrefillError(502, f"commit refused: {e.details()}"))
                 return
             if stats.error:
-                # The connection may be what failed: the next request to it connects afresh.
-                self._peers.pop(ticket.shards[0].endpoint.metadata, None)
                 job.future.set_exception(PrefillError(502, f"KV transfer failed: {stats.error}"))
                 return
             kv_params = {

@@ -104,6 +104,11 @@ class Peer(abc.ABC):
     regions: Sequence[Region]
     """The peer's registered regions, from its endpoint: writes are checked against them."""
 
+    def usable(self) -> bool:
+        """False once the connection is known lost for good (connect again). Backends whose
+        library re-establishes connections itself always say True."""
+        return True
+
     def check(self, ops: Sequence[WriteOp]) -> None:
         """Raises TransferError for any op outside the peer's regions, before any I/O."""
         for op in ops:

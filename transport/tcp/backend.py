@@ -226,6 +226,9 @@ class _TcpPeer(Peer):
         self._queue.put((xfer, ops, notify, transfer))
         return transfer
 
+    def usable(self) -> bool:
+        return self._broken is None
+
     def close(self) -> None:
         self._fail_all(TransferError("tcp: transport closed"))
         self._queue.put(None)

@@ -190,6 +190,8 @@ def test_peer_killed_mid_transfer_fails_within_a_second(sender, peer):
         for _ in range(10_000):
             agent.write(remote, [op], _deadline()).wait()
     assert killed_at and time.monotonic() - killed_at[0] < 1.0
+    if agent.name == "tcp":
+        assert not remote.usable()  # its owner connects again instead of failing forever
 
 
 def test_stopped_peer_gives_deadline_exceeded_at_the_deadline_not_a_hang(sender, peer):
