@@ -55,6 +55,5 @@ def service_images(target, base, router_deps, engine_deps, suffix = "", base_nam
                 "dev.tandem.service": service,
                 "dev.tandem.target": target,
             },
-            ref = "tandem-%s:%s" % (service, target),
             **kwargs
         )

@@ -131,7 +131,7 @@ def cmd_pip_layer(args: argparse.Namespace) -> None:
 
 def _compile(tree: Path, version: str) -> None:
     """Unchecked-hash .pyc files: valid with mtime 0, and the same bytes on every build."""
-    running = "%d.%d" % sys.version_info[:2]
+    running = "{}.{}".format(*sys.version_info[:2])
     if running != version:
         sys.exit(f"pip-layer: --compile needs Python {version} to run this step, not {running}")
     cmd = [sys.executable, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode"]
@@ -162,8 +162,11 @@ def cmd_image(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.oci.build", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.oci.build",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(required=True)
 
     p = sub.add_parser("rootfs", help="Debian root filesystem layer (mmdebstrap, as root)")

@@ -74,7 +74,7 @@ def read_archive(path: Path) -> Image:
 
     NOTE: the returned blobs read from the open archive: keep using them before it is collected.
     """
-    archive = tarfile.open(path)
+    archive = tarfile.open(path)  # noqa: SIM115 (the blobs read from it later)
     members = {m.name.removeprefix("./"): m for m in archive.getmembers()}
 
     def read(name: str) -> bytes:
@@ -87,8 +87,12 @@ def read_archive(path: Path) -> Image:
     manifest = _amd64_manifest(index, lambda d: json.loads(read("blobs/" + d.replace(":", "/"))))
     config = json.loads(read("blobs/" + manifest["config"]["digest"].replace(":", "/")))
     layers = tuple(
-        Blob(_DOCKER_TO_OCI.get(layer["mediaType"], layer["mediaType"]), layer["digest"],
-             layer["size"], member=(archive, blob_member(layer["digest"])))  # fmt: skip
+        Blob(
+            _DOCKER_TO_OCI.get(layer["mediaType"], layer["mediaType"]),
+            layer["digest"],
+            layer["size"],
+            member=(archive, blob_member(layer["digest"])),
+        )
         for layer in manifest["layers"]
     )
     return Image(config, layers, manifest["_digest"])
@@ -201,4 +205,3 @@ def _blob_entry(blob: Blob) -> Entry:
     if blob.path is not None:
         return Entry(name, tarfile.REGTYPE, 0o644, source=str(blob.path))
     return Entry(name, tarfile.REGTYPE, 0o644, tar_source=blob.member)
-

@@ -57,13 +57,15 @@ TARGETS = {
 }
 
 
-def _pip_report(target: Target, requirements: list[str], constraints: Path, no_deps: bool) -> dict:
+def _pip_report(
+    target: Target, requirements: list[str], constraints: Path | None, no_deps: bool
+) -> dict:
     """{name: (version, sha256)} that pip would install for the target's platform."""
     if not requirements:
         return {}
     major, minor = target.python.split(".")
     with tempfile.TemporaryDirectory() as tmp:
-        report, reqs = Path(tmp) / "report.json", Path(tmp) / "requirements.in"
+        report, reqs = Path(tmp) / "report.json", Path(tmp) / "requirements.txt"
         reqs.write_text("\n".join(requirements) + "\n")
         cmd = [sys.executable, "-m", "pip"]
         if not target.machine_index:
@@ -72,7 +74,8 @@ def _pip_report(target: Target, requirements: list[str], constraints: Path, no_d
         cmd += ["--only-binary=:all:", "--target", str(Path(tmp) / "t")]
         cmd += ["--python-version", target.python, "--implementation", "cp"]
         cmd += ["--abi", f"cp{major}{minor}", *(f"--platform={p}" for p in MANYLINUX)]
-        cmd += ["-c", str(constraints), "-r", str(reqs)]
+        cmd += ["-c", str(constraints)] if constraints else ["--require-hashes"]
+        cmd += ["-r", str(reqs)]
         if target.extra_index:
             cmd += ["--extra-index-url", target.extra_index]
         if no_deps:
@@ -125,6 +128,26 @@ def resolve(name: str) -> tuple[dict, dict]:
     return router, engine
 
 
+def verify(name: str, path: Path) -> dict:
+    """Resolves a lock as written (exact files, by hash) for its target's platform; returns what
+    pip would install: {name: (version, sha256)}."""
+    text = path.read_text().replace("\\\n", "")
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    return _pip_report(TARGETS[name], lines, None, no_deps=True)
+
+
+def parse(path: Path) -> dict:
+    """{name: (version, sha256)} as a lock file lists them."""
+    text = path.read_text().replace("\\\n", "")
+    packages = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            requirement, _, sha256 = line.partition(" --hash=sha256:")
+            pkg, version = requirement.strip().split("==")
+            packages[pkg] = (version, sha256.strip())
+    return packages
+
+
 def render(name: str, packages: dict, layer: str) -> str:
     target = TARGETS[name]
     lines = [
@@ -140,8 +163,11 @@ def render(name: str, packages: dict, layer: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.oci.lock", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.oci.lock",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("target", choices=sorted(TARGETS))
     parser.add_argument("--check", action="store_true", help="fail if a lock would change")
     args = parser.parse_args()

@@ -94,9 +94,18 @@ def rootfs_entries(archive: tarfile.TarFile) -> list[Entry]:
             continue
         linkname = normalize_name(info.linkname) if info.islnk() else info.linkname
         entries.append(
-            Entry(name, info.type, info.mode, info.uid, info.gid, int(info.mtime), linkname,
-                  tar_source=(archive, info) if info.isreg() else None,
-                  devmajor=info.devmajor, devminor=info.devminor)  # fmt: skip
+            Entry(
+                name,
+                info.type,
+                info.mode,
+                info.uid,
+                info.gid,
+                int(info.mtime),
+                linkname,
+                tar_source=(archive, info) if info.isreg() else None,
+                devmajor=info.devmajor,
+                devminor=info.devminor,
+            )
         )
     return entries
 
