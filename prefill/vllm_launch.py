@@ -36,9 +36,14 @@ def vllm_args(
     transport: str | None,
     *extra: str,
 ) -> list[str]:
-    """Module and arguments for `python -m`; transport None: vLLM without the connector."""
+    """Module and arguments for `python -m`; transport None: vLLM without the connector.
+
+    NOTE: the router's prefill call sets no sampling fields, so the first token is sampled with
+    the server's defaults: greedy on tandem's prefill server, the model's generation_config (or
+    temperature 1) on vLLM. The override makes vLLM's default greedy too."""
     args = ["vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
-            "--port", str(port), "--dtype", dtype, "--enforce-eager", *extra]  # fmt: skip
+            "--port", str(port), "--dtype", dtype, "--enforce-eager",
+            "--override-generation-config", json.dumps({"temperature": 0.0}), *extra]  # fmt: skip
     if transport is not None:
         args += ["--kv-transfer-config", kv_transfer_config(transport=transport, host=host)]
     return args

@@ -260,8 +260,9 @@ class WorkerSide:
             if first >= end:
                 continue
             endpoint = shard.endpoint.metadata
+            peer = self._peers.get(endpoint)
             try:
-                if endpoint not in self._peers:
+                if peer is None or not peer.usable():  # e.g. a TCP connection that broke
                     self._peers[endpoint] = self.agent.connect(endpoint, session.deadline)
             except TransportError as e:
                 return f"KV transport: {e}"

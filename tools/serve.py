@@ -3,6 +3,7 @@ ports, with the bundled SmolLM2 unless --model names a Hugging Face folder.
 
     ./bazelw run //tools:serve                      # or: python -m tools.serve
     ./bazelw run //tools:serve -- --model DIR --device cuda --transport nixl --port 8000
+    ./bazelw run //tools:serve -- --prefill vllm    # stock vLLM prefills, with tandem's connector
 
 Prints `tandem ready: http://HOST:PORT` once the router answers; Ctrl-C (or SIGTERM) stops every
 component. If one cannot start, or dies, everything stops with its last words.
@@ -18,6 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
+from prefill.vllm_launch import READY, free_port, vllm_args
 from tools.launch import start
 
 SMOLLM2 = "smollm2"
@@ -34,6 +36,14 @@ def _model_folder(model: str) -> str:
         sys.exit(f"serve: {e}")
 
 
+def _start_vllm(model: str, host: str, dtype: str, transport: str, kv_cache_gb: str):
+    """Stock vLLM with tandem's connector; its KV cache size, on the CPU build, in whole GiB."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(float(kv_cache_gb)))))
+    port = free_port(host)
+    proc, _ = start(vllm_args(model, host, port, dtype, transport), READY, timeout=900)
+    return proc, f"http://{host}:{port}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="tools/serve", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=SMOLLM2, help="HF folder, or smollm2 (bundled)")
@@ -47,9 +57,6 @@ def main() -> None:
     parser.add_argument("--num-decode", type=int, default=1)
     parser.add_argument("--kv-cache-gb", default="1")
     args = parser.parse_args()
-    if args.prefill == "vllm":
-        sys.exit("serve: --prefill vllm is not available yet (tandem's vLLM connector is not "
-                 "built); use --prefill embedded")  # fmt: skip
     if args.num_prefill < 1 or args.num_decode < 1:
         sys.exit("serve: --num-prefill and --num-decode must be at least 1")
     model = _model_folder(args.model)
@@ -81,10 +88,14 @@ def main() -> None:
             procs.append(proc)
             decodes += ["--decode", f"{args.host}:{m.group(1)}"]
         for _ in range(args.num_prefill):
-            proc, m = start(["prefill.server", *common, "--port", "0"],
-                            r"serving on (http://\S+)", timeout=900)  # fmt: skip
+            if args.prefill == "vllm":
+                proc, url = _start_vllm(model, args.host, dtype, args.transport, args.kv_cache_gb)
+            else:
+                proc, m = start(["prefill.server", *common, "--port", "0"],
+                                r"serving on (http://\S+)", timeout=900)  # fmt: skip
+                url = m.group(1)
             procs.append(proc)
-            prefills += ["--prefill", m.group(1)]
+            prefills += ["--prefill", url]
         proc, m = start(["router.server", "--model", model, "--host", args.host,
                          "--port", str(args.port), "--served-model-name", Path(model).name,
                          *prefills, *decodes],

@@ -1,0 +1,207 @@
+"""Stock vLLM (the CPU build, unpatched) as tandem's prefill engine, through TandemConnector:
+real processes, started as a user would. Each request goes the router's way: Reserve on the
+decode server -> POST /v1/completions to vLLM with the ticket, max_tokens=1 -> Generate.
+
+The greedy tokens must equal vLLM's own (vLLM without the connector, run first in this file)
+for concurrent prompts of different lengths, one prefilled in several chunks and one hitting
+vLLM's prefix cache; the decode server must have had exactly the prompt's KV committed; a
+request without a ticket must be served as if the connector were absent; a decode server whose
+KV dtype differs must be refused, the request failing at once; and tandem's router in front of
+vLLM must answer as vLLM alone does."""
+
+from __future__ import annotations
+
+import base64
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
+from tests.servers import MODEL, start_router
+from tests.vllm_servers import MAX_BATCHED_TOKENS, counter, start_decode, start_vllm, stop
+
+NEW_TOKENS = 12
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers, K and V, KV heads, head_dim, float32
+LONG = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the "
+    "steps as his father had taught him: one hundred and twelve, worn smooth in the middle "
+    "by a century of boots. At the top he trimmed the wick, polished the great lens until it "
+    "threw back the last of the daylight, and wrote the weather in a ledger whose first pages "
+    "were in a hand nobody living could read. Ships no longer needed the light. They carried "
+    "satellites and radar and charts that updated themselves while the crews slept, and the "
+    "harbour authority had written twice to say that the station would be automated in the "
+    "spring. He kept climbing anyway. On clear nights he could see the lights of three "
+    "villages along the coast, and he liked to imagine that somebody in each of them looked "
+    "out at his beam and felt, without quite knowing why, that the sea was a little less "
+    "dark. In the winter storms the tower shook, and salt crusted the windows so thickly that "
+    "he had to scrape them with a knife before dawn. His daughter wrote from the city asking "
+    "when he would come to live with her, and he always answered that he would come when "
+    "the light no longer needed him, which both of them understood to mean never. When the "
+    "engineers finally arrived with their crates of sensors and solar panels, he made them "
+    "tea, showed them where the stairs were loose, and"
+)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> dict[str, list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    encode = tokenizer.encode
+    long = encode(LONG)
+    assert 256 < len(long) <= 512 - NEW_TOKENS and len(long) > 4 * MAX_BATCHED_TOKENS
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three colours of the rainbow."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return {
+        "short": encode("The capital of France is"),
+        "chat": encode(chat, add_special_tokens=False),
+        "long": long,  # prefilled in ceil(len / 64) chunks
+        # Its first 256 tokens (two of vLLM's 128-token CPU blocks) are cached by "long".
+        "prefix_hit": long[:260] + encode(" the sea was calm that night, and"),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(prompts) -> dict[str, list[int]]:
+    """vLLM's own greedy tokens (and chat text, under "chat_text"), the connector absent."""
+    proc, url = start_vllm(None)
+    try:
+        with httpx.Client(base_url=url, timeout=120) as http:
+            outs = {name: _complete(http, prompt) for name, prompt in prompts.items()}
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        outs["chat_text"] = _chat(client, MODEL)
+        return outs
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """A decode server and vLLM with TandemConnector, both over tcp."""
+    decode, address, metrics = start_decode("tcp")
+    vllm, url = start_vllm("tcp")
+    channel = grpc.insecure_channel(address)
+    http = httpx.Client(base_url=url, timeout=120)
+    yield decode_pb2_grpc.DecodeServiceStub(channel), address, metrics, http
+    http.close()
+    channel.close()
+    stop(vllm)
+    stop(decode)
+
+
+def _complete(http: httpx.Client, prompt: list[int]) -> list[int]:
+    """A plain greedy completion (no ticket): its tokens; kv_transfer_params stays empty."""
+    reply = http.post("/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+        "return_token_ids": True})  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["kv_transfer_params"] is None
+    return reply.json()["choices"][0]["token_ids"]
+
+
+def _chat(client: openai.OpenAI, model: str) -> str:
+    reply = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=NEW_TOKENS, temperature=0
+    )
+    return reply.choices[0].message.content
+
+
+def _prefill(stub, http, address: str, request_id: str, prompt: list[int]):
+    """Reserve, then the router's POST to the prefill: (ticket, kv_transfer_params)."""
+    ticket = stub.Reserve(decode_pb2.ReserveRequest(
+        request_id=request_id, prompt_token_ids=prompt, num_senders=1,
+        max_tokens=NEW_TOKENS), timeout=10).ticket  # fmt: skip
+    params = {"tandem_ticket": base64.b64encode(ticket.SerializeToString()).decode(),
+              "decode_address": address}  # fmt: skip
+    body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": params}
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    return ticket, reply.json()["kv_transfer_params"]
+
+
+def _generate(stub, ticket, first_token: int) -> list[int]:
+    stream = stub.Generate(decode_pb2.GenerateRequest(
+        request_id=ticket.request_id, generation=ticket.generation,
+        first_token_id=first_token, max_tokens=NEW_TOKENS), timeout=60)  # fmt: skip
+    return [t for message in stream for t in message.token_ids]
+
+
+def _disaggregated(stub, http, address: str, request_id: str, prompt: list[int]) -> list[int]:
+    ticket, kv = _prefill(stub, http, address, request_id, prompt)
+    assert kv == {"first_token_id": kv["first_token_id"], "kv_tokens": len(prompt)}
+    return _generate(stub, ticket, kv["first_token_id"])
+
+
+def test_vllm_prefill_and_tandem_decode_equal_vllm_alone(stack, prompts, reference):
+    stub, address, metrics, http = stack
+    vllm_metrics = str(http.base_url.join("/metrics"))
+    committed_before = counter(metrics, "tandem_decode_transfer_bytes_total")
+    concurrent = ["short", "chat", "long"]
+    with ThreadPoolExecutor(len(concurrent)) as pool:
+        outs = dict(zip(concurrent, pool.map(
+            lambda name: _disaggregated(stub, http, address, name, prompts[name]), concurrent),
+            strict=True))  # fmt: skip
+    hits_before = counter(vllm_metrics, "vllm:prefix_cache_hits_total")
+    outs["prefix_hit"] = _disaggregated(stub, http, address, "prefix_hit", prompts["prefix_hit"])
+    assert counter(vllm_metrics, "vllm:prefix_cache_hits_total") - hits_before >= 256
+    assert outs == {name: reference[name] for name in prompts}
+    # The KV moved: the decode server accepted commits of exactly each prompt's KV bytes.
+    sent = sum(len(prompts[name]) for name in outs)
+    committed = counter(metrics, "tandem_decode_transfer_bytes_total") - committed_before
+    assert committed == sent * KV_BYTES_PER_TOKEN
+    stats = stub.Stats(decode_pb2.StatsRequest())
+    assert stats.kv_blocks_free == stats.kv_blocks_total and stats.reserved == 0
+
+
+def test_a_request_without_a_ticket_is_untouched(stack, prompts, reference):
+    _, _, metrics, http = stack
+    committed_before = counter(metrics, "tandem_decode_transfer_bytes_total")
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda name: _complete(http, prompts[name]), ["short", "long"]))
+    assert outs == [reference["short"], reference["long"]]
+    assert counter(metrics, "tandem_decode_transfer_bytes_total") == committed_before
+
+
+def test_a_decode_server_with_another_kv_dtype_fails_the_request_at_once(stack, prompts):
+    """vLLM's worker side says Hello to a bfloat16 decode server, is refused, writes nothing
+    and commits the refusal, so the ticket fails now rather than at its deadline.
+
+    NOTE: the refusal's message (naming both dtypes) is the commit's error, checked in
+    prefill/tests/vllm_worker_side_test.py; the decode server drops a failed ticket, so a
+    Generate arriving after that commit answers NOT_FOUND without it."""
+    _, _, _, http = stack
+    decode, address, metrics = start_decode("tcp", dtype="bfloat16")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            ticket, kv = _prefill(stub, http, address, "bf16", prompts["short"])
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as error:
+                _generate(stub, ticket, kv["first_token_id"])
+            assert time.monotonic() - started < 5  # the ticket's deadline is 30 s away
+            assert error.value.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND)
+            stats = stub.Stats(decode_pb2.StatsRequest())
+            # Freed at once: the sender committed, so no write can still land (no quarantine).
+            assert stats.kv_blocks_free == stats.kv_blocks_total
+            assert counter(metrics, "tandem_decode_transfer_bytes_total") == 0
+    finally:
+        stop(decode)
+
+
+def test_the_router_cannot_tell_vllm_from_tandems_prefill(stack, reference):
+    """tandem's router in front of vLLM as it is in front of tandem's prefill server: its
+    tokenizer check against /tokenize, then chat through Reserve, prefill and Generate."""
+    _, address, _, http = stack
+    proc, url = start_router([str(http.base_url)], [address])
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert _chat(client, client.models.list().data[0].id) == reference["chat_text"]
+    finally:
+        stop(proc)

@@ -1,0 +1,59 @@
+"""Starting stock vLLM (the CPU build) for the integration suites, with tandem's connector or
+without, and decode servers whose Prometheus metrics are served (for the bytes committed)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import httpx
+
+from prefill.vllm_launch import READY, free_port, vllm_args
+from tests.servers import MODEL
+from tools.launch import start
+
+# Small on purpose: 1 GiB of KV cache, short contexts, and 64-token prefill chunks so that a
+# prompt of a few hundred tokens is prefilled in several steps (chunked prefill).
+MAX_BATCHED_TOKENS = 64
+SMALL = ["--max-model-len", "512", "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
+
+
+def start_vllm(transport: str | None) -> tuple[subprocess.Popen, str]:
+    """vLLM serving the bundled model in float32 (the decode servers' dtype), with
+    TandemConnector over `transport`, or without the connector (transport None)."""
+    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    if "TEST_TMPDIR" in os.environ:  # vLLM caches under $HOME, read-only in Bazel's sandbox
+        os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ["TEST_TMPDIR"], "vllm")
+    port = free_port("127.0.0.1")
+    args = vllm_args(MODEL, "127.0.0.1", port, "float32", transport, *SMALL)
+    proc, _ = start(args, READY, timeout=300)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, as a user stops a server (vLLM then stops its engine processes)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def start_decode(backend: str, dtype: str = "float32") -> tuple[subprocess.Popen, str, str]:
+    """A decode server: (process, gRPC address, metrics URL)."""
+    proc, m = start(
+        ["decode.server", "--model", MODEL, "--dtype", dtype, "--block-size", "16",
+         "--kv-cache-gb", "0.1", "--transport", backend, "--grpc-port", "0",
+         "--metrics-port", "0"],
+        r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
+    )  # fmt: skip
+    return proc, f"127.0.0.1:{m.group(1)}", f"http://127.0.0.1:{m.group(2)}/metrics"
+
+
+def counter(metrics_url: str, name: str) -> float:
+    """The value of a Prometheus counter (summed over its label sets)."""
+    text = httpx.get(metrics_url, timeout=10).text
+    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$"
+    return sum(float(v) for v in re.findall(pattern, text, flags=re.MULTILINE))
