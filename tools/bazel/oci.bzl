@@ -30,7 +30,7 @@ def _debian_rootfs_impl(ctx):
         progress_message = "Building Debian root filesystem %s" % ctx.label,
         execution_requirements = _FETCHES,
     )
-    return [DefaultInfo(files = depset([out]))]
+    return [DefaultInfo(files = depset([out]), runfiles = ctx.runfiles(files = [out]))]
 
 debian_rootfs = rule(
     implementation = _debian_rootfs_impl,
@@ -56,7 +56,7 @@ def _oci_pip_layer_impl(ctx):
         progress_message = "Installing %s into a layer" % ctx.file.lock.short_path,
         execution_requirements = _FETCHES,
     )
-    return [DefaultInfo(files = depset([out]))]
+    return [DefaultInfo(files = depset([out]), runfiles = ctx.runfiles(files = [out]))]
 
 oci_pip_layer = rule(
     implementation = _oci_pip_layer_impl,
@@ -89,7 +89,7 @@ def _oci_files_layer_impl(ctx):
         outputs = [out],
         mnemonic = "FilesLayer",
     )
-    return [DefaultInfo(files = depset([out]))]
+    return [DefaultInfo(files = depset([out]), runfiles = ctx.runfiles(files = [out]))]
 
 oci_files_layer = rule(
     implementation = _oci_files_layer_impl,
@@ -165,7 +165,7 @@ def _missing_base_impl(ctx):
         arguments = [ctx.attr.message],
         mnemonic = "MissingBase",
     )
-    return [DefaultInfo(files = depset([out]))]
+    return [DefaultInfo(files = depset([out]), runfiles = ctx.runfiles(files = [out]))]
 
 _missing_base = rule(
     implementation = _missing_base_impl,
