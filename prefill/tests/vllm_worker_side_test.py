@@ -182,3 +182,27 @@ def test_a_decode_server_of_another_dtype_is_refused_by_name_and_nothing_is_writ
     assert "kv_dtype: decode has 'bfloat16', sender has 'float32'" in commit.error
     assert commit.bytes_written == 0 and not dst.any()
     worker.close()
+
+
+def test_a_request_ending_mid_prompt_commits_the_scheduler_sides_error_after_its_writes(
+    decode_side,
+):
+    agent, dst, service, address = decode_side
+    cache = _flash_kv_first(*torch.randn(2, 16, HEADS // 2, KERNEL_BLOCK, DIM))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    worker = _worker(1.0)
+    worker.register([(name, cache) for name in names], "FLASH_ATTN")
+    ticket = _ticket(agent, dst).SerializeToString()
+    worker.bind(TandemMetadata([SendPlan("vllm-1", 0, 37, SRC_BLOCKS, False, ticket, address)]))
+    for name in names:
+        worker.save_layer(name)
+    worker.step_done()
+    assert worker.num_sessions == 1 and not service.commits
+    # The scheduler side's next step: the request was aborted before its last chunk.
+    worker.bind(TandemMetadata([SendPlan("vllm-1", 37, 37, (), True, error="aborted")]))
+    worker.step_done()
+    commit = _wait_for_commit(service)
+    assert commit.error == "aborted" and commit.layers_written == 0
+    assert dst.any()  # the first chunk's writes had landed; the commit waited for them
+    assert worker.num_sessions == 0
+    worker.close()
