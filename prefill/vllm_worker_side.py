@@ -246,6 +246,13 @@ class WorkerSide:
                 f"ticket {ticket.request_id}: head stride {ticket.head_stride_bytes} bytes is not "
                 f"one HND block ({block_size} tokens x {row} bytes)"
             )
+        if len(ticket.block_ids) * block_size < ticket.num_tokens:
+            return (
+                f"ticket {ticket.request_id}: {len(ticket.block_ids)} blocks of {block_size} "
+                f"tokens cannot hold {ticket.num_tokens} tokens"
+            )
+        if any(len(shard.layers) != len(self._views) for shard in ticket.shards):
+            return f"ticket {ticket.request_id}: not {len(self._views)} layers in every shard"
         if self._ring.slot_bytes < 2 * k.shape[1] * block_size * row:
             return (
                 f"staging_mb: a slot of {self._ring.slot_bytes} bytes cannot hold one decode "

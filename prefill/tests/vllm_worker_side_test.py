@@ -206,3 +206,21 @@ def test_a_request_ending_mid_prompt_commits_the_scheduler_sides_error_after_its
     assert dst.any()  # the first chunk's writes had landed; the commit waited for them
     assert worker.num_sessions == 0
     worker.close()
+
+
+def test_a_ticket_with_too_few_blocks_is_refused_by_name_and_nothing_is_written(decode_side):
+    agent, dst, service, address = decode_side
+    cache = _flash_kv_first(*torch.randn(2, 16, HEADS // 2, KERNEL_BLOCK, DIM))
+    worker = _worker(1.0)
+    worker.register([(f"model.layers.{i}.self_attn.attn", cache) for i in range(LAYERS)],
+                    "FLASH_ATTN")  # fmt: skip
+    ticket = _ticket(agent, dst)
+    del ticket.block_ids[3:]
+    worker.bind(TandemMetadata([SendPlan("vllm-1", 0, PROMPT, SRC_BLOCKS, True,
+                                         ticket.SerializeToString(), address)]))  # fmt: skip
+    worker.save_layer("model.layers.0.self_attn.attn")
+    worker.step_done()
+    commit = _wait_for_commit(service)
+    assert "3 blocks of 8 tokens cannot hold 75 tokens" in commit.error
+    assert not dst.any()
+    worker.close()
