@@ -184,7 +184,7 @@ def test_a_decode_server_of_another_dtype_is_refused_by_name_and_nothing_is_writ
     worker.close()
 
 
-def test_a_request_ending_mid_prompt_commits_the_scheduler_sides_error_after_its_writes(
+def test_a_request_ending_mid_prompt_commits_the_scheduler_sides_error(
     decode_side,
 ):
     agent, dst, service, address = decode_side
@@ -203,7 +203,6 @@ def test_a_request_ending_mid_prompt_commits_the_scheduler_sides_error_after_its
     worker.step_done()
     commit = _wait_for_commit(service)
     assert commit.error == "aborted" and commit.layers_written == 0
-    assert dst.any()  # the first chunk's writes had landed; the commit waited for them
     assert worker.num_sessions == 0
     worker.close()
 
