@@ -125,17 +125,18 @@ def cmd_pip_layer(args: argparse.Namespace) -> None:
         # Console scripts name the build machine's interpreter: the services never use them.
         subprocess.run(["rm", "-rf", str(target / "bin")], check=True)
         if args.compile:
-            _compile(target, args.python)
+            _compile(target, args.python, args.prefix)
         tarball.write_tar(tarball.tree_entries(target, args.prefix), args.out)
 
 
-def _compile(tree: Path, version: str) -> None:
-    """Unchecked-hash .pyc files: valid with mtime 0, and the same bytes on every build."""
+def _compile(tree: Path, version: str, prefix: str) -> None:
+    """Unchecked-hash .pyc files: valid with mtime 0, and the same bytes on every build (the
+    source paths they record are the image's, not this build's temporary directory)."""
     running = "{}.{}".format(*sys.version_info[:2])
     if running != version:
         sys.exit(f"pip-layer: --compile needs Python {version} to run this step, not {running}")
     cmd = [sys.executable, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode"]
-    cmd += ["unchecked-hash", str(tree)]
+    cmd += ["unchecked-hash", "-s", str(tree), "-p", prefix, str(tree)]
     # Bytecode of a few modules in third-party sdists fails to compile (Python 2 leftovers):
     # compileall then exits 1 but has compiled the rest, which is all that is wanted here.
     subprocess.run(cmd, env={**os.environ, "PYTHONHASHSEED": "0"}, stdout=subprocess.DEVNULL)
