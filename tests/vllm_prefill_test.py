@@ -126,6 +126,15 @@ def _prefill(stub, http, address: str, request_id: str, prompt: list[int]):
     return ticket, reply.json()["kv_transfer_params"]
 
 
+def _settled(read, want: float) -> float:
+    """`read()` once it reaches `want`, or after 10 s: servers count a request in their
+    Prometheus metrics just after they have answered it."""
+    deadline = time.monotonic() + 10
+    while (value := read()) < want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
+
+
 def _generate(stub, ticket, first_token: int) -> list[int]:
     stream = stub.Generate(decode_pb2.GenerateRequest(
         request_id=ticket.request_id, generation=ticket.generation,
@@ -150,11 +159,17 @@ def test_vllm_prefill_and_tandem_decode_equal_vllm_alone(stack, prompts, referen
             strict=True))  # fmt: skip
     hits_before = counter(vllm_metrics, "vllm:prefix_cache_hits_total")
     outs["prefix_hit"] = _disaggregated(stub, http, address, "prefix_hit", prompts["prefix_hit"])
-    assert counter(vllm_metrics, "vllm:prefix_cache_hits_total") - hits_before >= 256
+    hits = _settled(
+        lambda: counter(vllm_metrics, "vllm:prefix_cache_hits_total") - hits_before, 256
+    )
+    assert hits >= 256  # two 128-token blocks of "long"
     assert outs == {name: reference[name] for name in prompts}
     # The KV moved: the decode server accepted commits of exactly each prompt's KV bytes.
     sent = sum(len(prompts[name]) for name in outs)
-    committed = counter(metrics, "tandem_decode_transfer_bytes_total") - committed_before
+    committed = _settled(
+        lambda: counter(metrics, "tandem_decode_transfer_bytes_total") - committed_before,
+        sent * KV_BYTES_PER_TOKEN,
+    )
     assert committed == sent * KV_BYTES_PER_TOKEN
     stats = stub.Stats(decode_pb2.StatsRequest())
     assert stats.kv_blocks_free == stats.kv_blocks_total and stats.reserved == 0
