@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,11 @@ from engine.kv_cache import BlockPool
 # Writers stop at the ticket's deadline (their transports enforce it); this much longer, a DMA
 # already issued may still land, so quarantined blocks wait for it too.
 QUARANTINE_GRACE_S = 1.0
+DEADLINE_MISSED = "not every sender committed by the deadline"
+REMEMBERED_REQUESTS = 65536
+"""Request ids whose latest generation (and, if it failed, why) is remembered after they leave:
+enough to refuse stale commits and to tell a late Generate why its ticket failed, bounded so a
+long-running server does not grow with every request it ever saw."""
 
 
 class AdmissionError(Exception):
@@ -86,7 +92,9 @@ class Admission:
         self.clock = clock
         self._live: dict[str, Reservation] = {}
         self._quarantine: list[Reservation] = []
-        self._generations: dict[str, int] = {}
+        self._generations: OrderedDict[str, int] = OrderedDict()
+        self._failures: OrderedDict[tuple[str, int], str] = OrderedDict()
+        """(request id, generation) -> why that ticket failed."""
         self._cond = threading.Condition()
 
     # -- RPC-facing operations ----------------------------------------------------------------
@@ -124,7 +132,7 @@ class Admission:
                     f"{self.pool.num_free} free of {self.pool.num_total}",
                 )
             generation = self._generations.get(request_id, 0) + 1
-            self._generations[request_id] = generation
+            _remember(self._generations, request_id, generation)
             reservation = Reservation(
                 request_id=request_id,
                 generation=generation,
@@ -194,12 +202,11 @@ class Admission:
             while res.state is TicketState.RESERVED:
                 left = res.deadline - self.clock()
                 if left <= 0:
-                    self._fail_locked(res, "not every sender committed by the deadline")
+                    self._fail_locked(res, DEADLINE_MISSED)
                     break
                 self._cond.wait(timeout=left)
             if res.state is TicketState.FAILED:
-                timed_out = res.error == "not every sender committed by the deadline"
-                raise AdmissionError("DEADLINE_EXCEEDED" if timed_out else "ABORTED", res.error)
+                raise AdmissionError(_failure_code(res.error), res.error)
             if res.state is TicketState.TAKEN:
                 raise AdmissionError("FAILED_PRECONDITION", f"{request_id!r} already generating")
             return res
@@ -255,6 +262,9 @@ class Admission:
                     "FAILED_PRECONDITION",
                     f"stale generation {generation} of {request_id!r} (latest: {latest})",
                 )
+            reason = self._failures.get((request_id, generation))
+            if reason is not None:
+                raise AdmissionError(_failure_code(reason), reason)
             raise AdmissionError("NOT_FOUND", f"no live request {request_id!r}")
         if generation != res.generation:
             raise AdmissionError(
@@ -284,6 +294,7 @@ class Admission:
         res.state = TicketState.FAILED
         res.error = reason
         self._live.pop(res.request_id, None)
+        _remember(self._failures, (res.request_id, res.generation), reason)
         if writers_possible and was_reserved and len(res.committed) < res.num_senders:
             # A sender that has not committed may still be writing into these blocks.
             res.quarantined_until = res.deadline + QUARANTINE_GRACE_S
@@ -296,7 +307,7 @@ class Admission:
         now = self.clock()
         for res in list(self._live.values()):
             if res.state is TicketState.RESERVED and now >= res.deadline:
-                self._fail_locked(res, "not every sender committed by the deadline")
+                self._fail_locked(res, DEADLINE_MISSED)
         keep = []
         for res in self._quarantine:
             if now >= res.quarantined_until:
@@ -304,3 +315,14 @@ class Admission:
             else:
                 keep.append(res)
         self._quarantine = keep
+
+
+def _remember(recent: OrderedDict, key, value) -> None:
+    recent[key] = value
+    recent.move_to_end(key)
+    if len(recent) > REMEMBERED_REQUESTS:
+        recent.popitem(last=False)
+
+
+def _failure_code(reason: str) -> str:
+    return "DEADLINE_EXCEEDED" if reason == DEADLINE_MISSED else "ABORTED"

@@ -38,9 +38,9 @@ def vllm_args(
 ) -> list[str]:
     """Module and arguments for `python -m`; transport None: vLLM without the connector.
 
-    NOTE: the router's prefill call sets no sampling fields, so the first token is sampled with
-    the server's defaults: greedy on tandem's prefill server, the model's generation_config (or
-    temperature 1) on vLLM. The override makes vLLM's default greedy too."""
+    NOTE: the override makes vLLM's default sampling greedy, as on tandem's router, prefill and
+    decode servers (the router passes every request's temperature to the prefill; requests
+    straight to vLLM that leave it out would otherwise get the model's generation_config)."""
     args = ["vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--dtype", dtype, "--enforce-eager",
             "--override-generation-config", json.dumps({"temperature": 0.0}), *extra]  # fmt: skip

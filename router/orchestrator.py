@@ -117,7 +117,7 @@ class Orchestrator:
                 request_id=rid, prompt_token_ids=request.prompt_ids, num_senders=1,
                 max_tokens=request.max_tokens), timeout=30)  # fmt: skip
             try:
-                first = await self._prefill(ticket.ticket, decode.address, request.prompt_ids)
+                first = await self._prefill(ticket.ticket, decode.address, request)
             except PrefillFailed as e:
                 undelivered = not e.ticket_delivered
                 await asyncio.shield(self._abort(decode, rid, "prefill failed", undelivered))
@@ -195,10 +195,11 @@ class Orchestrator:
             raise BackendError(503, "no decode instance is available")
         return min(healthy, key=lambda d: d.outstanding_tokens)
 
-    async def _prefill(self, ticket, decode_address: str, prompt_ids: list[int]) -> int:
+    async def _prefill(self, ticket, decode_address: str, request: GenerationRequest) -> int:
         params = {"tandem_ticket": base64.b64encode(ticket.SerializeToString()).decode(),
                   "decode_address": decode_address}  # fmt: skip
-        body = {"prompt": prompt_ids, "max_tokens": 1, "kv_transfer_params": params}
+        body = {"prompt": request.prompt_ids, "max_tokens": 1, "kv_transfer_params": params,
+                **_prefill_sampling(request.sampling)}  # fmt: skip
         error = "no prefill instance is available"
         delivered = False
         for prefill in self._prefill_order():
@@ -207,7 +208,14 @@ class Orchestrator:
                 reply = await prefill.client.post("/v1/completions", json=body)
                 delivered = True
                 if reply.status_code == 200:
-                    return reply.json()["kv_transfer_params"]["first_token_id"]
+                    first = (reply.json().get("kv_transfer_params") or {}).get("first_token_id")
+                    if isinstance(first, int):
+                        return first
+                    error = (
+                        f"prefill {prefill.url} answered without a first_token_id: is it "
+                        "tandem's prefill server, or vLLM with TandemConnector?"
+                    )
+                    break
                 error = f"prefill {prefill.url} answered {reply.status_code}: {reply.text[:200]}"
                 if reply.status_code < 500:
                     break  # the request itself is at fault: another prefill would refuse it too
@@ -243,3 +251,12 @@ class Orchestrator:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await decode.stub.Abort(decode_pb2.AbortRequest(
                 request_id=rid, reason=reason, ticket_undelivered=ticket_undelivered))  # fmt: skip
+
+
+def _prefill_sampling(sampling: decode_pb2.SamplingParams) -> dict:
+    """The request's sampling fields for the prefill, which samples the first token: the ones
+    the client set, and the temperature always (unset means greedy here, as on the decode
+    server; vLLM's own default would be the model's generation config)."""
+    fields = {f.name: value for f, value in sampling.ListFields()}
+    fields.setdefault("temperature", 0.0)
+    return fields

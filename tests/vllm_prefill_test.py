@@ -188,9 +188,8 @@ def test_a_decode_server_with_another_kv_dtype_fails_the_request_at_once(stack, 
     """vLLM's worker side says Hello to a bfloat16 decode server, is refused, writes nothing
     and commits the refusal, so the ticket fails now rather than at its deadline.
 
-    NOTE: the refusal's message (naming both dtypes) is the commit's error, checked in
-    prefill/tests/vllm_worker_side_test.py; the decode server drops a failed ticket, so a
-    Generate arriving after that commit answers NOT_FOUND without it."""
+    The refusal's message, naming both dtypes, is the commit's error; a Generate arriving after
+    that commit gets it back (ABORTED)."""
     _, _, _, http = stack
     decode, address, metrics = start_decode("tcp", dtype="bfloat16")
     try:
@@ -201,7 +200,8 @@ def test_a_decode_server_with_another_kv_dtype_fails_the_request_at_once(stack, 
             with pytest.raises(grpc.RpcError) as error:
                 _generate(stub, ticket, kv["first_token_id"])
             assert time.monotonic() - started < 5  # the ticket's deadline is 30 s away
-            assert error.value.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND)
+            assert error.value.code() == grpc.StatusCode.ABORTED
+            assert "bfloat16" in error.value.details(), error.value.details()
             stats = stub.Stats(decode_pb2.StatsRequest())
             # Freed at once: the sender committed, so no write can still land (no quarantine).
             assert stats.kv_blocks_free == stats.kv_blocks_total

@@ -93,7 +93,9 @@ def test_abort_of_a_ready_ticket_frees_at_once(admission):
     admission.commit("a", 1, 0, 2000, LAYERS)
     assert admission.abort("a")
     assert admission.pool.num_free == 10
-    assert _code(lambda: admission.wait_ready("a", 1)) == "NOT_FOUND"
+    with pytest.raises(AdmissionError) as err:  # a late Generate learns why
+        admission.wait_ready("a", 1)
+    assert (err.value.code, str(err.value)) == ("ABORTED", "aborted")
 
 
 def test_stale_generation_is_refused_and_changes_nothing(admission):
@@ -114,7 +116,8 @@ def test_wrong_byte_count_or_layers_fail_the_ticket(admission):
     assert admission.pool.num_free == 10  # its only sender committed: nothing can still write
     admission.reserve("b", [1] * 20, num_senders=1, max_tokens=1)
     assert _code(lambda: admission.commit("b", 1, 0, 2000, LAYERS - 1)) == "INVALID_ARGUMENT"
-    assert _code(lambda: admission.wait_ready("b", 1)) == "NOT_FOUND"
+    assert _code(lambda: admission.wait_ready("b", 1)) == "ABORTED"
+    assert _code(lambda: admission.wait_ready("b", 2)) == "NOT_FOUND"  # no such generation
 
 
 def test_sender_error_fails_the_ticket_with_its_reason(admission):
