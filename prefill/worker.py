@@ -212,7 +212,9 @@ class PrefillWorker:
         seq = job.seq
         kv_params = None
         if job.session is not None:
+            finishing = time.monotonic()
             stats = job.session.finish()
+            committing = time.monotonic()
             self.engine.pool.free(job.session.src_blocks)
             ticket = job.transfer.ticket
             client = self._decoders[job.transfer.decode_address]
@@ -239,6 +241,9 @@ class PrefillWorker:
                 "bytes_written": stats.bytes_written,
                 "layers": stats.layers,
                 "transfer_ms": round(stats.seconds * 1000, 3),
+                # After the forward: waiting for the last writes to land, then the Commit RPC.
+                "send_wait_ms": round((committing - finishing) * 1000, 3),
+                "commit_ms": round((time.monotonic() - committing) * 1000, 3),
             }
         job.future.set_result(
             Result(seq.output_ids, finish_reason, seq.num_prompt_tokens, kv_params)

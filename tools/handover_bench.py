@@ -7,7 +7,10 @@ transport) and, for each prompt length, times:
   disagg_ttft_ms    Reserve + POST with the ticket, which returns once every layer's KV landed
                     and was committed: the first token as the client sees it
   overhead_ms       disagg_ttft_ms - prefill_alone_ms (target: under 5% of the prefill)
+  reserve_ms        the Reserve RPC alone (part of disagg_ttft_ms)
   transfer_tail_ms  the prefill's own report: first layer's writes to last completion
+  send_wait_ms      the prefill's own report: after its forward, waiting for the last writes
+  commit_ms         the prefill's own report: the Commit RPC
   handover_ms       prefill reply -> Generate's first token computed by the decode server
 Median of `--repeats` after a warm-up; prints a table and writes JSON. With both `--kv-send`
 modes it also shows what sending each layer as it is computed buys over sending after the
@@ -44,6 +47,7 @@ def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
         request_id=tag, prompt_token_ids=prompt, num_senders=1, max_tokens=2
     )
     ticket = stub.Reserve(request, timeout=60).ticket
+    reserved = time.perf_counter()
     params = {"tandem_ticket": base64.b64encode(ticket.SerializeToString()).decode(),
               "decode_address": address}  # fmt: skip
     reply = http.post("/v1/completions", json={
@@ -65,7 +69,10 @@ def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
         "prefill_alone_ms": alone * 1e3,
         "disagg_ttft_ms": ttft * 1e3,
         "overhead_ms": (ttft - alone) * 1e3,
+        "reserve_ms": (reserved - start) * 1e3,
         "transfer_tail_ms": kv["transfer_ms"],
+        "send_wait_ms": kv["send_wait_ms"],
+        "commit_ms": kv["commit_ms"],
         "handover_ms": handover * 1e3,
         "kv_bytes": kv["bytes_written"],
     }
@@ -130,7 +137,8 @@ def bench_point(stub, http, address: str, prompt: list[int], mode: str, args) ->
         f"{mode:>13} prompt {n:>6}: prefill alone {row['prefill_alone_ms']:8.1f} ms  "
         f"disaggregated TTFT {row['disagg_ttft_ms']:8.1f} ms  "
         f"overhead {row['overhead_ms']:6.1f} ms ({row['overhead_pct']:.1f}%)  "
-        f"transfer {row['transfer_tail_ms']:6.1f} ms  "
+        f"reserve {row['reserve_ms']:5.1f} ms  transfer {row['transfer_tail_ms']:6.1f} ms  "
+        f"send wait {row['send_wait_ms']:5.1f} ms  commit {row['commit_ms']:5.1f} ms  "
         f"handover {row['handover_ms']:6.1f} ms  KV {row['kv_bytes'] / 2**20:.0f} MiB",
         flush=True,
     )
