@@ -32,10 +32,12 @@ from tools.oci.layout import (
     write_archive,
 )
 
+# The suite itself only, not {suite}-updates or {suite}-security: those change every week and
+# the mirror drops the versions they replace, while the versions the suite references stay in the
+# pool until its next point release, so a pinned list keeps building until then. Security updates
+# arrive by re-pinning deliberately: python -m tools.oci.pin_debian images/cpu/packages.lock
 DEBIAN_MIRRORS = [
     "deb http://deb.debian.org/debian {suite} main",
-    "deb http://deb.debian.org/debian {suite}-updates main",
-    "deb http://deb.debian.org/debian-security {suite}-security main",
 ]
 # Left out of the root filesystem: documentation and translations (copyright files stay).
 DPKG_EXCLUDES = [
