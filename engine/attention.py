@@ -40,6 +40,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int  # largest number of new tokens of one sequence
     max_seq_len: int  # largest seq_lens entry
+    # Host copies of query_start_loc and seq_lens where the builder had them: the eager batch
+    # path reads lengths on the host once per layer, and a .tolist() each time is a device sync
+    # per layer (which stalls the GPU whenever another thread holds the GIL at that moment).
+    host_query_start_loc: tuple[int, ...] | None = None
+    host_seq_lens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Shape and dtype only: checking values would cost a device sync every step.
@@ -110,6 +115,8 @@ class AttentionMetadata:
             block_tables=tables.to(device),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            host_query_start_loc=tuple(starts.tolist()),
+            host_seq_lens=tuple(seq_lens),
         )
 
 
@@ -185,8 +192,8 @@ def attend_batch(
     `attend_chunk`, one sequence at a time, since padding every query to the longest would cost
     B * max_query_len * max_seq_len of mask."""
     out = torch.empty_like(q)
-    starts = meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens.tolist()
+    starts = meta.host_query_start_loc or meta.query_start_loc.tolist()
+    seq_lens = meta.host_seq_lens or meta.seq_lens.tolist()
     query_lens = [end - start for start, end in itertools.pairwise(starts)]
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
     if decodes:

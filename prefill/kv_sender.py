@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from transport.base import WriteOp
@@ -134,22 +135,26 @@ def _block_runs(
     dst_head_offset,
 ) -> list[WriteOp]:
     """Same block size, head-contiguous blocks: each block's heads in one run (the last block
-    whole, padding rows included: they are the sequence's own and never read)."""
+    whole, padding rows included: they are the sequence's own and never read). Blocks that
+    follow each other on both sides merge into one run, computed with numpy: an 8k-token prompt
+    has 512 blocks per layer, and one Python object per block cost the sender ~0.5 ms a layer."""
     first, count = heads.start, len(heads)
     nbytes = count * src_layout.head_stride
+    n = _blocks(num_tokens, src_layout)
+    assert n == _blocks(num_tokens, dst_layout)
+    if n == 0:
+        return []
+    src = np.asarray(src_blocks[:n], dtype=np.int64) * src_layout.block_stride
+    src += src_base + first * src_layout.head_stride
+    dst = np.asarray(dst_blocks[:n], dtype=np.int64) * dst_layout.block_stride
+    dst += dst_base + (first - dst_head_offset) * dst_layout.head_stride
+    starts = np.flatnonzero(
+        np.r_[True, (src[1:] != src[:-1] + nbytes) | (dst[1:] != dst[:-1] + nbytes)]
+    )
+    lengths = np.diff(np.r_[starts, n]) * nbytes
     return [
-        WriteOp(
-            src_base + src_block * src_layout.block_stride + first * src_layout.head_stride,
-            dst_base
-            + dst_block * dst_layout.block_stride
-            + (first - dst_head_offset) * dst_layout.head_stride,
-            nbytes,
-        )
-        for src_block, dst_block in zip(
-            src_blocks[: _blocks(num_tokens, src_layout)],
-            dst_blocks[: _blocks(num_tokens, dst_layout)],
-            strict=True,
-        )
+        WriteOp(int(s), int(d), int(size))
+        for s, d, size in zip(src[starts], dst[starts], lengths, strict=True)
     ]
 
 

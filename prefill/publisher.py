@@ -32,6 +32,12 @@ class SendStats:
     seconds: float
     """From the first layer's writes to the last one's completion."""
     error: str = ""
+    prepare_seconds: float = 0.0
+    """Building the write descriptors, all layers (the sender thread's Python work)."""
+    post_seconds: float = 0.0
+    """Handing them to the transport, all layers."""
+    write_ops: int = 0
+    """Descriptors written, all layers, after coalescing."""
 
 
 class SendSession:
@@ -64,6 +70,8 @@ class SendSession:
         self.src_blocks: list[int] = []
         self._transfers: list[Transfer] = []
         self._layers = 0
+        self._prepare = self._post = 0.0
+        self._ops = 0
         self._started: float | None = None
         self._error: str = ""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -91,7 +99,8 @@ class SendSession:
         num_tokens = self.ticket.num_tokens
         token_bytes = self.src_layout.token_stride
         nbytes = 2 * self._layers * num_tokens * len(self.heads) * token_bytes
-        return SendStats(nbytes, self._layers, seconds, self._error)
+        return SendStats(nbytes, self._layers, seconds, self._error, self._prepare, self._post,
+                         self._ops)  # fmt: skip
 
     def _post_loop(self) -> None:
         shard = self.ticket.shards[0]
@@ -106,16 +115,21 @@ class SendSession:
                 self._started = time.monotonic()
             k, v = k_caches[layer]
             dst = shard.layers[layer]
+            preparing = time.monotonic()
             ops = layer_ops(
                 LayerKV(k.data_ptr(), v.data_ptr()), LayerKV(dst.k.addr, dst.v.addr),
                 self.src_layout, self.dst_layout, self.src_blocks, list(self.ticket.block_ids),
                 self.ticket.num_tokens, self.heads,
             )  # fmt: skip
+            posting = time.monotonic()
             try:
                 self._transfers.append(self.agent.write(self.peer, ops, self.deadline))
                 self._layers += 1
             except TransportError as e:
                 self._error = str(e)
+            self._prepare += posting - preparing
+            self._post += time.monotonic() - posting
+            self._ops += len(ops)
 
 
 class KvPublisher:

@@ -244,6 +244,9 @@ class PrefillWorker:
                 # After the forward: waiting for the last writes to land, then the Commit RPC.
                 "send_wait_ms": round((committing - finishing) * 1000, 3),
                 "commit_ms": round((time.monotonic() - committing) * 1000, 3),
+                "prepare_ms": round(stats.prepare_seconds * 1000, 3),
+                "post_ms": round(stats.post_seconds * 1000, 3),
+                "write_ops": stats.write_ops,
             }
         job.future.set_result(
             Result(seq.output_ids, finish_reason, seq.num_prompt_tokens, kv_params)

@@ -11,6 +11,8 @@ transport) and, for each prompt length, times:
   transfer_tail_ms  the prefill's own report: first layer's writes to last completion
   send_wait_ms      the prefill's own report: after its forward, waiting for the last writes
   commit_ms         the prefill's own report: the Commit RPC
+  prepare_ms, post_ms, write_ops   the prefill's sender thread: building the write descriptors,
+                    handing them to the transport, and how many (all layers)
   handover_ms       prefill reply -> Generate's first token computed by the decode server
 Median of `--repeats` after a warm-up; prints a table and writes JSON. With both `--kv-send`
 modes it also shows what sending each layer as it is computed buys over sending after the
@@ -73,6 +75,9 @@ def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
         "transfer_tail_ms": kv["transfer_ms"],
         "send_wait_ms": kv["send_wait_ms"],
         "commit_ms": kv["commit_ms"],
+        "prepare_ms": kv["prepare_ms"],
+        "post_ms": kv["post_ms"],
+        "write_ops": kv["write_ops"],
         "handover_ms": handover * 1e3,
         "kv_bytes": kv["bytes_written"],
     }
@@ -139,6 +144,8 @@ def bench_point(stub, http, address: str, prompt: list[int], mode: str, args) ->
         f"overhead {row['overhead_ms']:6.1f} ms ({row['overhead_pct']:.1f}%)  "
         f"reserve {row['reserve_ms']:5.1f} ms  transfer {row['transfer_tail_ms']:6.1f} ms  "
         f"send wait {row['send_wait_ms']:5.1f} ms  commit {row['commit_ms']:5.1f} ms  "
+        f"(descriptors: {row['write_ops']:.0f}, built in {row['prepare_ms']:.1f} ms, posted in "
+        f"{row['post_ms']:.1f} ms)  "
         f"handover {row['handover_ms']:6.1f} ms  KV {row['kv_bytes'] / 2**20:.0f} MiB",
         flush=True,
     )
