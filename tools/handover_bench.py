@@ -13,7 +13,10 @@ transport) and, for each prompt length, times:
   commit_ms         the prefill's own report: the Commit RPC
   prepare_ms, post_ms, write_ops   the prefill's sender thread: building the write descriptors,
                     handing them to the transport, and how many (all layers)
-  handover_ms       prefill reply -> Generate's first token computed by the decode server
+  first_token_ms    prefill reply -> Generate's first message (the prefill's token, streamed by the
+                    decode server once it admitted the request): what a client waits on top of
+                    disagg_ttft_ms for its first token
+  handover_ms       prefill reply -> the first token computed by the decode server
 Median of `--repeats` after a warm-up; prints a table and writes JSON. With both `--kv-send`
 modes it also shows what sending each layer as it is computed buys over sending after the
 whole forward.
@@ -62,9 +65,11 @@ def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
         request_id=tag, generation=ticket.generation, first_token_id=kv["first_token_id"],
         max_tokens=2, ignore_eos=True), timeout=60)  # fmt: skip
     tokens = 0
-    handover = None
+    first_token = handover = None
     for message in stream:
         tokens += len(message.token_ids)
+        if tokens >= 1 and first_token is None:
+            first_token = time.perf_counter() - replied
         if tokens >= 2 and handover is None:
             handover = time.perf_counter() - replied
     return {
@@ -78,6 +83,7 @@ def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
         "prepare_ms": kv["prepare_ms"],
         "post_ms": kv["post_ms"],
         "write_ops": kv["write_ops"],
+        "first_token_ms": first_token * 1e3,
         "handover_ms": handover * 1e3,
         "kv_bytes": kv["bytes_written"],
     }
@@ -146,7 +152,8 @@ def bench_point(stub, http, address: str, prompt: list[int], mode: str, args) ->
         f"send wait {row['send_wait_ms']:5.1f} ms  commit {row['commit_ms']:5.1f} ms  "
         f"(descriptors: {row['write_ops']:.0f}, built in {row['prepare_ms']:.1f} ms, posted in "
         f"{row['post_ms']:.1f} ms)  "
-        f"handover {row['handover_ms']:6.1f} ms  KV {row['kv_bytes'] / 2**20:.0f} MiB",
+        f"first token +{row['first_token_ms']:4.1f} ms  handover {row['handover_ms']:6.1f} ms  "
+        f"KV {row['kv_bytes'] / 2**20:.0f} MiB",
         flush=True,
     )
     return row
