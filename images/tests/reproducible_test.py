@@ -15,7 +15,8 @@ IMAGES = ["cpu_base", "router_cpu", "prefill_cpu", "decode_cpu"]
 def test_clean_build_gives_the_same_digests():
     output_base = Path(os.environ["TEST_TMPDIR"]) / "clean"
     targets = [f"//images:{name}" for name in IMAGES]
-    cmd = ["bazel", f"--output_base={output_base}", "--batch", "build"]
+    # --symlink_prefix=/: no bazel-* links, which would repoint the workspace's at this build.
+    cmd = ["bazel", f"--output_base={output_base}", "--batch", "build", "--symlink_prefix=/"]
     cmd += ["--output_groups=default,digest", *targets]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-5000:]
