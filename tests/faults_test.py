@@ -16,19 +16,9 @@ import httpx
 import pytest
 
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
-from tests.servers import COMMON, start_decode, start_prefill
+from tests.servers import COMMON, decode_pool_free, start_decode, start_prefill
 
 LONG_PROMPT = list(range(100, 1100))
-
-
-def _pool_free(stub, within: float = 5.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        stats = stub.Stats(decode_pb2.StatsRequest(), timeout=5)
-        if stats.kv_blocks_free == stats.kv_blocks_total and not stats.reserved:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.fixture()
@@ -72,7 +62,7 @@ def test_prefill_killed_mid_transfer_fails_generate_by_the_deadline(decode):
         )
     assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED)
     assert time.monotonic() - start < 3
-    assert _pool_free(stub)  # quarantine ends one grace second after the deadline
+    assert decode_pool_free(address)  # quarantine ends one grace second after the deadline
 
 
 def test_decode_killed_mid_stream_ends_the_stream_with_an_error(decode):

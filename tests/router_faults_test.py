@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
-from tests.servers import MODEL, start_decode, start_prefill, start_router
+from tests.servers import MODEL, decode_pool_free, start_decode, start_prefill, start_router
 
 REQUEST = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 6, "temperature": 0}
 
@@ -30,16 +30,6 @@ def _stats(address: str) -> decode_pb2.StatsResponse:
         return decode_pb2_grpc.DecodeServiceStub(channel).Stats(
             decode_pb2.StatsRequest(), timeout=5
         )
-
-
-def _pool_free(address: str, within: float = 5.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        stats = _stats(address)
-        if stats.kv_blocks_free == stats.kv_blocks_total and not stats.reserved:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.fixture()
@@ -83,7 +73,7 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_then_the_other_s
         assert reply.json()["usage"]["completion_tokens"] == REQUEST["max_tokens"]
     health = httpx.get(f"{url}/health").json()["decode"]
     assert sorted(health.values()) == ["down", "up"] and health[survivor] == "up"
-    assert _pool_free(survivor)
+    assert decode_pool_free(survivor)
 
 
 def test_killed_prefill_is_retried_on_the_other_and_none_left_gives_503(two_prefills):
@@ -99,4 +89,4 @@ def test_killed_prefill_is_retried_on_the_other_and_none_left_gives_503(two_pref
     reply = httpx.post(f"{url}/v1/completions", json=REQUEST, timeout=30)
     assert reply.status_code == 503 and time.monotonic() - started < 5.0
     assert "prefill" in reply.json()["error"]["message"]
-    assert _pool_free(decode_address)  # released at once: the ticket never reached a prefill
+    assert decode_pool_free(decode_address)  # released at once: the ticket never reached a prefill

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import subprocess
+import time
 
+import grpc
+
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tools.launch import start
 
 MODEL = "tools/smollm2-135m-instruct"  # Bazel data: //tools:smollm2
@@ -34,3 +38,18 @@ def start_router(prefill_urls: list[str], decode_addresses: list[str], *extra: s
         args += ["--decode", address]
     proc, m = start(args, r"serving on (http://[\d.:]+)")
     return proc, m.group(1)
+
+
+def decode_pool_free(address: str, within: float = 5.0) -> decode_pb2.StatsResponse | None:
+    """The decode server's Stats once its KV pool is all free and nothing is reserved (within
+    `within` seconds: frees may trail a reply); None if that never happens."""
+    deadline = time.monotonic() + within
+    with grpc.insecure_channel(address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        while True:
+            stats = stub.Stats(decode_pb2.StatsRequest(), timeout=5)
+            if stats.kv_blocks_free == stats.kv_blocks_total and not stats.reserved:
+                return stats
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
