@@ -17,6 +17,7 @@ from pathlib import Path
 HUGE_PAGE = 2 * 1024 * 1024
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23
+_MADV_COLLAPSE = 25  # Linux >= 6.1: collapse into huge pages now, compacting memory if needed
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -78,6 +79,11 @@ class HostBuffer:
                     f"pages or MADV_POPULATE_WRITE (Linux >= 5.14)"
                 )
         huge = _huge_bytes_in(self.addr, self.nbytes)
+        if huge < self.nbytes:
+            # Fragmented memory gave some 4 KiB pages at fault time; ask again, synchronously
+            # (an older kernel refuses the advice, and the check below speaks for it).
+            libc.madvise(self.addr, self.nbytes, _MADV_COLLAPSE)
+            huge = _huge_bytes_in(self.addr, self.nbytes)
         if huge < self.nbytes:
             setting = _THP_ENABLED.read_text().strip() if _THP_ENABLED.exists() else "absent"
             self.close()
