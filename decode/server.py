@@ -50,10 +50,7 @@ class DecodeServerConfig:
             raise ValueError(f"grpc_port: {self.grpc_port} is not a port number")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s: {self.transfer_timeout_s} must be positive")
-        if self.transport not in transport.BACKENDS:
-            raise ValueError(
-                f"transport: {self.transport!r} is not one of {', '.join(transport.BACKENDS)}"
-            )
+        transport.check_name(self.transport)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -52,10 +52,7 @@ class PrefillServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a port number")
-        if self.transport not in transport.BACKENDS:
-            raise ValueError(
-                f"transport: {self.transport!r} is not one of {', '.join(transport.BACKENDS)}"
-            )
+        transport.check_name(self.transport)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

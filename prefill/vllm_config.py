@@ -34,10 +34,7 @@ class TandemConnectorConfig:
     """Longest a request's writes and commit may take (the ticket's own deadline also holds)."""
 
     def __post_init__(self) -> None:
-        if self.transport not in transport.BACKENDS:
-            raise ValueError(
-                f"transport: {self.transport!r} is not one of {', '.join(transport.BACKENDS)}"
-            )
+        transport.check_name(self.transport)
         if not self.host:
             raise ValueError("host: must not be empty")
         if not self.staging_mb > 0:

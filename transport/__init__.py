@@ -21,10 +21,15 @@ BACKENDS = {
 }
 
 
+def check_name(name: str) -> None:
+    """Raises ValueError naming the known backends unless `name` is one (for config checks)."""
+    if name not in BACKENDS:
+        raise ValueError(f"transport: {name!r} is not one of {', '.join(BACKENDS)}")
+
+
 def create(name: str, host: str = "127.0.0.1", **options: object) -> Transport:
     """A new agent of backend `name`, bound to `host` where the backend binds anything."""
-    if name not in BACKENDS:
-        raise ValueError(f"transport: unknown backend {name!r} (known: {', '.join(BACKENDS)})")
+    check_name(name)
     module, _, cls = BACKENDS[name].partition(":")
     try:
         backend = getattr(importlib.import_module(module), cls)
