@@ -98,6 +98,23 @@ class Transfer(abc.ABC):
             raise self.error() or TransferError("transfer failed")
 
 
+class SettledTransfer(Transfer):
+    """A write that finished inside write() (a synchronous copy, nothing to move, or a failure
+    found before any I/O): done, or failed with `error`."""
+
+    def __init__(self, error: TransportError | None) -> None:
+        self._error = error
+
+    def poll(self) -> TransferState:
+        return TransferState.FAILED if self._error else TransferState.DONE
+
+    def error(self) -> TransportError | None:
+        return self._error
+
+    def abort(self) -> None:
+        pass  # already complete
+
+
 class Peer(abc.ABC):
     """A connected remote agent: what write() needs to reach it."""
 

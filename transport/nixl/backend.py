@@ -63,6 +63,7 @@ from transport.base import (
     HandshakeError,
     Peer,
     Region,
+    SettledTransfer,
     Transfer,
     TransferError,
     TransferState,
@@ -219,16 +220,18 @@ class NixlTransport(Transport):
         ops = [op for op in ops if op.nbytes]
         descs = _descriptors(ops, self._table, peer.table) if ops else None
         if descs is None and not notify:
-            return _Settled(None)
+            return SettledTransfer(None)
         if time.monotonic() >= deadline:
-            return _Settled(DeadlineExceeded("nixl: the deadline passed before the write started"))
+            return SettledTransfer(
+                DeadlineExceeded("nixl: the deadline passed before the write started")
+            )
         if descs is not None:
             return self._start(nixl.NIXL_WRITE, *descs, peer.name, notify or b"", deadline)
         try:
             self._live().genNotif(peer.name, notify, [])
         except _NIXL_ERRORS as e:
-            return _Settled(_failure(e))
-        return _Settled(None)
+            return SettledTransfer(_failure(e))
+        return SettledTransfer(None)
 
     # -- receiving -----------------------------------------------------------------------------
 
@@ -383,22 +386,6 @@ class _NixlTransfer(Transfer):
             with contextlib.suppress(*_NIXL_ERRORS):
                 self._owner._agent.releaseXferReq(handle)
         self._owner._forget(self)
-
-
-class _Settled(Transfer):
-    """A write that finished inside write(): nothing to move, or only a notification."""
-
-    def __init__(self, error: TransportError | None) -> None:
-        self._error = error
-
-    def poll(self) -> TransferState:
-        return TransferState.FAILED if self._error else TransferState.DONE
-
-    def error(self) -> TransportError | None:
-        return self._error
-
-    def abort(self) -> None:
-        pass  # already complete
 
 
 class _RegionTable:

@@ -25,9 +25,9 @@ from transport.base import (
     Peer,
     Region,
     RegionTable,
+    SettledTransfer,
     Transfer,
     TransferError,
-    TransferState,
     Transport,
     TransportError,
     WriteOp,
@@ -105,8 +105,8 @@ class ShmTransport(Transport):
             if notify:
                 peer.notify(notify, deadline)
         except TransportError as e:
-            return _ShmTransfer(e)
-        return _ShmTransfer(None)
+            return SettledTransfer(e)
+        return SettledTransfer(None)
 
     def notifications(self) -> list[bytes]:
         out = []
@@ -137,20 +137,6 @@ class _ShmPeer(Peer):
                 raise DeadlineExceeded("shm: peer did not take the notification in time") from None
             except OSError as e:
                 raise TransferError(f"shm: notification to pid {self.pid} failed: {e}") from None
-
-
-class _ShmTransfer(Transfer):
-    def __init__(self, error: TransportError | None) -> None:
-        self._error = error
-
-    def poll(self) -> TransferState:
-        return TransferState.FAILED if self._error else TransferState.DONE
-
-    def error(self) -> TransportError | None:
-        return self._error
-
-    def abort(self) -> None:
-        pass  # already complete
 
 
 def _copy(pid: int, ops: Sequence[WriteOp], deadline: float) -> None:
