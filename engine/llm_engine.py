@@ -263,9 +263,9 @@ def load_model(
     cuda = config.device.startswith("cuda")
     ops = EAGER_OPS
     if cuda and not config.enforce_eager:
-        from engine.fusion import compiled_ops  # imports torch.compile's stack only when used
+        from engine.cuda_ops import CUDA_OPS  # imports Triton only on CUDA
 
-        ops = compiled_ops()
+        ops = CUDA_OPS
     backend = attention_backend(config.device)
     if wrap_attention is not None:
         backend = wrap_attention(backend)

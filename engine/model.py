@@ -51,21 +51,34 @@ def rope(
 
 
 @dataclass(frozen=True)
-class PointwiseOps:
-    """The model's elementwise chains as swappable functions, so that a device can fuse each
-    into one kernel (engine/fusion.py compiles them for CUDA) without touching the model."""
+class ModelOps:
+    """The model's elementwise chains and its matrix products as swappable functions, so that a
+    device can put its own kernels in (engine/cuda_ops.py does for CUDA) without touching the
+    model."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-EAGER_OPS = PointwiseOps(rms_norm, add_rms_norm, silu_and_mul, rope)
+EAGER_OPS = ModelOps(rms_norm, add_rms_norm, silu_and_mul, rope, F.linear)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names) computed by `ops.linear`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModelOps) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: PointwiseOps) -> None:
+    def __init__(self, dim: int, eps: float, ops: ModelOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
@@ -122,7 +135,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: PointwiseOps) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: ModelOps) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -132,10 +145,10 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.backend = backend
         self.ops = ops
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, ops
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, ops)
         qk_norm = config.qk_norm
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if qk_norm else None
@@ -163,10 +176,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: PointwiseOps) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, ops)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, ops)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +187,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: PointwiseOps) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: ModelOps) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = Attention(config, backend, ops)
@@ -205,7 +218,7 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """Embedding, decoder layers and final norm: Hugging Face's `model.` prefix."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: PointwiseOps) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: ModelOps) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config)
@@ -235,17 +248,18 @@ class CausalLM(nn.Module):
         self,
         config: ModelConfig,
         attention: AttentionBackend = torch_attention,
-        ops: PointwiseOps = EAGER_OPS,
+        ops: ModelOps = EAGER_OPS,
     ) -> None:
         super().__init__()
         self.config = config
+        self.ops = ops
         self.model = Decoder(config, attention, ops)
         # Tied: no lm_head at all, so nothing can untie it (materializing a meta model
         # re-creates parameters one module at a time, which would split a shared one).
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, False, ops)
         )
 
     # Inference only: the KV cache is written in place, which autograd cannot follow.
@@ -264,7 +278,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size], float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight, None).float()
 
     def init_buffers(self) -> None:
         """Computes the buffers no checkpoint holds (RoPE frequencies, kept float32).

@@ -20,6 +20,10 @@ The decode path is CUDA-graph capturable: launch grids and buffer sizes depend o
 - `_combine_kernel`, grid (sequence, query head): merges the splits' partial outputs by
   log-sum-exp.
 - `_write_kv_kernel`, grid (token, kv head): copies one head of one token's K and V to its slot.
+
+On CUDA each kernel is launched with programmatic dependent launch (see engine.triton_linear):
+it waits for the kernel before it inside the kernel (`gdc_wait`), so its launch overlaps that
+kernel's end.
 """
 
 import functools
@@ -27,6 +31,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.attention import AttentionMetadata, attend_batch
 
@@ -78,11 +83,13 @@ def write_kv(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
+    pdl = _pdl(k.device)
     _write_kv_kernel[(num_tokens, num_kv_heads)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[2],
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -164,8 +171,10 @@ def _decode(
         # NOTE: tl.dot defaults to tf32 for fp32 operands, ~3 decimal digits; bf16/fp16 ignore it.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WRITE_LSE=num_splits > 1,
+        PDL=_pdl(q.device),
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
+        launch_pdl=_pdl(q.device),
     )
     if num_splits > 1:
         _combine(partial, lse, out, head_dim_pad)
@@ -188,7 +197,9 @@ def _combine(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         CHUNK=_COMBINE_CHUNK,
+        PDL=_pdl(out.device),
         num_warps=_NUM_WARPS,
+        launch_pdl=_pdl(out.device),
     )
 
 
@@ -196,6 +207,12 @@ def _tile_tokens(head_dim_pad: int, element_size: int) -> int:
     """Tokens per loop step: a power of two in [16, 128] giving ~_TILE_BYTES of K."""
     tokens = max(1, _TILE_BYTES // (head_dim_pad * element_size))
     return min(128, max(_MIN_DOT, 1 << (tokens.bit_length() - 1)))
+
+
+def _pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (engine.triton_linear says how it works): on CUDA only,
+    as Triton's CPU interpreter has no grid dependencies."""
+    return device.type == "cuda"
 
 
 @functools.cache
@@ -243,10 +260,14 @@ def _split_kernel(
     TILE: tl.constexpr,
     PRECISION: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     seq_len = tl.load(seq_lens_ptr + seq)
     num_tiles = tl.cdiv(seq_len, TILE)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
@@ -329,9 +350,13 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
     chunk = tl.arange(0, CHUNK)
@@ -382,9 +407,13 @@ def _write_kv_kernel(
     block_size,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     slot = tl.load(slot_ptr + token).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = dims < HEAD_DIM

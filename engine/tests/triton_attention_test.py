@@ -1,8 +1,8 @@
 """Tests of engine.triton_attention against a float64 dense reference.
 
 Modes: the same test functions run in one of two, fixed when this file is imported.
-- Interpreter (CPU): when TRITON_INTERPRET=1, or when CUDA is unavailable (this file then sets
-  TRITON_INTERPRET=1 itself, before engine.triton_attention imports triton), the kernels run on
+- Interpreter (CPU): when TRITON_INTERPRET=1, or when CUDA is unavailable (engine.tests.triton_mode
+  then sets TRITON_INTERPRET=1, before engine.triton_attention imports triton), the kernels run on
   CPU tensors through Triton's interpreter. Cases are small and pairwise-covering.
     TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python -m pytest -q engine/tests/triton_attention_test.py
 - CUDA: otherwise the kernels compile for the GPU; the shape grid is the full product, and the
@@ -16,44 +16,19 @@ without it every test here errors, saying so.
 """
 
 import itertools
-import os
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton
+from engine.tests import triton_mode  # noqa: I001 (before triton: picks the interpreter on CPU)
 import triton.language as tl
 
 from engine import attention, triton_attention
 from engine.attention import AttentionMetadata
 
-
-def _interpreted(kernel) -> bool:
-    return not isinstance(kernel, triton.runtime.JITFunction)
-
-
-INTERPRETED = _interpreted(triton_attention._split_kernel)
-
-
-def _mode_error() -> str | None:
-    # NOTE: @triton.jit picks interpreted or compiled when a function is defined, triton's own
-    # library (tl.sum, tl.cdiv) included. A process that imported triton before TRITON_INTERPRET=1
-    # was set (HF models import it) cannot interpret kernels.
-    if _interpreted(tl.standard.zeros) != INTERPRETED or not (
-        INTERPRETED or torch.cuda.is_available()
-    ):
-        return (
-            "triton was imported before TRITON_INTERPRET=1 was set and there is no CUDA: set "
-            "TRITON_INTERPRET=1 in the environment, or run this test file in its own process"
-        )
-    return None
-
-
-DEVICE = "cpu" if INTERPRETED else "cuda"
+INTERPRETED = triton_mode.interpreted(triton_attention._split_kernel)
+DEVICE = triton_mode.device_of(triton_attention._split_kernel)
 cuda = pytest.mark.cuda  # needs compiled kernels on a GPU
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
@@ -67,7 +42,7 @@ def _triton_mode():
     rejects (triton-lang/triton#9171, fixed after 3.6). (2) tl.dot multiplies bf16 operands as
     their uint16 bit patterns; they are widened to fp32 exactly first, as the GPU does.
     """
-    if error := _mode_error():
+    if error := triton_mode.mode_error(triton_attention._split_kernel):
         pytest.fail(error)  # every test errors, loudly; other test files still run
     if not INTERPRETED:
         yield
