@@ -2,14 +2,16 @@
 
 A decode step of a large model is hundreds of small kernel launches; launched one by one from
 Python they cost more than the memory traffic they do. Each batch-size bucket's forward is
-captured once and replayed with the step's inputs copied into the captured tensors. A batch is
-padded up to its bucket; padded rows write and read only the cache's padding block.
+captured once and replayed with the step's inputs copied into the captured tensors (by the graph
+itself: see StepInputs). A batch is padded up to its bucket; padded rows write and read only the
+cache's padding block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -24,6 +26,67 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({min(s, max_batch) for s in sizes})
 
 
+class StepInputs:
+    """One bucket's step inputs in one byte buffer, pinned on the host and mirrored on the device:
+    input ids, positions and slots (int64, [3, bucket]), then sequence lengths (int32, [bucket])
+    and block tables (int32, [bucket, max_blocks]). The graph starts by copying the host buffer
+    over the device one, so a step costs the host only its writes into pinned memory and one
+    launch (three separate copies cost more host time than the copy itself takes).
+
+    Padded rows (past the step's n sequences) point at the cache's padding block: they write
+    and read only there.
+    """
+
+    def __init__(
+        self, bucket: int, max_blocks: int, padding_block: int, block_size: int, device
+    ) -> None:
+        self.bucket = bucket
+        self._block_size = block_size
+        self._pad_slot = padding_block * block_size
+        self._padding_block = padding_block
+        ids_bytes, lens_bytes = 3 * bucket * 8, bucket * 4
+        size = ids_bytes + lens_bytes + bucket * max_blocks * 4
+        # Pinned on CUDA, so that the graph's copy is a plain DMA of a fixed host address.
+        pinned = torch.device(device).type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned)
+        raw = self.host.numpy()
+        self._ids = raw[:ids_bytes].view(np.int64).reshape(3, bucket)
+        self._lens = raw[ids_bytes : ids_bytes + lens_bytes].view(np.int32)
+        self._tables = raw[ids_bytes + lens_bytes :].view(np.int32).reshape(bucket, max_blocks)
+        self._ids[2] = self._pad_slot
+        self._lens[:] = 1
+        self._tables[:] = padding_block
+        self.device = self.host.to(device)
+        ids = self.device[:ids_bytes].view(torch.int64).view(3, bucket)
+        self.input_ids, self.positions, self.slots = ids[0], ids[1], ids[2]
+        self.seq_lens = self.device[ids_bytes : ids_bytes + lens_bytes].view(torch.int32)
+        self.block_tables = (
+            self.device[ids_bytes + lens_bytes :].view(torch.int32).view(bucket, max_blocks)
+        )
+
+    def write(
+        self,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ) -> None:
+        """Fills the host buffer; the next replay of the bucket's graph copies it over."""
+        n, bs = len(input_ids), self._block_size
+        self._ids[0, :n] = input_ids
+        self._ids[1, :n] = positions
+        self._ids[2, :n] = [
+            t[p // bs] * bs + p % bs for p, t in zip(positions, block_tables, strict=True)
+        ]
+        self._lens[:n] = self._ids[1, :n] + 1
+        for i, table in enumerate(block_tables):
+            self._tables[i, : len(table)] = table
+        if n < self.bucket:
+            self._ids[:2, n:] = 0
+            self._ids[2, n:] = self._pad_slot
+            self._lens[n:] = 1
+            self._tables[n:, 0] = self._padding_block
+
+
 class DecodeGraphs:
     def __init__(
         self, model: CausalLM, kv_cache: KVCache, max_batch: int, max_model_len: int
@@ -33,18 +96,13 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         device = kv_cache.storage.device
-        self._block_size = kv_cache.block_size
-        max_blocks = -(-max_model_len // self._block_size)
-        pad = kv_cache.padding_block
-        # Host staging (pinned, so the copies below are asynchronous) and the captured tensors.
-        self._host_ids = torch.zeros(3, self.max_batch, dtype=torch.int64, pin_memory=True)
-        self._host_lens = torch.ones(self.max_batch, dtype=torch.int32, pin_memory=True)
-        self._host_tables = torch.full(
-            (self.max_batch, max_blocks), pad, dtype=torch.int32, pin_memory=True
-        )
-        self._ids = self._host_ids.to(device)  # rows: input ids, positions, slots
-        self._lens = self._host_lens.to(device)
-        self._tables = self._host_tables.to(device)
+        max_blocks = -(-max_model_len // kv_cache.block_size)
+        self._inputs = {
+            bucket: StepInputs(
+                bucket, max_blocks, kv_cache.padding_block, kv_cache.block_size, device
+            )
+            for bucket in self.buckets
+        }
         self._query_start = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
@@ -59,25 +117,7 @@ class DecodeGraphs:
         """Logits [n, vocab] (float32) of one decode token per sequence (n <= max_batch)."""
         n = len(input_ids)
         bucket = next(b for b in self.buckets if b >= n)
-        ids = self._host_ids.numpy()
-        tables = self._host_tables.numpy()
-        lens = self._host_lens.numpy()
-        bs = self._block_size
-        pad_slot = self.kv_cache.padding_block * bs
-        ids[0, :n] = input_ids
-        ids[1, :n] = positions
-        for i, (pos, table) in enumerate(zip(positions, block_tables, strict=True)):
-            ids[2, i] = table[pos // bs] * bs + pos % bs
-            tables[i, : len(table)] = table
-        ids[:, n:bucket] = 0
-        ids[2, n:bucket] = pad_slot
-        lens[:n] = [p + 1 for p in positions]
-        lens[n:bucket] = 1
-        tables[n:bucket, 0] = self.kv_cache.padding_block
-        width = max(len(t) for t in block_tables)
-        self._ids[:, :bucket].copy_(self._host_ids[:, :bucket], non_blocking=True)
-        self._lens[:bucket].copy_(self._host_lens[:bucket], non_blocking=True)
-        self._tables[:bucket, :width].copy_(self._host_tables[:bucket, :width], non_blocking=True)
+        self._inputs[bucket].write(input_ids, positions, block_tables)
         self._graphs[bucket].replay()
         return self._logits[bucket][:n]
 
@@ -85,23 +125,24 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         # Largest first: smaller graphs reuse the largest one's memory from the shared pool.
         for bucket in reversed(self.buckets):
+            inputs = self._inputs[bucket]
             meta = AttentionMetadata(
-                slot_mapping=self._ids[2, :bucket],
+                slot_mapping=inputs.slots,
                 query_start_loc=self._query_start[: bucket + 1],
-                seq_lens=self._lens[:bucket],
-                block_tables=self._tables[:bucket],
+                seq_lens=inputs.seq_lens,
+                block_tables=inputs.block_tables,
                 max_query_len=1,
                 max_seq_len=max_model_len,
             )
-            args = (self._ids[0, :bucket], self._ids[1, :bucket], self.kv_cache.kv_caches, meta)
-            # Padded rows only: slots, positions and lengths all point at the padding block.
-            self._ids[2, :bucket] = self.kv_cache.padding_block * self._block_size
+            # Padded rows only until the first write: everything points at the padding block.
+            args = (inputs.input_ids, inputs.positions, self.kv_cache.kv_caches, meta)
             # Warm-up: compiles kernels, sets up cuBLAS, outside the capture.
             self.model.compute_logits(self.model(*args))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             # lm_head inside the graph: one replay per step, no GEMM and cast launched apart.
             with torch.cuda.graph(graph, pool=pool):
+                inputs.device.copy_(inputs.host, non_blocking=True)
                 self._logits[bucket] = self.model.compute_logits(self.model(*args))
             self._graphs[bucket] = graph
         torch.cuda.synchronize()
