@@ -1,10 +1,10 @@
 """Linear layers for decode on the GPU: a Triton GEMV for one-row inputs, cuBLAS otherwise.
 
 A bs=1 decode step is a chain of matrix-vector products that stream every weight once, so
-their bandwidth is the step's speed. cuBLAS's kernels for M=1 stream an 8B model's weights at
-~87% of the read bandwidth engine.bench measures (H200); this kernel at ~95%, chiefly on the
-small matrices (o_proj: 75% against cuBLAS's 61%), where cuBLAS's split-K adds a reduction
-kernel and its tiles leave SMs idle. See docs/performance.md.
+their bandwidth is the step's speed. cuBLAS's M=1 kernels leave bandwidth unused on the square
+and short matrices (o_proj at ~61% of the measured read bandwidth on an H200, ~75% here:
+engine.gemv_bench), and they cannot overlap their launch with the kernels around them, which
+this one does (below). Figures: docs/performance.md.
 
 `_gemv_kernel`, grid (N / BLOCK_N,): one program owns BLOCK_N whole rows of W and walks K in
 BLOCK_K steps, multiplying in fp32 into a [BLOCK_N, BLOCK_K] accumulator that is summed once at
@@ -27,11 +27,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["linear"]
 
-# Tuned on an H200 over the Llama-3-8B matrices (docs/performance.md): within 1% of the best
-# of 77 configurations on every shape but qkv_proj (1%).
-_BLOCK_N = 4
-_MAX_BLOCK_K = 2048
-_NUM_WARPS = 4
+# (rows per program, largest K step, warps), chosen on an H200 with engine.gemv_bench over the
+# Llama-3-8B matrices (docs/performance.md): tall matrices (qkv, gate_up, lm_head) stream best
+# with 8 rows and 8 warps a program, square and wide ones (o_proj, down_proj) with 4 and 4.
+_TALL = (8, 1024, 8)
+_OTHER = (4, 2048, 4)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,9 +40,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     out_features, in_features = weight.shape
     y = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
-    block_k = min(_MAX_BLOCK_K, triton.next_power_of_2(in_features))
+    block_n, max_block_k, num_warps = _TALL if 2 * out_features >= 3 * in_features else _OTHER
+    block_k = min(max_block_k, triton.next_power_of_2(in_features))
     pdl = x.device.type == "cuda"  # Triton's CPU interpreter (tests) has no grid dependencies
-    _gemv_kernel[(triton.cdiv(out_features, _BLOCK_N),)](
+    _gemv_kernel[(triton.cdiv(out_features, block_n),)](
         x,
         weight,
         bias if bias is not None else y,  # unread without HAS_BIAS
@@ -50,12 +51,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out_features,
         in_features,
         weight.stride(0),
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=in_features % block_k == 0,
         HAS_BIAS=bias is not None,
         PDL=pdl,
-        num_warps=_NUM_WARPS,
+        num_warps=num_warps,
         num_stages=1,
         launch_pdl=pdl,
     )

@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.tests import triton_mode  # noqa: I001 (before triton: picks the interpreter on CPU)
+from engine.tests import triton_mode  # before triton: picks the interpreter on CPU
+
+# isort: split
 import triton.language as tl
 
 from engine import attention, triton_attention

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.tests import triton_mode  # noqa: I001 (before triton: picks the interpreter on CPU)
+from engine.tests import triton_mode  # before triton: picks the interpreter on CPU
 
+# isort: split
 from engine import triton_linear
 
 KERNEL = triton_linear._gemv_kernel
@@ -46,6 +47,8 @@ def _case(out_features, in_features, dtype, bias, seed=0):
         (37, 576, torch.float32, True),  # ragged K (SmolLM2's width) and N % BLOCK_N != 0
         (6, 2048 + 64, torch.float16, True),  # one whole step, then a masked one
         (1, 8, torch.bfloat16, False),  # fewer rows than one program owns
+        (6144, 4096, torch.bfloat16, False),  # tall: 8 rows a program (qkv_proj's shape)
+        (301, 64, torch.float32, True),  # tall, one short K step, a ragged last program
     ],
 )
 def test_one_row_matches_float64_reference(out_features, in_features, dtype, bias):

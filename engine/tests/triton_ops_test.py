@@ -9,8 +9,9 @@ Runs like triton_attention_test: through Triton's CPU interpreter without CUDA
 import pytest
 import torch
 
-from engine.tests import triton_mode  # noqa: I001 (before triton: picks the interpreter on CPU)
+from engine.tests import triton_mode  # before triton: picks the interpreter on CPU
 
+# isort: split
 from engine import model, triton_ops
 
 KERNEL = triton_ops._rms_norm_kernel

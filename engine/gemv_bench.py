@@ -1,0 +1,130 @@
+"""Weight-streaming benchmark: one bs=1 decode step's matrix-vector products, engine vs cuBLAS.
+
+Every layer's qkv, o, gate_up and down matrices (distinct random weights per layer, so nothing
+stays in L2) and the lm_head, launched back to back in one CUDA graph, as in a decode step:
+once through engine.triton_linear's GEMV and once through cuBLAS (F.linear), in the same run.
+Each figure is bytes of weights over time, also as a fraction of the HBM read bandwidth that
+engine.bench measures. Per matrix shape too (all layers' copies of that shape in one graph).
+
+    python -m engine.gemv_bench --model llama3-8b --out gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from engine.bench import read_bandwidth
+from engine.config import ModelConfig
+
+LAYER_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def matrix_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each matrix a decode step streams."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "qkv_proj": (q + 2 * kv, hidden),
+        "o_proj": (hidden, q),
+        "gate_up_proj": (2 * inter, hidden),
+        "down_proj": (hidden, inter),
+        "lm_head": (config.vocab_size, hidden),
+    }
+
+
+def graph_seconds(fn, repeats: int = 20) -> float:
+    """Median time of one replay of a graph capturing fn()."""
+    fn()  # warm-up: compiles the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def run(config: ModelConfig, num_layers: int) -> dict:
+    from engine import triton_linear  # imports Triton: CUDA only
+
+    shapes = matrix_shapes(config)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def weights(name: str, copies: int) -> list[torch.Tensor]:
+        out, inp = shapes[name]
+        return [
+            torch.randn(out, inp, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+            for _ in range(copies)
+        ]
+
+    stack = {name: weights(name, num_layers) for name in LAYER_MATRICES}
+    stack["lm_head"] = weights("lm_head", 1)
+    inputs = {
+        width: torch.randn(1, width, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for width in {inp for _, inp in shapes.values()}
+    }
+    linears = {"tandem": triton_linear.linear, "cublas": F.linear}
+    bandwidth = read_bandwidth("cuda")
+
+    def stream(linear, names):
+        total = sum(w.numel() * w.element_size() for n in names for w in stack[n])
+
+        def step():
+            for i in range(num_layers):
+                for n in names:
+                    if i < len(stack[n]):
+                        linear(inputs[stack[n][i].shape[1]], stack[n][i])
+
+        seconds = graph_seconds(step)
+        rate = total / seconds
+        return {"ms": seconds * 1e3, "tb_s": rate / 1e12, "of_bandwidth": rate / bandwidth}
+
+    rows = {
+        system: {"step": stream(linear, [*LAYER_MATRICES, "lm_head"])}
+        | {name: stream(linear, [name]) for name in shapes}
+        for system, linear in linears.items()
+    }
+    return {"read_bandwidth_tb_s": bandwidth / 1e12, "layers": num_layers, "results": rows}
+
+
+def print_table(report: dict) -> None:
+    print(f"HBM read bandwidth (measured): {report['read_bandwidth_tb_s']:.2f} TB/s")
+    print(f"{'matrices':14} {'system':7} {'ms':>8} {'TB/s':>6} {'of bw':>6}")
+    for name in report["results"]["tandem"]:  # the whole step first, then each shape
+        for system, rows in report["results"].items():
+            ms, tb_s, share = (rows[name][k] for k in ("ms", "tb_s", "of_bandwidth"))
+            print(f"{name:14} {system:7} {ms:8.3f} {tb_s:6.2f} {share:6.1%}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama3-8b", help="a ModelConfig preset name")
+    parser.add_argument("--layers", type=int, default=None, help="default: the model's")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gemv_bench: needs a CUDA GPU (it times CUDA graphs of GPU kernels)", file=sys.stderr)
+        return 2
+    config = ModelConfig.preset(args.model)
+    report = run(config, args.layers or config.num_layers)
+    print_table(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
