@@ -114,9 +114,23 @@ def bench_engine(
 
 
 def bench_hf(engine: LLMEngine, batch: int, context: int, decode_tokens: int) -> Result:
-    """transformers `generate` (greedy, no EOS) on the engine's own weights: decode tok/s is the
-    difference between generating decode_tokens + 1 tokens and generating 1."""
+    """transformers `generate` (greedy, no EOS) on the engine's own weights: decode tok/s over
+    the decode_tokens steps after the first token, timed from the host's receipt of the first
+    new token to that of the last (a streamer sees each step's tokens as generate makes them)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    class TokenClock(BaseStreamer):
+        """When each put() came: the prompt's, then each step's new tokens'."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
 
     config = engine.model_config
     device = engine.config.device
@@ -135,9 +149,8 @@ def bench_hf(engine: LLMEngine, batch: int, context: int, decode_tokens: int) ->
     model.eval()
     prompt = torch.randint(0, config.vocab_size, (batch, context), device=device)
 
-    def run(new_tokens: int) -> float:
-        _sync(engine)
-        start = time.perf_counter()
+    def run(new_tokens: int) -> list[float]:
+        clock = TokenClock()
         with torch.inference_mode():
             model.generate(
                 prompt,
@@ -146,14 +159,14 @@ def bench_hf(engine: LLMEngine, batch: int, context: int, decode_tokens: int) ->
                 min_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=0,
+                streamer=clock,
             )
-        _sync(engine)
-        return time.perf_counter() - start
+        return clock.times
 
     run(2)  # warm-up
-    # The least of a few: the difference of two noisy times must not go negative on a busy host.
-    prefill_s = min(run(1) for _ in range(3))
-    decode_s = min(run(decode_tokens + 1) for _ in range(2)) - prefill_s
+    times = run(decode_tokens + 1)
+    assert len(times) == decode_tokens + 2, "one put() for the prompt, one per new token"
+    decode_s = times[-1] - times[1]
     return Result("hf", batch, context, batch * decode_tokens / decode_s, None, None, None, None)
 
 

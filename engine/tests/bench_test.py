@@ -8,7 +8,7 @@ import sys
 def test_bench_writes_results_for_every_point_and_the_peer(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "engine.bench", "--model", "random:tiny", "--dtype", "float32"]
-    cmd += ["--batch-sizes", "1,3", "--context-lens", "20", "--decode-tokens", "8"]
+    cmd += ["--batch-sizes", "1,3", "--context-lens", "20", "--decode-tokens", "4"]
     cmd += ["--peer", "hf", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
