@@ -163,7 +163,8 @@ def bench_hf(engine: LLMEngine, batch: int, context: int, decode_tokens: int) ->
             )
         return clock.times
 
-    run(2)  # warm-up
+    # Warm-up at full length: a first long generate runs several times slower than the next.
+    run(decode_tokens + 1)
     times = run(decode_tokens + 1)
     assert len(times) == decode_tokens + 2, "one put() for the prompt, one per new token"
     decode_s = times[-1] - times[1]

@@ -106,6 +106,7 @@ class DecodeGraphs:
         self._query_start = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self._greedy: dict[int, torch.Tensor] = {}
         self._capture_all(max_model_len)
 
     def run(
@@ -113,15 +114,18 @@ class DecodeGraphs:
         input_ids: Sequence[int],
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
-    ) -> torch.Tensor:
-        """Logits [n, vocab] (float32) of one decode token per sequence (n <= max_batch)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, vocab] (float32) of one decode token per sequence (n <= max_batch), and
+        their argmax [n] (int64): the greedy tokens, computed inside the graph."""
         n = len(input_ids)
         bucket = next(b for b in self.buckets if b >= n)
         self._inputs[bucket].write(input_ids, positions, block_tables)
         self._graphs[bucket].replay()
-        return self._logits[bucket][:n]
+        return self._logits[bucket][:n], self._greedy[bucket][:n]
 
     def _capture_all(self, max_model_len: int) -> None:
+        from engine.triton_ops import greedy_tokens  # Triton: imported on CUDA only
+
         pool = torch.cuda.graph_pool_handle()
         # Largest first: smaller graphs reuse the largest one's memory from the shared pool.
         for bucket in reversed(self.buckets):
@@ -137,12 +141,13 @@ class DecodeGraphs:
             # Padded rows only until the first write: everything points at the padding block.
             args = (inputs.input_ids, inputs.positions, self.kv_cache.kv_caches, meta)
             # Warm-up: compiles kernels, sets up cuBLAS, outside the capture.
-            self.model.compute_logits(self.model(*args))
+            greedy_tokens(self.model.compute_logits(self.model(*args)))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             # lm_head inside the graph: one replay per step, no GEMM and cast launched apart.
             with torch.cuda.graph(graph, pool=pool):
                 inputs.device.copy_(inputs.host, non_blocking=True)
                 self._logits[bucket] = self.model.compute_logits(self.model(*args))
+                self._greedy[bucket] = greedy_tokens(self._logits[bucket])
             self._graphs[bucket] = graph
         torch.cuda.synchronize()

@@ -33,19 +33,25 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> dict[str, int]:
         """One forward over the plan; returns {seq_id: sampled token} for sequences that sample."""
         sampling = [item for item in plan.scheduled if item.samples]
+        greedy = None
         if self.graphs is not None and plan.is_decode_only:
-            logits = self._decode_with_graph(plan)
+            logits, greedy = self._decode_with_graph(plan)
         else:
             hidden, last_rows = self._forward_eager(plan)
             if not sampling:
                 return {}
             hidden = hidden[torch.tensor(last_rows, device=self.device)]
             logits = self.model.compute_logits(hidden)
-        tokens = self.sampler(logits, [item.seq.sampling_row() for item in sampling]).tolist()
+        rows = [item.seq.sampling_row() for item in sampling]
+        if greedy is not None and all(r.params.greedy and not r.params.penalized for r in rows):
+            tokens = greedy.tolist()  # the graph's own argmax: nothing more to launch
+        else:
+            tokens = self.sampler(logits, rows).tolist()
         return {item.seq.seq_id: token for item, token in zip(sampling, tokens, strict=True)}
 
-    def _decode_with_graph(self, plan: StepPlan) -> torch.Tensor:
-        """Logits of every scheduled sequence: each feeds its last token, so every row samples."""
+    def _decode_with_graph(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and greedy tokens of every scheduled sequence: each feeds its last token, so
+        every row samples."""
         seqs = [item.seq for item in plan.scheduled]
         # The graphs are captured up to the scheduler's max_num_seqs.
         assert len(seqs) <= self.graphs.max_batch

@@ -96,3 +96,17 @@ def test_empty_inputs_launch_nothing():
     weight = _randn(64, dtype=torch.float32, seed=13)
     assert triton_ops.rms_norm(x, weight, 1e-5).shape == (0, 64)
     assert triton_ops.silu_and_mul(_randn(0, 128, dtype=torch.float32, seed=14)).shape == (0, 64)
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 128256), (3, 5000), (2, 4096), (4, 17)])
+def test_greedy_tokens_equal_torch_argmax(rows, vocab):
+    logits = _randn(rows, vocab, dtype=torch.float32, seed=15)
+    assert torch.equal(triton_ops.greedy_tokens(logits), logits.argmax(dim=-1))
+
+
+def test_greedy_tokens_take_the_first_of_tied_maxima_across_chunks():
+    logits = _randn(1, 10_000, dtype=torch.float32, seed=16)
+    top = logits.max() + 1
+    logits[0, 9_000] = top  # in the third 4096-token chunk
+    logits[0, 4_100] = top  # the same value, earlier, in the second
+    assert triton_ops.greedy_tokens(logits).tolist() == [4_100]
