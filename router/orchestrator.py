@@ -155,7 +155,8 @@ class Orchestrator:
             await decode.channel.close()
 
     async def tokenize(self, body: dict) -> list[int]:
-        """Token ids from a prefill instance's /tokenize (`prompt` or `messages`)."""
+        """Token ids from a prefill instance's /tokenize (`prompt` or `messages`); a failure is
+        retried once, on another instance, as the prefill itself is."""
         error = "no prefill instance is available"
         for prefill in self._prefill_order():
             prefill.in_flight += 1
@@ -163,8 +164,9 @@ class Orchestrator:
                 reply = await prefill.client.post("/tokenize", json=body)
                 if reply.status_code == 200:
                     return reply.json()["tokens"]
-                raise BackendError(reply.status_code, f"prefill {prefill.url} /tokenize: "
-                                   f"{reply.text[:200]}")  # fmt: skip
+                error = f"prefill {prefill.url} /tokenize: {reply.status_code} {reply.text[:200]}"
+                if reply.status_code < 500:  # the request is at fault: another would refuse it too
+                    raise BackendError(reply.status_code, error)
             except httpx.HTTPError as e:
                 prefill.healthy = not isinstance(e, httpx.TransportError)
                 error = f"prefill {prefill.url} failed: {e!r}"
