@@ -21,9 +21,8 @@ The decode path is CUDA-graph capturable: launch grids and buffer sizes depend o
   log-sum-exp.
 - `_write_kv_kernel`, grid (token, kv head): copies one head of one token's K and V to its slot.
 
-On CUDA each kernel is launched with programmatic dependent launch (see engine.triton_linear):
-it waits for the kernel before it inside the kernel (`gdc_wait`), so its launch overlaps that
-kernel's end.
+On CUDA each kernel is launched with programmatic dependent launch (engine.triton_pdl), so its
+launch overlaps the end of the kernel before it.
 """
 
 import functools
@@ -31,8 +30,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from engine import triton_pdl
 from engine.attention import AttentionMetadata, attend_batch
 
 __all__ = ["choose_num_splits", "paged_attention", "write_kv"]
@@ -83,7 +82,7 @@ def write_kv(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    pdl = _pdl(k.device)
+    pdl = triton_pdl.enabled(k.device)
     _write_kv_kernel[(num_tokens, num_kv_heads)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -171,10 +170,10 @@ def _decode(
         # NOTE: tl.dot defaults to tf32 for fp32 operands, ~3 decimal digits; bf16/fp16 ignore it.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WRITE_LSE=num_splits > 1,
-        PDL=_pdl(q.device),
+        PDL=triton_pdl.enabled(q.device),
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
-        launch_pdl=_pdl(q.device),
+        launch_pdl=triton_pdl.enabled(q.device),
     )
     if num_splits > 1:
         _combine(partial, lse, out, head_dim_pad)
@@ -197,9 +196,9 @@ def _combine(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         CHUNK=_COMBINE_CHUNK,
-        PDL=_pdl(out.device),
+        PDL=triton_pdl.enabled(out.device),
         num_warps=_NUM_WARPS,
-        launch_pdl=_pdl(out.device),
+        launch_pdl=triton_pdl.enabled(out.device),
     )
 
 
@@ -207,12 +206,6 @@ def _tile_tokens(head_dim_pad: int, element_size: int) -> int:
     """Tokens per loop step: a power of two in [16, 128] giving ~_TILE_BYTES of K."""
     tokens = max(1, _TILE_BYTES // (head_dim_pad * element_size))
     return min(128, max(_MIN_DOT, 1 << (tokens.bit_length() - 1)))
-
-
-def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (engine.triton_linear says how it works): on CUDA only,
-    as Triton's CPU interpreter has no grid dependencies."""
-    return device.type == "cuda"
 
 
 @functools.cache
@@ -265,9 +258,7 @@ def _split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    triton_pdl.await_previous_kernel(PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_tiles = tl.cdiv(seq_len, TILE)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
@@ -354,9 +345,7 @@ def _combine_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    triton_pdl.await_previous_kernel(PDL)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
     chunk = tl.arange(0, CHUNK)
@@ -411,9 +400,7 @@ def _write_kv_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    triton_pdl.await_previous_kernel(PDL)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = dims < HEAD_DIM

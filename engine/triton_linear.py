@@ -4,26 +4,20 @@ A bs=1 decode step is a chain of matrix-vector products that stream every weight
 their bandwidth is the step's speed. cuBLAS's M=1 kernels leave bandwidth unused on the square
 and short matrices (o_proj at ~61% of the measured read bandwidth on an H200, ~75% here:
 engine.gemv_bench), and they cannot overlap their launch with the kernels around them, which
-this one does (below). Figures: docs/performance.md.
+this one does (programmatic dependent launch, engine.triton_pdl). Figures: docs/performance.md.
 
 `_gemv_kernel`, grid (N / BLOCK_N,): one program owns BLOCK_N whole rows of W and walks K in
 BLOCK_K steps, multiplying in fp32 into a [BLOCK_N, BLOCK_K] accumulator that is summed once at
 the end. Rows are many and short-lived programs (an 8B layer's matrices give 1,024 to 7,168),
 so the hardware keeps several programs' loads in flight per SM without software pipelining.
-
-Programmatic dependent launch: the kernel is launched so that it may start while the kernel
-before it is finishing, and it waits (`gdc_wait`) before reading x or writing y; it lets the
-next kernel launch as soon as all its programs are running. Launch latency between kernels of a
-captured decode graph is then hidden. NOTE: a kernel launched this way that never waited would
-run concurrently with its predecessor: every such kernel must call gdc_wait before its first
-dependent access.
 """
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from engine import triton_pdl
 
 __all__ = ["linear"]
 
@@ -42,7 +36,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
     block_n, max_block_k, num_warps = _TALL if 2 * out_features >= 3 * in_features else _OTHER
     block_k = min(max_block_k, triton.next_power_of_2(in_features))
-    pdl = x.device.type == "cuda"  # Triton's CPU interpreter (tests) has no grid dependencies
+    pdl = triton_pdl.enabled(x.device)
     _gemv_kernel[(triton.cdiv(out_features, block_n),)](
         x,
         weight,
@@ -93,9 +87,7 @@ def _gemv_kernel(
     # unpredicated vector load; only the store is masked.
     w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
     cols = tl.arange(0, BLOCK_K)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    triton_pdl.await_previous_kernel(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:

@@ -3,8 +3,8 @@
 Unfused, a decode step of an 8B model runs ~25 tiny elementwise kernels per layer (RMSNorm
 alone is six), ~800 in all at ~2.5 us each: more than half the time the weights take to
 stream. Here each op is one kernel, launched with programmatic dependent launch like every
-other kernel of the decode step (engine.triton_linear says how that works), so its launch
-overlaps the kernel before it.
+other kernel of the decode step (engine.triton_pdl), so its launch overlaps the kernel before
+it.
 
 Rounding follows the eager ops (engine.model) step by step: RMSNorm normalizes in fp32, rounds
 to the activation dtype, then multiplies by the weight and rounds again; the residual sum is
@@ -23,7 +23,8 @@ took 27 us for one 128k-entry row on an H200).
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from engine import triton_pdl
 
 __all__ = ["add_rms_norm", "greedy_tokens", "rms_norm", "rope", "silu_and_mul"]
 
@@ -55,7 +56,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     width = rows.shape[1] // 2
     out = torch.empty(rows.shape[0], width, dtype=rows.dtype, device=rows.device)
     if out.numel():
-        pdl = _pdl(rows)
+        pdl = triton_pdl.enabled(rows.device)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(width, _SILU_BLOCK))](
             rows, out, width, rows.stride(0), out.stride(0),
             BLOCK=_SILU_BLOCK, PDL=pdl, launch_pdl=pdl,
@@ -73,7 +74,7 @@ def rope(
     assert q.stride(-1) == k.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty_like(k)
     if tokens:
-        pdl = _pdl(q)
+        pdl = triton_pdl.enabled(q.device)
         _rope_kernel[(tokens,)](
             q, k, cos, sin, q_out, k_out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -96,7 +97,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     chunk_arg = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        pdl = _pdl(logits)
+        pdl = triton_pdl.enabled(logits.device)
         _chunk_argmax_kernel[(rows, chunks)](
             logits, chunk_max, chunk_arg, vocab, logits.stride(0), chunks,
             CHUNK=_ARGMAX_CHUNK, PDL=pdl, launch_pdl=pdl,
@@ -112,16 +113,12 @@ def _empty_rows(rows: torch.Tensor) -> torch.Tensor:
     return torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)  # contiguous
 
 
-def _pdl(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda"  # Triton's CPU interpreter (tests) has no grid dependencies
-
-
 def _launch_rms_norm(x, residual, weight, eps, out, summed) -> None:
     num_rows, width = x.shape
     if not num_rows:
         return
     assert x.stride(1) == 1 and weight.is_contiguous()
-    pdl = _pdl(x)
+    pdl = triton_pdl.enabled(x.device)
     has_residual = residual is not None
     _rms_norm_kernel[(num_rows,)](
         x, residual if has_residual else x, weight, out, summed if has_residual else out,
@@ -149,9 +146,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    triton_pdl.await_previous_kernel(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -177,9 +172,7 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    triton_pdl.await_previous_kernel(PDL)
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + width + cols, mask=mask, other=0.0)
     g32 = gate.to(tl.float32)
@@ -239,9 +232,7 @@ def _rope_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     half = tl.arange(0, HALF_PAD)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    triton_pdl.await_previous_kernel(PDL)
     cos = tl.load(cos_ptr + token * HALF + half, mask=half < HALF, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + token * HALF + half, mask=half < HALF, other=0.0).to(tl.float32)
     _rotate(
@@ -268,9 +259,7 @@ def _chunk_argmax_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    triton_pdl.await_previous_kernel(PDL)
     x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab, other=float("-inf"))
     x = x.to(tl.float32)
     best, where = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
@@ -289,9 +278,7 @@ def _row_argmax_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, CHUNKS_PAD)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    triton_pdl.await_previous_kernel(PDL)
     best = tl.load(max_ptr + row * chunks + idx, mask=idx < chunks, other=float("-inf"))
     # Left on ties: chunks are in vocabulary order, so the first chunk holding the row's
     # maximum holds its first occurrence.
