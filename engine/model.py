@@ -50,6 +50,41 @@ def rope(
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def split_heads(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (heads + 2 kv heads) * head_dim] -> views q [T, heads, head_dim], k, v
+    [T, kv heads, head_dim]."""
+    tokens = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    kv_size = num_kv_heads * head_dim
+    q, k, v = qkv.split([num_heads * head_dim, kv_size, kv_size], dim=-1)
+    return (
+        q.view(tokens, num_heads, head_dim),
+        k.view(tokens, num_kv_heads, head_dim),
+        v.view(tokens, num_kv_heads, head_dim),
+    )
+
+
+def qkv_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of the fused qkv projection, q and k rotated (models without q/k norms)."""
+    q, k, v = split_heads(F.linear(x, weight, bias), num_heads, num_kv_heads)
+    return (*rope(q, k, cos, sin), v)
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's first half: silu_and_mul of the fused gate_up projection."""
+    return silu_and_mul(F.linear(x, weight))
+
+
 @dataclass(frozen=True)
 class ModelOps:
     """The model's elementwise chains and its matrix products as swappable functions, so that a
@@ -58,12 +93,14 @@ class ModelOps:
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    # A projection and the op after it, which a device may compute in one kernel.
+    qkv_rope: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    gate_up_silu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-EAGER_OPS = ModelOps(rms_norm, add_rms_norm, silu_and_mul, rope, F.linear)
+EAGER_OPS = ModelOps(rms_norm, add_rms_norm, rope, F.linear, qkv_rope, gate_up_silu)
 
 
 class Linear(nn.Linear):
@@ -162,13 +199,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3 normalizes per head, before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rope(q, k, cos, sin)
+        if self.q_norm is None:
+            proj = self.qkv_proj
+            q, k, v = self.ops.qkv_rope(
+                x, proj.weight, proj.bias, cos, sin, self.num_heads, self.num_kv_heads
+            )
+        else:  # Qwen3 normalizes per head, before RoPE
+            q, k, v = split_heads(self.qkv_proj(x), self.num_heads, self.num_kv_heads)
+            q, k = self.ops.rope(self.q_norm(q), self.k_norm(k), cos, sin)
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
@@ -183,7 +221,7 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.gate_up_silu(x, self.gate_up_proj.weight))
 
 
 class DecoderLayer(nn.Module):

@@ -10,6 +10,18 @@ this one does (programmatic dependent launch, engine.triton_pdl). Figures: docs/
 BLOCK_K steps, multiplying in fp32 into a [BLOCK_N, BLOCK_K] accumulator that is summed once at
 the end. Rows are many and short-lived programs (an 8B layer's matrices give 1,024 to 7,168),
 so the hardware keeps several programs' loads in flight per SM without software pipelining.
+A program requests its first weight tile *before* waiting for the previous kernel: weights do
+not depend on it, so HBM keeps streaming while the kernels before finish.
+
+Two elementwise ops that follow a projection are done in the GEMV's epilogue, on the rounded
+outputs exactly as the separate kernels (engine.triton_ops) would, so that they cost no kernel
+of their own:
+Callers check `fuses_silu` / `fuses_rope` first (engine.cuda_ops):
+- `linear_silu`: SwiGLU on gate_up_proj. A program owns BLOCK_N / 2 gate rows and the up rows
+  paired with them, and stores silu(gate) * up.
+- `linear_rope`: RoPE on the q and k part of qkv_proj. A program owns BLOCK_N / 2 dimensions of
+  one head's first half and the same dimensions of its second half, the pairs RoPE rotates
+  together (half-split pairing, engine.model.apply_rotary).
 """
 
 import torch
@@ -19,7 +31,7 @@ import triton.language as tl
 
 from engine import triton_pdl
 
-__all__ = ["linear"]
+__all__ = ["fuses_rope", "fuses_silu", "linear", "linear_rope", "linear_silu"]
 
 # (rows per program, largest K step, warps), chosen on an H200 with engine.gemv_bench over the
 # Llama-3-8B matrices (docs/performance.md): tall matrices (qkv, gate_up, lm_head) stream best
@@ -27,34 +39,61 @@ __all__ = ["linear"]
 _TALL = (8, 1024, 8)
 _OTHER = (4, 2048, 4)
 
+# What the kernel does with its rounded outputs (the EPILOGUE constexpr).
+_STORE, _SILU, _ROPE = 0, 1, 2
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with one-row CUDA inputs computed by the GEMV kernel."""
     if not _gemv_applies(x, weight):
         return F.linear(x, weight, bias)
-    out_features, in_features = weight.shape
-    y = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
-    block_n, max_block_k, num_warps = _TALL if 2 * out_features >= 3 * in_features else _OTHER
-    block_k = min(max_block_k, triton.next_power_of_2(in_features))
-    pdl = triton_pdl.enabled(x.device)
-    _gemv_kernel[(triton.cdiv(out_features, block_n),)](
-        x,
-        weight,
-        bias if bias is not None else y,  # unread without HAS_BIAS
-        y,
-        out_features,
-        in_features,
-        weight.stride(0),
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        EVEN_K=in_features % block_k == 0,
-        HAS_BIAS=bias is not None,
-        PDL=pdl,
-        num_warps=num_warps,
-        num_stages=1,
-        launch_pdl=pdl,
+    return _gemv(x, weight, bias, _STORE, weight.shape[0])
+
+
+def fuses_silu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear_silu` applies: one row, and gate rows in whole programs."""
+    return _gemv_applies(x, weight) and (weight.shape[0] // 2) % _pairs(weight) == 0
+
+
+def linear_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [gate | up] = x @ weight.T, where `fuses_silu(x, weight)`."""
+    return _gemv(x, weight, None, _SILU, weight.shape[0] // 2)
+
+
+def fuses_rope(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> bool:
+    """Whether `linear_rope` applies: one row, and half-heads in whole programs."""
+    return (
+        _gemv_applies(x, weight)
+        and (head_dim // 2) % _pairs(weight) == 0
+        and weight.shape[0] % head_dim == 0
     )
-    return y
+
+
+def linear_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+    rotated_features: int,
+) -> torch.Tensor:
+    """x @ weight.T + bias, its first `rotated_features` outputs (whole heads) rotated by
+    cos, sin [1, head_dim / 2], where `fuses_rope(x, weight, head_dim)`."""
+    assert rotated_features % head_dim == 0 and cos.is_contiguous() and sin.is_contiguous()
+    return _gemv(
+        x, weight, bias, _ROPE, weight.shape[0], cos, sin, head_dim // 2, rotated_features
+    )
+
+
+def _config(weight: torch.Tensor) -> tuple[int, int, int]:
+    out_features, in_features = weight.shape
+    return _TALL if 2 * out_features >= 3 * in_features else _OTHER
+
+
+def _pairs(weight: torch.Tensor) -> int:
+    """Output pairs per program of the _SILU and _ROPE epilogues."""
+    return _config(weight)[0] // 2
 
 
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -67,29 +106,83 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def _gemv(x, weight, bias, epilogue, outputs, cos=None, sin=None, half=1, rotated=0):
+    out_features, in_features = weight.shape
+    y = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
+    block_n, max_block_k, num_warps = _config(weight)
+    block_k = min(max_block_k, triton.next_power_of_2(in_features))
+    pdl = triton_pdl.enabled(x.device)
+    _gemv_kernel[(triton.cdiv(out_features, block_n),)](
+        x,
+        weight,
+        bias if bias is not None else y,  # unread without HAS_BIAS
+        y,
+        cos if cos is not None else y,  # cos and sin: read by _ROPE only
+        sin if sin is not None else y,
+        out_features,
+        in_features,
+        weight.stride(0),
+        rotated,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=in_features % block_k == 0,
+        HAS_BIAS=bias is not None,
+        EPILOGUE=epilogue,
+        HALF=half,
+        PDL=pdl,
+        num_warps=num_warps,
+        num_stages=1,
+        launch_pdl=pdl,
+    )
+    return y
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr,  # [1, K]
     w_ptr,  # [N, K], rows stride_wn apart
     b_ptr,  # [N]
-    y_ptr,  # [1, N]
+    y_ptr,  # [1, N]; [1, N / 2] for _SILU
+    cos_ptr,  # [1, HALF]
+    sin_ptr,  # [1, HALF]
     N,
     K,
     stride_wn,
+    rotated_rows,  # _ROPE: rows [0, rotated_rows) are rotated, the rest stored as they are
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    HALF: tl.constexpr,  # _ROPE: half a head's width
     PDL: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows past N re-read the last row instead of masking: every load stays a full-width,
-    # unpredicated vector load; only the store is masked.
+    pid = tl.program_id(0)
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    # _SILU and _ROPE: output j of the program is the first (j even) or second (j odd) of
+    # pair j // 2, so that a [PAIRS, 2] reshape splits the pairs apart.
+    pair = tl.arange(0, BLOCK_N) // 2
+    second = tl.arange(0, BLOCK_N) % 2
+    if EPILOGUE == 1:  # _SILU: gate row r and up row N / 2 + r
+        rows = pid * PAIRS + pair + second * (N // 2)
+    elif EPILOGUE == 2:  # _ROPE: row d and row d + HALF of one head
+        per_head: tl.constexpr = HALF // PAIRS
+        first = (pid // per_head) * (2 * HALF) + (pid % per_head) * PAIRS
+        rows = first + pair + second * HALF
+    else:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past N (_STORE's last program) re-read the last row instead of masking: every load
+    # stays a full-width, unpredicated vector load; only the store is masked.
     w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
     cols = tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
+    else:
+        w = tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0)
     triton_pdl.await_previous_kernel(PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k in range(0, K, BLOCK_K):
+    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_rows + (k + cols)[None, :], eviction_policy="evict_first")
             x = tl.load(x_ptr + k + cols)
@@ -101,4 +194,21 @@ def _gemv_kernel(
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + tl.minimum(rows, N - 1)).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+    dtype = y_ptr.dtype.element_ty
+    y = y.to(dtype)  # the projection's output, rounded as a separate op would receive it
+    if EPILOGUE == 1:
+        gate, up = tl.split(tl.reshape(y, [PAIRS, 2]))
+        g32 = gate.to(tl.float32)
+        silu = (g32 / (1.0 + tl.exp(-g32))).to(dtype).to(tl.float32)
+        tl.store(y_ptr + pid * PAIRS + tl.arange(0, PAIRS), (silu * up.to(tl.float32)).to(dtype))
+    elif EPILOGUE == 2:
+        x1, x2 = tl.split(tl.reshape(y, [PAIRS, 2]))
+        dims = (pid % per_head) * PAIRS + tl.arange(0, PAIRS)
+        cos = tl.load(cos_ptr + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + dims).to(tl.float32)
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        out1, out2 = (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+        rotated = tl.reshape(tl.join(out1, out2), [BLOCK_N])
+        tl.store(y_ptr + rows, tl.where(first < rotated_rows, rotated, y))
+    else:
+        tl.store(y_ptr + rows, y, mask=rows < N)

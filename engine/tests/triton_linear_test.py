@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from engine.tests import triton_mode  # before triton: picks the interpreter on CPU
 
 # isort: split
-from engine import triton_linear
+from engine import cuda_ops, model, triton_linear, triton_ops
 
 KERNEL = triton_linear._gemv_kernel
 DEVICE = triton_mode.device_of(KERNEL)
@@ -83,6 +83,65 @@ def test_mismatched_dtype_is_f_linear():
     x = torch.randn(1, 128).to(DEVICE)
     with pytest.raises(RuntimeError, match="dtype"):  # F.linear's own error, not a wrong result
         triton_linear.linear(x, weight)
+
+
+@pytest.mark.parametrize(
+    ("intermediate", "hidden", "dtype"),
+    [(128, 4096, torch.bfloat16), (48, 576, torch.float32), (1536, 64, torch.bfloat16)],
+)
+def test_silu_epilogue_equals_the_separate_kernels(intermediate, hidden, dtype):
+    """Same products in the same order, then SwiGLU on the rounded outputs: bit for bit what
+    silu_and_mul does to the plain GEMV's output, and close to eager float64."""
+    x, weight, _, ref = _case(2 * intermediate, hidden, dtype, False, seed=3)
+    assert triton_linear.fuses_silu(x, weight)
+    fused = triton_linear.linear_silu(x, weight)
+    assert fused.shape == (1, intermediate) and fused.dtype == dtype
+    assert torch.equal(fused, triton_ops.silu_and_mul(triton_linear.linear(x, weight)))
+    # Rounded three times (product, silu, silu * up) where the reference is not.
+    assert _relative_error(fused, model.silu_and_mul(ref)) < 2 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "hidden", "dtype", "bias"),
+    [
+        (32, 8, 128, 4096, torch.bfloat16, False),  # Llama-3-8B's qkv_proj
+        (9, 3, 64, 576, torch.float32, True),  # SmolLM2-135M's, with a bias as Qwen2 has
+        (4, 2, 16, 256, torch.bfloat16, True),  # 4 rows a program: half a head per program
+    ],
+)
+def test_rope_epilogue_equals_the_separate_kernels(heads, kv_heads, head_dim, hidden, dtype, bias):
+    out_features = (heads + 2 * kv_heads) * head_dim
+    x, weight, b, _ = _case(out_features, hidden, dtype, bias, seed=4)
+    angles = torch.rand(1, head_dim // 2, generator=torch.Generator().manual_seed(5)) * 100
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    assert triton_linear.fuses_rope(x, weight, head_dim)
+    q, k, v = cuda_ops.qkv_rope(x, weight, b, cos, sin, heads, kv_heads)  # the fused kernel
+    plain_q, plain_k, plain_v = model.split_heads(triton_linear.linear(x, weight, b), heads, kv_heads)
+    rotated_q, rotated_k = triton_ops.rope(plain_q, plain_k, cos, sin)
+    assert torch.equal(q, rotated_q) and torch.equal(k, rotated_k)
+    assert torch.equal(v, plain_v)  # v is not rotated
+    eager = model.qkv_rope(x.double(), weight.double(), _double(b), cos.double(), sin.double(), heads, kv_heads)
+    for ours, ref in zip((q, k, v), eager, strict=True):
+        assert _relative_error(ours, ref) < 2 * TOLERANCE[dtype]  # rounded twice
+
+
+def test_epilogues_of_several_rows_are_the_separate_ops():
+    """A prefill or batched decode step: cuBLAS, then the elementwise kernel."""
+    x, weight, b, _ = _case(3 * 4 * 16, 64, torch.float32, True, seed=6)
+    x = torch.cat([x, x * 2, -x])
+    angles = torch.rand(3, 8, generator=torch.Generator().manual_seed(7))
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    assert not triton_linear.fuses_rope(x, weight, 16)
+    assert not triton_linear.fuses_silu(x, weight)
+    fused = cuda_ops.qkv_rope(x, weight, b, cos, sin, 4, 4)
+    for ours, eager in zip(fused, model.qkv_rope(x, weight, b, cos, sin, 4, 4), strict=True):
+        assert torch.allclose(ours, eager, rtol=1e-5, atol=1e-5)
+    silu = cuda_ops.gate_up_silu(x, weight)
+    assert torch.allclose(silu, model.gate_up_silu(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def _double(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.double()
 
 
 @cuda
