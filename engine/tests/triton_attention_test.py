@@ -317,6 +317,11 @@ def test_cuda_graph_replay_matches_eager(num_splits):
         (new_v, torch.stack([v[-1] for v in vs2])),
     ]:
         static.copy_(new)
+    # The new tokens' slots hold NaN until write_kv runs in the replay: attention that read them
+    # before write_kv stored them (a race under programmatic dependent launch) would give NaN.
+    slots = meta2.slot_mapping
+    for cache in (k_cache, v_cache):
+        cache[slots // 64, :, slots % 64] = float("nan")
     graph.replay()
     torch.cuda.synchronize()
     eager = triton_attention.paged_attention(
