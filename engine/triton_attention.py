@@ -43,7 +43,9 @@ _LOG2_E = 1.4426950408889634
 _TILE_BYTES = 16 * 1024
 _NUM_STAGES = 2
 _NUM_WARPS = 4
-_COMBINE_CHUNK = 16  # splits merged per step of the combine loop
+# Splits merged per step of the combine loop: every split of a decode step in one step (each step
+# is a dependent round trip to memory), up to this many.
+_MAX_COMBINE_CHUNK = 64
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
@@ -195,7 +197,7 @@ def _combine(
         out.stride(1),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
-        CHUNK=_COMBINE_CHUNK,
+        CHUNK=min(_MAX_COMBINE_CHUNK, triton.next_power_of_2(num_splits)),
         PDL=triton_pdl.enabled(out.device),
         num_warps=_NUM_WARPS,
         launch_pdl=triton_pdl.enabled(out.device),
