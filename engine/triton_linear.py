@@ -33,11 +33,14 @@ from engine import triton_pdl
 
 __all__ = ["fuses_rope", "fuses_silu", "linear", "linear_rope", "linear_silu"]
 
-# (rows per program, largest K step, warps), chosen on an H200 with engine.gemv_bench over the
-# Llama-3-8B matrices (docs/performance.md): tall matrices (qkv, gate_up, lm_head) stream best
-# with 8 rows and 8 warps a program, square and wide ones (o_proj, down_proj) with 4 and 4.
-_TALL = (8, 1024, 8)
-_OTHER = (4, 2048, 4)
+# (rows per program, largest K step, warps) by the matrix's shape, N out of K in: chosen on an
+# H200 by streaming 32 distinct copies of each Llama-3-8B matrix in one CUDA graph per choice
+# (docs/performance.md). Very tall matrices (N >= 3K: gate_up, lm_head) stream best with
+# 8 rows and 8 warps a program, tall ones (qkv, N = 1.5K) with 16 rows in short steps, square
+# and wide ones (o_proj, down_proj) with 2 rows and 4 warps.
+_VERY_TALL = (8, 1024, 8)
+_TALL = (16, 512, 8)
+_OTHER = (2, 2048, 4)
 
 # What the kernel does with its rounded outputs (the EPILOGUE constexpr).
 _STORE, _SILU, _ROPE = 0, 1, 2
@@ -81,13 +84,13 @@ def linear_rope(
     """x @ weight.T + bias, its first `rotated_features` outputs (whole heads) rotated by
     cos, sin [1, head_dim / 2], where `fuses_rope(x, weight, head_dim)`."""
     assert rotated_features % head_dim == 0 and cos.is_contiguous() and sin.is_contiguous()
-    return _gemv(
-        x, weight, bias, _ROPE, weight.shape[0], cos, sin, head_dim // 2, rotated_features
-    )
+    return _gemv(x, weight, bias, _ROPE, weight.shape[0], cos, sin, head_dim // 2, rotated_features)
 
 
 def _config(weight: torch.Tensor) -> tuple[int, int, int]:
     out_features, in_features = weight.shape
+    if out_features >= 3 * in_features:
+        return _VERY_TALL
     return _TALL if 2 * out_features >= 3 * in_features else _OTHER
 
 

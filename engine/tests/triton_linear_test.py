@@ -47,8 +47,9 @@ def _case(out_features, in_features, dtype, bias, seed=0):
         (37, 576, torch.float32, True),  # ragged K (SmolLM2's width) and N % BLOCK_N != 0
         (6, 2048 + 64, torch.float16, True),  # one whole step, then a masked one
         (1, 8, torch.bfloat16, False),  # fewer rows than one program owns
-        (6144, 4096, torch.bfloat16, False),  # tall: 8 rows a program (qkv_proj's shape)
-        (301, 64, torch.float32, True),  # tall, one short K step, a ragged last program
+        (6144, 4096, torch.bfloat16, False),  # tall: 16 rows a program (qkv_proj's shape)
+        (250, 128, torch.float32, True),  # tall, one K step, a ragged last program
+        (301, 64, torch.float32, True),  # very tall: 8 rows, one short K step, ragged
     ],
 )
 def test_one_row_matches_float64_reference(out_features, in_features, dtype, bias):
@@ -106,7 +107,7 @@ def test_silu_epilogue_equals_the_separate_kernels(intermediate, hidden, dtype):
     [
         (32, 8, 128, 4096, torch.bfloat16, False),  # Llama-3-8B's qkv_proj
         (9, 3, 64, 576, torch.float32, True),  # SmolLM2-135M's, with a bias as Qwen2 has
-        (4, 2, 16, 256, torch.bfloat16, True),  # 4 rows a program: half a head per program
+        (4, 2, 16, 256, torch.bfloat16, True),  # 2 rows a program: one pair of a head
     ],
 )
 def test_rope_epilogue_equals_the_separate_kernels(heads, kv_heads, head_dim, hidden, dtype, bias):
@@ -116,11 +117,18 @@ def test_rope_epilogue_equals_the_separate_kernels(heads, kv_heads, head_dim, hi
     cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
     assert triton_linear.fuses_rope(x, weight, head_dim)
     q, k, v = cuda_ops.qkv_rope(x, weight, b, cos, sin, heads, kv_heads)  # the fused kernel
-    plain_q, plain_k, plain_v = model.split_heads(triton_linear.linear(x, weight, b), heads, kv_heads)
+    plain_q, plain_k, plain_v = model.split_heads(
+        triton_linear.linear(x, weight, b), heads, kv_heads
+    )
     rotated_q, rotated_k = triton_ops.rope(plain_q, plain_k, cos, sin)
-    assert torch.equal(q, rotated_q) and torch.equal(k, rotated_k)
-    assert torch.equal(v, plain_v)  # v is not rotated
-    eager = model.qkv_rope(x.double(), weight.double(), _double(b), cos.double(), sin.double(), heads, kv_heads)
+    # Bit for bit where the projection is rounded before RoPE; in fp32 the compiler may fuse a
+    # multiply of the rotation with the bias add into an FMA in one kernel and not the other.
+    same = torch.equal if dtype != torch.float32 else _within_a_few_ulps
+    assert same(q, rotated_q) and same(k, rotated_k)
+    assert same(v, plain_v)  # v is not rotated
+    eager = model.qkv_rope(
+        x.double(), weight.double(), _double(b), cos.double(), sin.double(), heads, kv_heads
+    )
     for ours, ref in zip((q, k, v), eager, strict=True):
         assert _relative_error(ours, ref) < 2 * TOLERANCE[dtype]  # rounded twice
 
@@ -138,6 +146,11 @@ def test_epilogues_of_several_rows_are_the_separate_ops():
         assert torch.allclose(ours, eager, rtol=1e-5, atol=1e-5)
     silu = cuda_ops.gate_up_silu(x, weight)
     assert torch.allclose(silu, model.gate_up_silu(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def _within_a_few_ulps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """fp32 values equal to a few ulps of the largest (a rotation can cancel to near 0)."""
+    return torch.allclose(a, b, rtol=0, atol=4 * torch.finfo(a.dtype).eps * b.abs().max().item())
 
 
 def _double(t: torch.Tensor | None) -> torch.Tensor | None:
