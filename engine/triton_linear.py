@@ -2,21 +2,20 @@
 
 A bs=1 decode step is a chain of matrix-vector products that stream every weight once, so
 their bandwidth is the step's speed. cuBLAS's M=1 kernels leave bandwidth unused on the square
-and short matrices (o_proj at ~61% of the measured read bandwidth on an H200, ~75% here:
+and short matrices (o_proj at ~61% of the measured read bandwidth on an H200, ~85% here:
 engine.gemv_bench), and they cannot overlap their launch with the kernels around them, which
 this one does (programmatic dependent launch, engine.triton_pdl). Figures: docs/performance.md.
 
 `_gemv_kernel`, grid (N / BLOCK_N,): one program owns BLOCK_N whole rows of W and walks K in
 BLOCK_K steps, multiplying in fp32 into a [BLOCK_N, BLOCK_K] accumulator that is summed once at
-the end. Rows are many and short-lived programs (an 8B layer's matrices give 1,024 to 7,168),
+the end. Rows are many and short-lived programs (an 8B layer's matrices give 384 to 3,584),
 so the hardware keeps several programs' loads in flight per SM without software pipelining.
 A program requests its first weight tile *before* waiting for the previous kernel: weights do
 not depend on it, so HBM keeps streaming while the kernels before finish.
 
 Two elementwise ops that follow a projection are done in the GEMV's epilogue, on the rounded
 outputs exactly as the separate kernels (engine.triton_ops) would, so that they cost no kernel
-of their own:
-Callers check `fuses_silu` / `fuses_rope` first (engine.cuda_ops):
+of their own. Callers check `fuses_silu` / `fuses_rope` first (engine.cuda_ops).
 - `linear_silu`: SwiGLU on gate_up_proj. A program owns BLOCK_N / 2 gate rows and the up rows
   paired with them, and stores silu(gate) * up.
 - `linear_rope`: RoPE on the q and k part of qkv_proj. A program owns BLOCK_N / 2 dimensions of
