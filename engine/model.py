@@ -176,14 +176,13 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.backend = backend
         self.ops = ops
         self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, ops
+            config.hidden_size, self.q_size + 2 * kv_size, config.attention_bias, ops
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, False, ops)
         qk_norm = config.qk_norm
