@@ -121,7 +121,19 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """The two calls the model makes per layer, in this order."""
+    """What the model calls per layer is `attention`: `write_kv`, then `paged_attention`, which
+    a backend may do in fewer kernels. A wrapper that acts in between calls the two."""
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
 
     def write_kv(
         self,
@@ -156,6 +168,20 @@ def write_kv(
     # Two index tensors around a slice: the indexed view is [T, num_kv_heads, head_dim], like k.
     k_cache[blocks, :, offsets] = k
     v_cache[blocks, :, offsets] = v
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """`write_kv` of the new tokens' k, v, then `paged_attention` of q."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, meta, scale)
 
 
 def paged_attention(

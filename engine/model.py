@@ -10,6 +10,8 @@ Parameter names are Hugging Face's, except that q/k/v and gate/up are fused into
 The model can be built on the meta device and materialized by engine.weights.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -66,23 +68,58 @@ def split_heads(
     )
 
 
+@dataclass(frozen=True)
+class NormInput:
+    """The input of a projection that starts with an RMSNorm: rms_norm(x + residual) * weight,
+    not computed yet, so that a device may compute it inside the op before it or the projection
+    after it (engine.cuda_ops). Without a residual it is rms_norm(x) * weight; `scaled`, if
+    given, is x * weight, stored by the op that made x."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    scaled: torch.Tensor | None = None
+
+    def compute(self, ops: ModelOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normalized input, x + residual) by ops' norms."""
+        if self.residual is None:
+            return ops.rms_norm(self.x, self.weight, self.eps), self.x
+        return ops.add_rms_norm(self.x, self.residual, self.weight, self.eps)
+
+
 def qkv_rope(
-    x: torch.Tensor,
+    inp: NormInput,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v of the fused qkv projection, q and k rotated (models without q/k norms)."""
-    q, k, v = split_heads(F.linear(x, weight, bias), num_heads, num_kv_heads)
-    return (*rope(q, k, cos, sin), v)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of the fused qkv projection of the normalized input, q and k rotated (models
+    without q/k norms), and the input's x + residual."""
+    h, summed = inp.compute(EAGER_OPS)
+    q, k, v = split_heads(F.linear(h, weight, bias), num_heads, num_kv_heads)
+    return (*rope(q, k, cos, sin), v, summed)
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's first half: silu_and_mul of the fused gate_up projection."""
-    return silu_and_mul(F.linear(x, weight))
+def gate_up_silu(inp: NormInput, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU's first half, silu_and_mul of the fused gate_up projection of the normalized
+    input, and the input's x + residual."""
+    h, summed = inp.compute(EAGER_OPS)
+    return silu_and_mul(F.linear(h, weight)), summed
+
+
+def add_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> NormInput:
+    """x @ weight.T added to the residual stream, as the input of the norm after it."""
+    return NormInput(F.linear(x, weight), residual, norm_weight, eps)
 
 
 @dataclass(frozen=True)
@@ -95,12 +132,14 @@ class ModelOps:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-    # A projection and the op after it, which a device may compute in one kernel.
-    qkv_rope: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    gate_up_silu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # The norm before a projection, the projection and the op after it; the residual add
+    # after one: a device may compute each in one kernel.
+    qkv_rope: Callable[..., tuple[torch.Tensor, ...]]
+    gate_up_silu: Callable[[NormInput, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    add_linear: Callable[..., NormInput]
 
 
-EAGER_OPS = ModelOps(rms_norm, add_rms_norm, rope, F.linear, qkv_rope, gate_up_silu)
+EAGER_OPS = ModelOps(rms_norm, add_rms_norm, rope, F.linear, qkv_rope, gate_up_silu, add_linear)
 
 
 class Linear(nn.Linear):
@@ -113,6 +152,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> NormInput:
+        """norm(residual + self(x)), for the projection after it (no bias: o_proj, down_proj)."""
+        assert self.bias is None
+        return self.ops.add_linear(x, self.weight, residual, norm.weight, norm.eps)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, ops: ModelOps) -> None:
@@ -124,11 +168,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
 
-    def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual)."""
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+    def input_of(self, x: torch.Tensor) -> NormInput:
+        """norm(x), for the projection after it to compute."""
+        return NormInput(x, None, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -191,25 +233,26 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        inp: NormInput,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        tokens = x.shape[0]
+        next_norm: RMSNorm,
+    ) -> NormInput:
+        """next_norm(attention output + the input's x + residual)."""
+        tokens = inp.x.shape[0]
         if self.q_norm is None:
             proj = self.qkv_proj
-            q, k, v = self.ops.qkv_rope(
-                x, proj.weight, proj.bias, cos, sin, self.num_heads, self.num_kv_heads
+            q, k, v, residual = self.ops.qkv_rope(
+                inp, proj.weight, proj.bias, cos, sin, self.num_heads, self.num_kv_heads
             )
         else:  # Qwen3 normalizes per head, before RoPE
-            q, k, v = split_heads(self.qkv_proj(x), self.num_heads, self.num_kv_heads)
+            h, residual = inp.compute(self.ops)
+            q, k, v = split_heads(self.qkv_proj(h), self.num_heads, self.num_kv_heads)
             q, k = self.ops.rope(self.q_norm(q), self.k_norm(k), cos, sin)
-        k_cache, v_cache = kv_cache
-        self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(tokens, self.q_size))
+        o = self.backend.attention(q, k, v, *kv_cache, meta, self.scale)
+        return self.o_proj.add_forward(o.reshape(tokens, self.q_size), residual, next_norm)
 
 
 class MLP(nn.Module):
@@ -219,8 +262,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, ops)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.gate_up_silu(x, self.gate_up_proj.weight))
+    def forward(self, inp: NormInput, next_norm: RMSNorm) -> NormInput:
+        """next_norm(MLP output + the input's x + residual)."""
+        h, residual = self.ops.gate_up_silu(inp, self.gate_up_proj.weight)
+        return self.down_proj.add_forward(h, residual, next_norm)
 
 
 class DecoderLayer(nn.Module):
@@ -233,23 +278,18 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
+        inp: NormInput,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) -> (x, residual): the residual stream is x + residual; each residual
-        add is fused into the norm that follows it (the first layer has none to add)."""
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        next_norm: RMSNorm,
+    ) -> NormInput:
+        """input_layernorm(x + residual) -> next_norm(x + residual): the residual stream is
+        x + residual. Each residual add and the norm after it are left to the ops around them
+        (NormInput); `next_norm` is the next layer's input norm, or the final one."""
+        inp = self.self_attn(inp, cos, sin, kv_cache, meta, self.post_attention_layernorm)
+        return self.mlp(inp, next_norm)
 
 
 class Decoder(nn.Module):
@@ -273,10 +313,11 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        x, _ = self.norm.add_forward(x, residual)
+        inp = self.layers[0].input_layernorm.input_of(x)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms, strict=True):
+            inp = layer(inp, cos, sin, kv_cache, meta, next_norm)
+        x, _ = inp.compute(self.norm.ops)
         return x
 
 

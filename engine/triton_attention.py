@@ -1,11 +1,12 @@
 """Paged attention on the GPU: a Triton split-K ("flash-decoding") kernel for decode batches.
 
-The same two functions as engine.attention, so this module is itself a backend
+The same functions as engine.attention, so this module is itself a backend
 (`CausalLM(config, attention=engine.triton_attention)`). `write_kv` stores K and V of every new
 token with one kernel (the torch index write takes four: slot arithmetic and two scatters, once
 per layer per step). `paged_attention` runs Triton only for decode-only batches
 (`max_query_len == 1`, row i of q is sequence i's one new token); in prefill and mixed batches
-decode rows still use it, and each prefill chunk runs flash attention (SDPA).
+decode rows still use it, and each prefill chunk runs flash attention (SDPA). `attention`, the
+model's call, is both; in decode-only batches the split kernel writes the new K/V itself.
 
 The decode path is CUDA-graph capturable: launch grids and buffer sizes depend only on host ints
 (q's shape, the cache shape and the block-table width), never on tensor values.
@@ -16,7 +17,9 @@ The decode path is CUDA-graph capturable: launch grids and buffer sizes depend o
   the block table (a tile may span several small blocks or part of a large one), with an online
   softmax in fp32. A sequence's tiles are divided over the splits in the kernel, from its
   length in `seq_lens`, so short sequences leave trailing splits empty; an empty split stores
-  out = 0 and lse = -inf. With one split the kernel writes the final output directly.
+  out = 0 and lse = -inf. With one split the kernel writes the final output directly. Called by
+  `attention`, it also gets each sequence's new K/V: split 0 attends to them from registers after
+  its tiles of the context before them, and stores them in the cache.
 - `_combine_kernel`, grid (sequence, query head): merges the splits' partial outputs by
   log-sum-exp.
 - `_write_kv_kernel`, grid (token, kv head): copies one head of one token's K and V to its slot.
@@ -34,7 +37,7 @@ import triton.language as tl
 from engine import triton_pdl
 from engine.attention import AttentionMetadata, attend_batch
 
-__all__ = ["choose_num_splits", "paged_attention", "write_kv"]
+__all__ = ["attention", "choose_num_splits", "paged_attention", "write_kv"]
 
 _LOG2_E = 1.4426950408889634
 # K and V tile bytes per loop step (each): enough bytes in flight per program for a memory-bound
@@ -67,6 +70,28 @@ def paged_attention(
     if meta.max_query_len != 1:  # prefill in the batch: never in a CUDA graph
         return attend_batch(q, k_cache, v_cache, meta, scale, _decode_rows)
     return _decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, num_splits)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """`write_kv` of the new tokens' k, v [T, num_kv_heads, head_dim], then `paged_attention` of
+    q. Decode batches do both in the split kernel: it stores each sequence's new K/V and
+    attends to them from registers, so no kernel of its own writes them."""
+    if meta.max_query_len != 1:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        return attend_batch(q, k_cache, v_cache, meta, scale, _decode_rows)
+    new_kv = (k, v, meta.slot_mapping)
+    seq_lens, tables = meta.seq_lens, meta.block_tables
+    return _decode(q, k_cache, v_cache, seq_lens, tables, scale, num_splits, new_kv)
 
 
 def write_kv(
@@ -114,7 +139,10 @@ def _decode(
     block_tables: torch.Tensor,
     scale: float,
     num_splits: int | None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """new_kv: (k, v [batch, num_kv_heads, head_dim], slots [batch]) of each sequence's last
+    token, not yet in the cache: the split kernel stores them and attends to them."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     assert seq_lens.shape[0] == batch, "a decode batch has one query row per sequence"
@@ -146,10 +174,21 @@ def _decode(
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
         partial_strides = partial.stride()[:3]
         lse_strides = lse.stride()[:2]
+    if new_kv is not None:
+        new_k, new_v, slots = new_kv
+        assert new_k.shape == new_v.shape == (batch, num_kv_heads, head_dim)
+        assert new_k.stride(-1) == new_v.stride(-1) == 1 and new_k.dtype == k_cache.dtype
+        new_strides = (*new_k.stride()[:2], *new_v.stride()[:2])
+    else:
+        new_k, new_v, slots, new_strides = q, q, seq_lens, (0, 0, 0, 0)  # unread
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
+        new_k,
+        new_v,
+        slots,
+        *new_strides,
         seq_lens,
         block_tables,
         partial,
@@ -172,6 +211,7 @@ def _decode(
         # NOTE: tl.dot defaults to tf32 for fp32 operands, ~3 decimal digits; bf16/fp16 ignore it.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WRITE_LSE=num_splits > 1,
+        NEW_KV=new_kv is not None,
         PDL=triton_pdl.enabled(q.device),
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
@@ -227,6 +267,13 @@ def _split_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    new_k_ptr,  # [B, kv heads, dim]: NEW_KV's, the last token's K and V, not yet in the cache
+    new_v_ptr,
+    slots_ptr,  # [B]: NEW_KV's, their slots
+    stride_nkb,
+    stride_nkh,
+    stride_nvb,
+    stride_nvh,
     seq_lens_ptr,
     block_tables_ptr,
     out_ptr,  # [B, heads, splits, dim] fp32 partials; [B, heads, dim] output with one split
@@ -255,6 +302,7 @@ def _split_kernel(
     TILE: tl.constexpr,
     PRECISION: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    NEW_KV: tl.constexpr,
     PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -262,7 +310,9 @@ def _split_kernel(
     split = tl.program_id(2)
     triton_pdl.await_previous_kernel(PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = tl.cdiv(seq_len, TILE)
+    # NEW_KV: the last token's K/V come in registers; the tiles hold the tokens before it.
+    context_len = seq_len - 1 if NEW_KV else seq_len
+    num_tiles = tl.cdiv(context_len, TILE)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
@@ -284,13 +334,30 @@ def _split_kernel(
     v_head = v_ptr + kv_head * stride_vh
     table = block_tables_ptr + seq * stride_table
     tokens = tl.arange(0, TILE)
+    if NEW_KV:
+        # Split 0 attends to the new token from these registers after its tiles, and stores it
+        # in the cache for the steps after.
+        dim_mask = dims < HEAD_DIM
+        new_k = tl.load(new_k_ptr + seq * stride_nkb + kv_head * stride_nkh + dims, dim_mask, 0.0)
+        new_v = tl.load(new_v_ptr + seq * stride_nvb + kv_head * stride_nvh + dims, dim_mask, 0.0)
+        slot = tl.load(slots_ptr + seq).to(tl.int64)
+        block_of_slot = slot // BLOCK_SIZE
+        offset_of_slot = slot % BLOCK_SIZE
+        write = dim_mask & (split == 0)
+        tl.store(
+            k_head + block_of_slot * stride_kb + offset_of_slot * stride_kt + dims, new_k, write
+        )
+        tl.store(
+            v_head + block_of_slot * stride_vb + offset_of_slot * stride_vt + dims, new_v, write
+        )
     for t in range(tile_begin, tile_end):
         pos = t * TILE + tokens
-        valid = pos < seq_len
+        valid = pos < context_len
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offset = pos % BLOCK_SIZE
-        # NOTE: slots past the sequence end may hold NaN bit patterns (a remote sender writes
-        # whole blocks), and 0 * NaN is NaN: both K and V loads must be masked, not just scores.
+        # NOTE: slots past the context may hold NaN bit patterns (a remote sender writes whole
+        # blocks; the new token's may not be written yet), and 0 * NaN is NaN: both K and V
+        # loads must be masked, not just scores.
         kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(
             k_head + (block * stride_kb + offset * stride_kt)[:, None] + dims[None, :],
@@ -313,6 +380,16 @@ def _split_kernel(
         p = p.to(v_ptr.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
+    if NEW_KV:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if split == 0:  # the new token, one query row at a time (no tile to dot)
+            score = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * scale_log2
+            m_new = tl.maximum(m, score)
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(score - m_new)
+            sum_exp = sum_exp * alpha + p
+            p = p.to(v_ptr.dtype.element_ty).to(tl.float32)  # rounded as the dot's p is
+            acc = acc * alpha[:, None] + p[:, None] * new_v.to(tl.float32)[None, :]
+            m = m_new
 
     # An empty split (or a zero-length sequence) has sum_exp == 0: it stores out = 0, lse = -inf.
     nonempty = sum_exp > 0

@@ -21,7 +21,17 @@ of their own. Callers check `fuses_silu` / `fuses_rope` first (engine.cuda_ops).
 - `linear_rope`: RoPE on the q and k part of qkv_proj. A program owns BLOCK_N / 2 dimensions of
   one head's first half and the same dimensions of its second half, the pairs RoPE rotates
   together (half-split pairing, engine.model.apply_rotary).
+
+The residual add and RMSNorm between the projections cost no kernel either:
+- `linear_residual` (o_proj, down_proj) adds the residual to its rounded outputs, as a
+  separate add would, and also stores the sum times the next norm's weight;
+- that product is the input of the next GEMV (qkv_proj, gate_up_proj), which takes the mean
+  square of the sum in one pass before its K loop and scales its dot products by 1 / rms at
+  the end (`Prenorm`). The normalized input is never rounded, so results differ from the
+  norm's own kernel in the last bits, no further from float64.
 """
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +40,16 @@ import triton.language as tl
 
 from engine import triton_pdl
 
-__all__ = ["fuses_rope", "fuses_silu", "linear", "linear_rope", "linear_silu"]
+__all__ = [
+    "Prenorm",
+    "fuses_rope",
+    "fuses_silu",
+    "gemv_applies",
+    "linear",
+    "linear_residual",
+    "linear_rope",
+    "linear_silu",
+]
 
 # (rows per program, largest K step, warps) by the matrix's shape, N out of K in: chosen on an
 # H200 by streaming 32 distinct copies of each Llama-3-8B matrix in one CUDA graph per choice
@@ -45,27 +64,50 @@ _OTHER = (2, 2048, 4)
 _STORE, _SILU, _ROPE = 0, 1, 2
 
 
+class Prenorm(NamedTuple):
+    """The RMSNorm before a projection, done by the GEMV: its input is x = h * norm weight (as
+    `linear_residual` stores it), and it scales its dot products by 1 / rms(h) at the end, so
+    that the product is of rms_norm(h) * norm weight. Every program reads the whole of h once
+    (from L2) for its mean square before it starts on K; that costs less than a kernel of its
+    own for the norm, and a second vector read at every K step would cost more
+    (docs/performance.md)."""
+
+    h: torch.Tensor
+    eps: float
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with one-row CUDA inputs computed by the GEMV kernel."""
-    if not _gemv_applies(x, weight):
+    if not gemv_applies(x, weight):
         return F.linear(x, weight, bias)
     return _gemv(x, weight, bias, _STORE, weight.shape[0])
 
 
+def linear_residual(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x @ weight.T + residual (each rounded, as a separate add would be), and h * norm_weight
+    for a `Prenorm` GEMV after it, where `gemv_applies(x, weight)`."""
+    assert residual.shape == (1, weight.shape[0]) and residual.is_contiguous()
+    scaled = torch.empty_like(residual)
+    h = _gemv(x, weight, None, _STORE, weight.shape[0], residual=(residual, norm_weight, scaled))
+    return h, scaled
+
+
 def fuses_silu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear_silu` applies: one row, and gate rows in whole programs."""
-    return _gemv_applies(x, weight) and (weight.shape[0] // 2) % _pairs(weight) == 0
+    return gemv_applies(x, weight) and (weight.shape[0] // 2) % _pairs(weight) == 0
 
 
-def linear_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_silu(x: torch.Tensor, weight: torch.Tensor, norm: Prenorm | None = None) -> torch.Tensor:
     """silu(gate) * up of [gate | up] = x @ weight.T, where `fuses_silu(x, weight)`."""
-    return _gemv(x, weight, None, _SILU, weight.shape[0] // 2)
+    return _gemv(x, weight, None, _SILU, weight.shape[0] // 2, norm=norm)
 
 
 def fuses_rope(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> bool:
     """Whether `linear_rope` applies: one row, and half-heads in whole programs."""
     return (
-        _gemv_applies(x, weight)
+        gemv_applies(x, weight)
         and (head_dim // 2) % _pairs(weight) == 0
         and weight.shape[0] % head_dim == 0
     )
@@ -79,11 +121,13 @@ def linear_rope(
     sin: torch.Tensor,
     head_dim: int,
     rotated_features: int,
+    norm: Prenorm | None = None,
 ) -> torch.Tensor:
     """x @ weight.T + bias, its first `rotated_features` outputs (whole heads) rotated by
     cos, sin [1, head_dim / 2], where `fuses_rope(x, weight, head_dim)`."""
     assert rotated_features % head_dim == 0 and cos.is_contiguous() and sin.is_contiguous()
-    return _gemv(x, weight, bias, _ROPE, weight.shape[0], cos, sin, head_dim // 2, rotated_features)
+    rope = (cos, sin, head_dim // 2, rotated_features)
+    return _gemv(x, weight, bias, _ROPE, weight.shape[0], rope=rope, norm=norm)
 
 
 def _config(weight: torch.Tensor) -> tuple[int, int, int]:
@@ -98,7 +142,8 @@ def _pairs(weight: torch.Tensor) -> int:
     return _config(weight)[0] // 2
 
 
-def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the GEMV computes x @ weight.T: one contiguous row of the weight's dtype."""
     return (
         x.dim() == 2
         and x.shape[0] == 1
@@ -108,9 +153,16 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _gemv(x, weight, bias, epilogue, outputs, cos=None, sin=None, half=1, rotated=0):
+def _gemv(x, weight, bias, epilogue, outputs, rope=None, norm=None, residual=None):
+    """The kernel's launch. rope: (cos, sin, half head_dim, rotated rows) for _ROPE; norm: a
+    Prenorm; residual: (residual, norm weight, scaled output) to add to a _STORE's output."""
     out_features, in_features = weight.shape
+    assert gemv_applies(x, weight)
     y = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
+    cos, sin, half, rotated = rope if rope is not None else (y, y, 1, 0)  # read by _ROPE only
+    if norm is not None:
+        assert norm.h.shape == x.shape and norm.h.is_contiguous()
+    res, norm_w, scaled = residual if residual is not None else (y, y, y)  # read if residual
     block_n, max_block_k, num_warps = _config(weight)
     block_k = min(max_block_k, triton.next_power_of_2(in_features))
     pdl = triton_pdl.enabled(x.device)
@@ -119,8 +171,13 @@ def _gemv(x, weight, bias, epilogue, outputs, cos=None, sin=None, half=1, rotate
         weight,
         bias if bias is not None else y,  # unread without HAS_BIAS
         y,
-        cos if cos is not None else y,  # cos and sin: read by _ROPE only
-        sin if sin is not None else y,
+        cos,
+        sin,
+        norm.h if norm is not None else x,
+        norm.eps if norm is not None else 0.0,
+        res,
+        norm_w,
+        scaled,
         out_features,
         in_features,
         weight.stride(0),
@@ -131,6 +188,9 @@ def _gemv(x, weight, bias, epilogue, outputs, cos=None, sin=None, half=1, rotate
         HAS_BIAS=bias is not None,
         EPILOGUE=epilogue,
         HALF=half,
+        NORM=norm is not None,
+        K_PAD=triton.next_power_of_2(in_features),
+        RESIDUAL=residual is not None,
         PDL=pdl,
         num_warps=num_warps,
         num_stages=1,
@@ -147,6 +207,11 @@ def _gemv_kernel(
     y_ptr,  # [1, N]; [1, N / 2] for _SILU
     cos_ptr,  # [1, HALF]
     sin_ptr,  # [1, HALF]
+    h_ptr,  # [1, K]: NORM's h, of which x = h * norm weight
+    eps,  # NORM's
+    res_ptr,  # [1, N]: RESIDUAL's, added to the output
+    norm_w_ptr,  # [N]: RESIDUAL's next norm weight
+    scaled_ptr,  # [1, N]: RESIDUAL's output times norm_w
     N,
     K,
     stride_wn,
@@ -157,6 +222,9 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     EPILOGUE: tl.constexpr,
     HALF: tl.constexpr,  # _ROPE: half a head's width
+    NORM: tl.constexpr,  # the product is scaled by 1 / rms(h)
+    K_PAD: tl.constexpr,  # NORM: K rounded up to a power of two
+    RESIDUAL: tl.constexpr,  # _STORE: the output is x @ W.T + residual; also stores its scaled
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -182,6 +250,13 @@ def _gemv_kernel(
     else:
         w = tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0)
     triton_pdl.await_previous_kernel(PDL)
+    if NORM:  # the mean square of h, whole, before the first K step
+        whole = tl.arange(0, K_PAD)
+        if K_PAD == K:
+            h = tl.load(h_ptr + whole).to(tl.float32)
+        else:
+            h = tl.load(h_ptr + whole, mask=whole < K, other=0.0).to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(h * h, 0) / K + eps)
     x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
@@ -194,6 +269,8 @@ def _gemv_kernel(
             x = tl.load(x_ptr + k + cols, mask=in_k, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, 1)
+    if NORM:
+        y *= inv_rms
     if HAS_BIAS:
         y += tl.load(b_ptr + tl.minimum(rows, N - 1)).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
@@ -213,4 +290,10 @@ def _gemv_kernel(
         rotated = tl.reshape(tl.join(out1, out2), [BLOCK_N])
         tl.store(y_ptr + rows, tl.where(first < rotated_rows, rotated, y))
     else:
+        if RESIDUAL:  # the residual stream, rounded after the add as a separate add rounds it
+            in_n = rows < N
+            residual = tl.load(res_ptr + rows, mask=in_n, other=0.0).to(tl.float32)
+            y = (y.to(tl.float32) + residual).to(dtype)
+            norm_w = tl.load(norm_w_ptr + rows, mask=in_n, other=0.0).to(tl.float32)
+            tl.store(scaled_ptr + rows, (y.to(tl.float32) * norm_w).to(dtype), mask=in_n)
         tl.store(y_ptr + rows, y, mask=rows < N)

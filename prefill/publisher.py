@@ -149,6 +149,11 @@ class KvPublisher:
     def bind(self, kv_cache: KVCache) -> None:
         self._layer_of = {k.data_ptr(): i for i, (k, _) in enumerate(kv_cache.kv_caches)}
 
+    def attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """The inner backend's two calls apart, so that the layer is announced between them."""
+        self.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        return self.paged_attention(q, k_cache, v_cache, meta, scale)
+
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         self.inner.write_kv(k_cache, v_cache, k, v, slot_mapping)
         if self.armed:

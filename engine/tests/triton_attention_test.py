@@ -90,10 +90,12 @@ def _decode_case(
     seed=0,
     num_blocks=None,
     table_width=None,
+    write_new=True,
 ):
     """A decode batch over scattered blocks of a NaN-filled cache; device tensors, host contexts.
 
-    The contexts before the new token are written directly; the new tokens through write_kv.
+    The contexts before the new token are written directly; the new tokens through write_kv
+    (or not, without `write_new`: their slots keep NaN, as the attention call must write them).
     Slots past each sequence's end keep their NaN. Tables are padded to `table_width` blocks.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -117,7 +119,8 @@ def _decode_case(
     k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
     new_k = torch.stack([k[-1] for k in ks]).to(DEVICE)
     new_v = torch.stack([v[-1] for v in vs]).to(DEVICE)
-    triton_attention.write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping)
+    if write_new:
+        triton_attention.write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping)
     # A strided q (row stride > heads * head_dim), as a slice of a fused projection would be.
     q = torch.randn(batch, num_heads + 1, head_dim, generator=gen).to(dtype)[:, :num_heads]
     return q.to(DEVICE), k_cache, v_cache, meta, ks, vs
@@ -274,9 +277,39 @@ def test_choose_num_splits(batch, num_kv_heads, max_tiles, sm_count, expected):
     assert triton_attention.choose_num_splits(batch, num_kv_heads, max_tiles, sm_count) == expected
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"), [(torch.bfloat16, 32), (torch.float32, 24)]
+)  # 24: padded dims
+def test_attention_writes_the_new_tokens_and_attends_to_them(num_splits, dtype, head_dim):
+    """The decode path of `attention`: the new tokens' slots hold NaN before the call; after it
+    they hold k and v (given as strided views, as of a fused qkv projection), every other slot
+    is as it was, and the output matches the float64 reference."""
+    contexts = [1, 37, 64, 130]
+    q, k_cache, v_cache, meta, ks, vs = _decode_case(
+        contexts, 4, 2, head_dim, 16, dtype, seed=3, write_new=False
+    )
+    fused = torch.cat([torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs])], 1)
+    new_k, new_v = fused.to(DEVICE).split(2, dim=1)  # [batch, kv heads, dim] views, strided
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out = triton_attention.attention(
+        q, new_k, new_v, k_cache, v_cache, meta, 0.2, num_splits=num_splits
+    )
+    _assert_matches(out, _reference(q, ks, vs, 0.2), dtype)
+    slots = meta.slot_mapping
+    blocks, offsets = slots // 16, slots % 16
+    assert torch.equal(k_cache[blocks, :, offsets], new_k)
+    assert torch.equal(v_cache[blocks, :, offsets], new_v)
+    k_cache[blocks, :, offsets] = before_k[blocks, :, offsets]
+    v_cache[blocks, :, offsets] = before_v[blocks, :, offsets]
+    for cache, before in ((k_cache, before_k), (v_cache, before_v)):  # NaN == NaN bitwise
+        assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
 @cuda
+@pytest.mark.parametrize("fused", [False, True], ids=["write_kv_then_attend", "attention"])
 @pytest.mark.parametrize("num_splits", [None, 1])
-def test_cuda_graph_replay_matches_eager(num_splits):
+def test_cuda_graph_replay_matches_eager(num_splits, fused):
     """write_kv + paged_attention captured once, replayed on new contents of the same tensors.
 
     The replayed batch has longer contexts than the captured one: nothing about lengths may be
@@ -291,6 +324,10 @@ def test_cuda_graph_replay_matches_eager(num_splits):
     new_v = torch.zeros_like(new_k)
 
     def step():
+        if fused:
+            return triton_attention.attention(
+                q, new_k, new_v, k_cache, v_cache, meta, 0.1, num_splits=num_splits
+            )
         triton_attention.write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping)
         return triton_attention.paged_attention(
             q, k_cache, v_cache, meta, 0.1, num_splits=num_splits
@@ -317,16 +354,24 @@ def test_cuda_graph_replay_matches_eager(num_splits):
         (new_v, torch.stack([v[-1] for v in vs2])),
     ]:
         static.copy_(new)
-    # The new tokens' slots hold NaN until write_kv runs in the replay: attention that read them
-    # before write_kv stored them (a race under programmatic dependent launch) would give NaN.
+    # The new tokens' slots hold NaN until the replay writes them: attention that read them
+    # before write_kv stored them (a race under programmatic dependent launch), or the fused
+    # kernel reading them from the cache instead of its registers, would give NaN.
     slots = meta2.slot_mapping
     for cache in (k_cache, v_cache):
         cache[slots // 64, :, slots % 64] = float("nan")
     graph.replay()
     torch.cuda.synchronize()
-    eager = triton_attention.paged_attention(
-        q2, k_cache2, v_cache2, meta2, 0.1, num_splits=num_splits
-    )
+    if fused:  # the new tokens' slots already hold k and v: written again, the same
+        new_k2, new_v2 = torch.stack([k[-1] for k in ks2]), torch.stack([v[-1] for v in vs2])
+        eager = triton_attention.attention(
+            q2, new_k2.to(DEVICE), new_v2.to(DEVICE), k_cache2, v_cache2, meta2, 0.1,
+            num_splits=num_splits,
+        )  # fmt: skip
+    else:
+        eager = triton_attention.paged_attention(
+            q2, k_cache2, v_cache2, meta2, 0.1, num_splits=num_splits
+        )
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
     _assert_matches(out, _reference(q2, ks2, vs2, 0.1), torch.bfloat16)
 

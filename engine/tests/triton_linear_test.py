@@ -112,11 +112,12 @@ def test_silu_epilogue_equals_the_separate_kernels(intermediate, hidden, dtype):
 )
 def test_rope_epilogue_equals_the_separate_kernels(heads, kv_heads, head_dim, hidden, dtype, bias):
     out_features = (heads + 2 * kv_heads) * head_dim
-    x, weight, b, _ = _case(out_features, hidden, dtype, bias, seed=4)
-    angles = torch.rand(1, head_dim // 2, generator=torch.Generator().manual_seed(5)) * 100
-    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    x, weight, b, ref = _case(out_features, hidden, dtype, bias, seed=4)
+    cos, sin = _angles(head_dim, dtype)
     assert triton_linear.fuses_rope(x, weight, head_dim)
-    q, k, v = cuda_ops.qkv_rope(x, weight, b, cos, sin, heads, kv_heads)  # the fused kernel
+    rotated = (heads + kv_heads) * head_dim
+    qkv = triton_linear.linear_rope(x, weight, b, cos, sin, head_dim, rotated)
+    q, k, v = model.split_heads(qkv, heads, kv_heads)
     plain_q, plain_k, plain_v = model.split_heads(
         triton_linear.linear(x, weight, b), heads, kv_heads
     )
@@ -126,26 +127,107 @@ def test_rope_epilogue_equals_the_separate_kernels(heads, kv_heads, head_dim, hi
     same = torch.equal if dtype != torch.float32 else _within_a_few_ulps
     assert same(q, rotated_q) and same(k, rotated_k)
     assert same(v, plain_v)  # v is not rotated
-    eager = model.qkv_rope(
-        x.double(), weight.double(), _double(b), cos.double(), sin.double(), heads, kv_heads
+    ref_q, ref_k, ref_v = model.split_heads(ref, heads, kv_heads)
+    eager = (*model.rope(ref_q, ref_k, cos.double(), sin.double()), ref_v)
+    for ours, expected in zip((q, k, v), eager, strict=True):
+        assert _relative_error(ours, expected) < 2 * TOLERANCE[dtype]  # rounded twice
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "hidden", "dtype"),
+    [
+        (16, 4, 64, 1024, torch.bfloat16),  # tall qkv: 16 rows a program, two K steps
+        (9, 3, 64, 576, torch.float32),  # SmolLM2-135M: K is not a power of two
+        (4, 2, 16, 96, torch.float16),  # one short, masked K step
+    ],
+)
+def test_residual_add_and_norm_in_the_gemvs(heads, kv_heads, head_dim, hidden, dtype):
+    """o_proj's GEMV adds the residual and stores the sum times the next norm's weight; qkv_proj's
+    and gate_up_proj's then apply the norm. The sum is bit for bit the separate add's; the
+    products are close to float64, and no further from it than those of the norm's own kernel
+    followed by the same GEMVs (the fused path does not round the normalized input)."""
+    gen = torch.Generator().manual_seed(8)
+    o_w = _weight(gen, hidden, heads * head_dim, dtype)
+    qkv_w = _weight(gen, (heads + 2 * kv_heads) * head_dim, hidden, dtype)
+    gate_up_w = _weight(gen, 2 * 256, hidden, dtype)  # short: the interpreter is slow
+    attn = torch.randn(1, heads * head_dim, generator=gen).to(dtype).to(DEVICE)
+    residual = (torch.randn(1, hidden, generator=gen) * 3).to(dtype).to(DEVICE)
+    norm_w = (1 + torch.rand(hidden, generator=gen)).to(dtype).to(DEVICE)
+    cos, sin = _angles(head_dim, dtype)
+
+    inp = cuda_ops.add_linear(attn, o_w, residual, norm_w, 1e-5)
+    # The norm's kernel stores the sum as it would be without the fusion.
+    h, expected_sum = triton_ops.add_rms_norm(
+        triton_linear.linear(attn, o_w), residual, norm_w, 1e-5
     )
-    for ours, ref in zip((q, k, v), eager, strict=True):
-        assert _relative_error(ours, ref) < 2 * TOLERANCE[dtype]  # rounded twice
+    assert inp.residual is None and torch.equal(inp.x, expected_sum)
+    one_rounding = torch.finfo(dtype).eps  # the interpreter truncates where CUDA rounds
+    expected_scaled = expected_sum.float() * norm_w.float()
+    assert torch.allclose(inp.scaled.float(), expected_scaled, rtol=one_rounding, atol=0)
+    *qkv, summed = cuda_ops.qkv_rope(inp, qkv_w, None, cos, sin, heads, kv_heads)
+    act, mlp_summed = cuda_ops.gate_up_silu(inp, gate_up_w)
+    assert summed is inp.x and mlp_summed is inp.x
+
+    rotated = (heads + kv_heads) * head_dim
+    separate_qkv = model.split_heads(
+        triton_linear.linear_rope(h, qkv_w, None, cos, sin, head_dim, rotated), heads, kv_heads
+    )
+    separate = (*separate_qkv, triton_linear.linear_silu(h, gate_up_w))
+    h64 = model.rms_norm(expected_sum.double(), norm_w.double(), 1e-5)
+    q64, k64, v64 = model.split_heads(F.linear(h64, qkv_w.double()), heads, kv_heads)
+    exact = (*model.rope(q64, k64, cos.double(), sin.double()), v64)
+    exact += (model.silu_and_mul(F.linear(h64, gate_up_w.double())),)
+    for ours, theirs, ref in zip((*qkv, act), separate, exact, strict=True):
+        error = _relative_error(ours, ref)
+        assert error < 2 * TOLERANCE[dtype]  # rounded twice
+        assert error < 1.5 * _relative_error(theirs, ref)  # no worse than the separate kernels
+
+
+def test_norm_input_without_a_scaled_vector_runs_the_norm_kernel():
+    """The first layer's input (the embedding) comes with no scaled vector: the norm's own
+    kernel, then the fused GEMVs, exactly as computed apart."""
+    x, weight, _, _ = _case(2 * 96, 64, torch.float32, False, seed=9)
+    norm_w = torch.rand(64, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    act, summed = cuda_ops.gate_up_silu(model.NormInput(x, None, norm_w, 1e-6), weight)
+    assert summed is x
+    expected = triton_linear.linear_silu(triton_ops.rms_norm(x, norm_w, 1e-6), weight)
+    assert torch.equal(act, expected)
 
 
 def test_epilogues_of_several_rows_are_the_separate_ops():
-    """A prefill or batched decode step: cuBLAS, then the elementwise kernel."""
+    """A prefill or batched decode step: the norm's kernel, cuBLAS, then the elementwise
+    kernel, as the eager ops."""
     x, weight, b, _ = _case(3 * 4 * 16, 64, torch.float32, True, seed=6)
     x = torch.cat([x, x * 2, -x])
     angles = torch.rand(3, 8, generator=torch.Generator().manual_seed(7))
     cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    norm_w = torch.rand(64).to(DEVICE)
+    inp = cuda_ops.add_linear(x, weight[:64], x.flip(0), norm_w, 1e-6)
+    assert torch.allclose(inp.x, F.linear(x, weight[:64]), rtol=1e-5, atol=1e-5)
+    assert inp.residual is not None and inp.scaled is None  # the add is left to the norm
     assert not triton_linear.fuses_rope(x, weight, 16)
     assert not triton_linear.fuses_silu(x, weight)
-    fused = cuda_ops.qkv_rope(x, weight, b, cos, sin, 4, 4)
-    for ours, eager in zip(fused, model.qkv_rope(x, weight, b, cos, sin, 4, 4), strict=True):
-        assert torch.allclose(ours, eager, rtol=1e-5, atol=1e-5)
-    silu = cuda_ops.gate_up_silu(x, weight)
-    assert torch.allclose(silu, model.gate_up_silu(x, weight), rtol=1e-5, atol=1e-5)
+    fused = cuda_ops.qkv_rope(inp, weight, b, cos, sin, 4, 4)
+    eager = model.qkv_rope(inp, weight, b, cos, sin, 4, 4)
+    for ours, theirs in zip(fused, eager, strict=True):
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(
+        cuda_ops.gate_up_silu(inp, weight), model.gate_up_silu(inp, weight), strict=True
+    ):
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def _weight(gen, out_features, in_features, dtype):
+    return (
+        (torch.randn(out_features, in_features, generator=gen) / in_features**0.5)
+        .to(dtype)
+        .to(DEVICE)
+    )
+
+
+def _angles(head_dim, dtype):
+    angles = torch.rand(1, head_dim // 2, generator=torch.Generator().manual_seed(5)) * 100
+    return angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
 
 
 def _within_a_few_ulps(a: torch.Tensor, b: torch.Tensor) -> bool:
