@@ -88,7 +88,7 @@ def attention(
     attends to them from registers, so no kernel of its own writes them."""
     if meta.max_query_len != 1:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        return attend_batch(q, k_cache, v_cache, meta, scale, _decode_rows)
+        return paged_attention(q, k_cache, v_cache, meta, scale)
     new_kv = (k, v, meta.slot_mapping)
     seq_lens, tables = meta.seq_lens, meta.block_tables
     return _decode(q, k_cache, v_cache, seq_lens, tables, scale, num_splits, new_kv)

@@ -189,7 +189,8 @@ def _gemv(x, weight, bias, epilogue, outputs, rope=None, norm=None, residual=Non
         EPILOGUE=epilogue,
         HALF=half,
         NORM=norm is not None,
-        K_PAD=triton.next_power_of_2(in_features),
+        # Only NORM reads it: a constant otherwise, so shapes of one kind share a compile.
+        K_PAD=triton.next_power_of_2(in_features) if norm is not None else 1,
         RESIDUAL=residual is not None,
         PDL=pdl,
         num_warps=num_warps,
