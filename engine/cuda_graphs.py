@@ -29,9 +29,12 @@ def batch_buckets(max_batch: int) -> list[int]:
 class StepInputs:
     """One bucket's step inputs in one byte buffer, pinned on the host and mirrored on the device:
     input ids, positions and slots (int64, [3, bucket]), then sequence lengths (int32, [bucket])
-    and block tables (int32, [bucket, max_blocks]). The graph starts by copying the host buffer
-    over the device one, so a step costs the host only its writes into pinned memory and one
-    launch (three separate copies cost more host time than the copy itself takes).
+    and block tables (int32, [bucket, max_blocks]). A step costs the host its writes into pinned
+    memory and one copy of the whole buffer (three separate copies cost more host time than the
+    copy itself takes).
+
+    There are two host buffers, written in turn: with async scheduling the host writes the next
+    step's inputs while the copy of this step's may still wait in the device's queue.
 
     Padded rows (past the step's n sequences) point at the cache's padding block: they write
     and read only there. NOTE: the copy moves the tables' full width every step, bucket x
@@ -48,17 +51,21 @@ class StepInputs:
         self._padding_block = padding_block
         ids_bytes, lens_bytes = 3 * bucket * 8, bucket * 4
         size = ids_bytes + lens_bytes + bucket * max_blocks * 4
-        # Pinned on CUDA, so that the graph's copy is a plain DMA of a fixed host address.
+        # Pinned on CUDA, so that the copy is a plain DMA that does not wait for the host.
         pinned = torch.device(device).type == "cuda"
-        self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned)
-        raw = self.host.numpy()
-        self._ids = raw[:ids_bytes].view(np.int64).reshape(3, bucket)
-        self._lens = raw[ids_bytes : ids_bytes + lens_bytes].view(np.int32)
-        self._tables = raw[ids_bytes + lens_bytes :].view(np.int32).reshape(bucket, max_blocks)
-        self._ids[2] = self._pad_slot
-        self._lens[:] = 1
-        self._tables[:] = padding_block
-        self.device = self.host.to(device)
+        self._hosts = [torch.zeros(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        self._views = []
+        for host in self._hosts:
+            raw = host.numpy()
+            ids = raw[:ids_bytes].view(np.int64).reshape(3, bucket)
+            lens = raw[ids_bytes : ids_bytes + lens_bytes].view(np.int32)
+            tables = raw[ids_bytes + lens_bytes :].view(np.int32).reshape(bucket, max_blocks)
+            ids[2] = self._pad_slot
+            lens[:] = 1
+            tables[:] = padding_block
+            self._views.append((ids, lens, tables))
+        self._turn = 0
+        self.device = self._hosts[0].to(device)
         ids = self.device[:ids_bytes].view(torch.int64).view(3, bucket)
         self.input_ids, self.positions, self.slots = ids[0], ids[1], ids[2]
         self.seq_lens = self.device[ids_bytes : ids_bytes + lens_bytes].view(torch.int32)
@@ -68,25 +75,30 @@ class StepInputs:
 
     def write(
         self,
-        input_ids: Sequence[int],
+        input_ids: Sequence[int] | None,
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
-    ) -> None:
-        """Fills the host buffer; the next replay of the bucket's graph copies it over."""
-        n, bs = len(input_ids), self._block_size
-        self._ids[0, :n] = input_ids
-        self._ids[1, :n] = positions
-        self._ids[2, :n] = [
+    ) -> torch.Tensor:
+        """Fills the next host buffer and returns it, for a copy over `device`. input_ids None:
+        the caller writes them on the device after the copy."""
+        self._turn ^= 1
+        ids, lens, tables = self._views[self._turn]
+        n, bs = len(positions), self._block_size
+        if input_ids is not None:
+            ids[0, :n] = input_ids
+        ids[1, :n] = positions
+        ids[2, :n] = [
             t[p // bs] * bs + p % bs for p, t in zip(positions, block_tables, strict=True)
         ]
-        self._lens[:n] = self._ids[1, :n] + 1
+        lens[:n] = ids[1, :n] + 1
         for i, table in enumerate(block_tables):
-            self._tables[i, : len(table)] = table
-        if n < self.bucket:
-            self._ids[:2, n:] = 0
-            self._ids[2, n:] = self._pad_slot
-            self._lens[n:] = 1
-            self._tables[n:, 0] = self._padding_block
+            tables[i, : len(table)] = table
+        # Rows this step does not use, padded (the buffer may hold a larger batch's rows).
+        ids[:2, n:] = 0
+        ids[2, n:] = self._pad_slot
+        lens[n:] = 1
+        tables[n:, 0] = self._padding_block
+        return self._hosts[self._turn]
 
 
 class DecodeGraphs:
@@ -113,15 +125,20 @@ class DecodeGraphs:
 
     def run(
         self,
-        input_ids: Sequence[int],
+        input_ids: Sequence[int] | None,
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
+        fed_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [n, vocab] (float32) of one decode token per sequence (n <= max_batch), and
-        their argmax [n] (int64): the greedy tokens, computed inside the graph."""
-        n = len(input_ids)
+        their argmax [n] (int64): the greedy tokens, computed inside the graph. The input ids
+        are `input_ids` from the host, or `fed_ids` [n], already on the device."""
+        n = len(positions)
         bucket = next(b for b in self.buckets if b >= n)
-        self._inputs[bucket].write(input_ids, positions, block_tables)
+        inputs = self._inputs[bucket]
+        inputs.device.copy_(inputs.write(input_ids, positions, block_tables), non_blocking=True)
+        if fed_ids is not None:
+            inputs.input_ids[:n].copy_(fed_ids)
         self._graphs[bucket].replay()
         return self._logits[bucket][:n], self._greedy[bucket][:n]
 
@@ -148,7 +165,6 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             # lm_head inside the graph: one replay per step, no GEMM and cast launched apart.
             with torch.cuda.graph(graph, pool=pool):
-                inputs.device.copy_(inputs.host, non_blocking=True)
                 self._logits[bucket] = self.model.compute_logits(self.model(*args))
                 self._greedy[bucket] = greedy_tokens(self._logits[bucket])
             self._graphs[bucket] = graph

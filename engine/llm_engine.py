@@ -25,7 +25,7 @@ from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import BlockPool, KVCache
 from engine.model import EAGER_OPS, CausalLM
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence, StopConditions
@@ -57,6 +57,11 @@ class EngineConfig:
     """Seed of random weights and of unseeded sampling."""
     enforce_eager: bool = False
     """On CUDA: no CUDA graphs and no compiled (fused) elementwise ops."""
+    async_scheduling: bool | None = None
+    """Launch each decode step before the host has read the tokens of the one before it, so
+    that scheduling and output processing overlap the device's work. A sequence that stops on
+    a token (EOS, a stop id) then costs one more step that is thrown away. None: on with CUDA
+    graphs, where it overlaps; off elsewhere (CPU runs each step before returning)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -101,6 +106,13 @@ class EngineConfig:
         parser.add_argument(
             "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs, no fused ops"
         )
+        parser.add_argument(
+            "--async-scheduling",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="launch each decode step before reading the last one's tokens "
+            "(default: on with CUDA graphs)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -115,6 +127,7 @@ class EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed,
             enforce_eager=args.enforce_eager,
+            async_scheduling=args.async_scheduling,
         )
 
 
@@ -135,7 +148,10 @@ class LLMEngine:
     scheduler: Scheduler
     runner: ModelRunner
     max_model_len: int
+    async_scheduling: bool
     sequences: dict[str, Sequence] = field(default_factory=dict)
+    _in_flight: LaunchedStep | None = None
+    """A step planned ahead and launched, whose tokens the next `step` returns."""
 
     @classmethod
     def build(
@@ -166,19 +182,28 @@ class LLMEngine:
         graphs = None
         if config.device.startswith("cuda") and not config.enforce_eager:
             graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
+        async_scheduling = config.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = graphs is not None
         return cls(
             config=config,
             model_config=model_config,
             kv_cache=kv_cache,
             pool=pool,
             scheduler=Scheduler(sched_config, pool),
-            runner=ModelRunner(model, kv_cache, Sampler(config.seed), graphs),
+            runner=ModelRunner(model, kv_cache, Sampler(config.seed), config.max_num_seqs, graphs),
             max_model_len=max_model_len,
+            async_scheduling=async_scheduling,
         )
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        """Whether a step launched ahead (async scheduling) waits for the next `step`."""
+        return self._in_flight is not None
 
     def new_sequence(
         self, seq_id: str, prompt_ids: Seq[int], sampling: SamplingParams, stop: StopConditions
@@ -216,26 +241,51 @@ class LLMEngine:
 
     def abort(self, seq_id: str) -> bool:
         self.sequences.pop(seq_id, None)
-        return self.scheduler.abort(seq_id) is not None
+        aborted = self.scheduler.abort(seq_id) is not None
+        self._settle_idle_step()
+        return aborted
 
     def step(self, before_run: Callable[[StepPlan], None] | None = None) -> list[StepOutput]:
         """Runs one forward; returns the token each sampling sequence generated. `before_run`
-        sees the plan first (the prefill server arms its per-layer KV sends with it)."""
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return []
-        if before_run is not None:
-            before_run(plan)
-        sampled = self.runner.run(plan)
-        finished = {seq.seq_id for seq in self.scheduler.update(plan, sampled)}
+        sees the plan first (the prefill server arms its per-layer KV sends with it; it turns
+        async scheduling off for the step, since the caller acts on the plan once it returns).
+
+        With async scheduling, the decode step after this one is launched before this one's
+        tokens are read: the call returns with it running, and the next call returns its
+        tokens."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return []
+            if before_run is not None:
+                before_run(plan)
+            launched = self.runner.launch(plan)
+        if self.async_scheduling and before_run is None:
+            ahead = self.scheduler.schedule_ahead(launched.plan)
+            if ahead is not None:
+                self._in_flight = self.runner.launch(ahead, feed=launched)
+        sampled = launched.result()
+        finished = {seq.seq_id for seq in self.scheduler.update(launched.plan, sampled)}
         outputs = []
         for seq_id, token in sampled.items():
-            seq = self.sequences[seq_id]
+            seq = self.sequences.get(seq_id)
+            if seq is None:
+                continue  # aborted, or finished by the step before: the token is thrown away
             reason = seq.finish_reason if seq_id in finished else None
             outputs.append(StepOutput(seq_id, token, reason))
             if reason is not None:
                 del self.sequences[seq_id]
+        self._settle_idle_step()
         return outputs
+
+    def _settle_idle_step(self) -> None:
+        """A step launched ahead whose sequences have all finished returns no token: it is
+        waited for and updated now, so that the blocks it writes go back to the pool."""
+        if self._in_flight is not None and self.scheduler.ahead_is_idle:
+            launched, self._in_flight = self._in_flight, None
+            launched.result()
+            self.scheduler.update(launched.plan, {})
 
     def generate(
         self, prompts: Seq[Seq[int]], sampling: SamplingParams, stop: StopConditions

@@ -2,6 +2,11 @@
 
 Decode-only steps on CUDA replay a captured graph (engine/cuda_graphs.py); everything else
 (prefill chunks, mixed batches, CPU) runs the model eagerly.
+
+`launch` returns as soon as the work is queued on the device: the sampled tokens come back to
+the host through pinned memory when the device gets there (`LaunchedStep.result`). A step
+planned ahead (engine.scheduler.schedule_ahead) feeds the tokens of the step before it, still on
+the device, as its input ids.
 """
 
 from __future__ import annotations
@@ -16,12 +21,46 @@ from engine.sampling import Sampler
 from engine.scheduler import StepPlan
 
 
+class LaunchedStep:
+    """A forward queued on the device, and the tokens it samples."""
+
+    def __init__(
+        self,
+        plan: StepPlan,
+        seq_ids: list[str],
+        tokens: torch.Tensor | None,
+        host: torch.Tensor | None = None,
+    ) -> None:
+        self.plan = plan
+        self.tokens = tokens
+        """The sampled token of each sampling sequence, in plan order, on the device."""
+        self._seq_ids = seq_ids
+        self._host = host
+        self._copied: torch.cuda.Event | None = None
+        if host is not None:  # CUDA: the copy to pinned memory lands when the device gets there
+            host.copy_(tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> dict[str, int]:
+        """{seq_id: sampled token}; waits for the device."""
+        if not self._seq_ids:
+            return {}
+        if self._copied is not None:
+            self._copied.synchronize()
+            values = self._host.tolist()
+        else:
+            values = self.tokens.tolist()
+        return dict(zip(self._seq_ids, values, strict=True))
+
+
 class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
         kv_cache: KVCache,
         sampler: Sampler,
+        max_num_seqs: int,
         graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
@@ -29,55 +68,82 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs
         self.device = kv_cache.storage.device
+        self._host_tokens: list[torch.Tensor] = []
+        if self.device.type == "cuda":
+            # Two, used in turn: a step's tokens must not land over those of the step before
+            # it while the host has yet to read them.
+            self._host_tokens = [
+                torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)
+            ]
+        self._launches = 0
 
-    def run(self, plan: StepPlan) -> dict[str, int]:
-        """One forward over the plan; returns {seq_id: sampled token} for sequences that sample."""
+    def launch(self, plan: StepPlan, feed: LaunchedStep | None = None) -> LaunchedStep:
+        """Queues one forward over the plan and the sampling of every sequence that samples.
+        `feed`: the step before a step planned ahead, whose tokens are this one's input ids."""
         sampling = [item for item in plan.scheduled if item.samples]
         greedy = None
         if self.graphs is not None and plan.is_decode_only:
-            logits, greedy = self._decode_with_graph(plan)
+            logits, greedy = self._decode_with_graph(plan, feed)
+            if len(sampling) < len(plan.scheduled):  # a one-token prompt chunk rode along
+                rows = torch.tensor(
+                    [i for i, item in enumerate(plan.scheduled) if item.samples],
+                    device=self.device,
+                )
+                logits, greedy = logits[rows], greedy[rows]
         else:
-            hidden, last_rows = self._forward_eager(plan)
+            hidden, last_rows = self._forward_eager(plan, feed)
             if not sampling:
-                return {}
+                return LaunchedStep(plan, [], None)
             hidden = hidden[torch.tensor(last_rows, device=self.device)]
             logits = self.model.compute_logits(hidden)
         rows = [item.seq.sampling_row() for item in sampling]
         if greedy is not None and all(r.params.greedy and not r.params.penalized for r in rows):
-            tokens = greedy.tolist()  # the graph's own argmax: nothing more to launch
+            tokens = greedy  # the graph's own argmax: nothing more to launch
         else:
-            tokens = self.sampler(logits, rows).tolist()
-        return {item.seq.seq_id: token for item, token in zip(sampling, tokens, strict=True)}
+            tokens = self.sampler(logits, rows)
+        host = None
+        if self._host_tokens:
+            self._launches += 1
+            host = self._host_tokens[self._launches % 2][: len(sampling)]
+        return LaunchedStep(plan, [item.seq.seq_id for item in sampling], tokens, host)
 
-    def _decode_with_graph(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and greedy tokens of every scheduled sequence: each feeds its last token, so
-        every row samples."""
+    def _decode_with_graph(
+        self, plan: StepPlan, feed: LaunchedStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and greedy tokens of every scheduled sequence, one row each."""
         seqs = [item.seq for item in plan.scheduled]
         # The graphs are captured up to the scheduler's max_num_seqs.
         assert len(seqs) <= self.graphs.max_batch
-        positions = [seq.num_computed for seq in seqs]
+        positions = [item.start for item in plan.scheduled]
+        tables = [seq.block_ids for seq in seqs]
+        if feed is not None:
+            return self.graphs.run(None, positions, tables, fed_ids=feed.tokens)
         input_ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions, strict=True)]
-        return self.graphs.run(input_ids, positions, [seq.block_ids for seq in seqs])
+        return self.graphs.run(input_ids, positions, tables)
 
-    def _forward_eager(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
+    def _forward_eager(
+        self, plan: StepPlan, feed: LaunchedStep | None
+    ) -> tuple[torch.Tensor, list[int]]:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         last_rows: list[int] = []
         for item in plan.scheduled:
-            seq, start, n = item.seq, item.seq.num_computed, item.num_new_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            if feed is None:
+                input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_ids)
             if item.samples:
-                last_rows.append(len(input_ids) - 1)
+                last_rows.append(len(positions) - 1)
         meta = AttentionMetadata.build(
             query_lens, seq_lens, tables, self.kv_cache.block_size, self.device
         )
+        ids = feed.tokens if feed is not None else torch.tensor(input_ids, device=self.device)
         hidden = self.model(
-            torch.tensor(input_ids, device=self.device),
+            ids,
             torch.tensor(positions, device=self.device),
             self.kv_cache.kv_caches,
             meta,

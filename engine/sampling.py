@@ -120,8 +120,8 @@ class Sampler:
                 torch.tensor(top_k, device=device),
                 torch.tensor(top_p, device=device),
             )
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-        if bool((min_p > 0).any()):
+        if any(r.params.min_p > 0 for r in rows):  # decided on the host: no device sync
+            min_p = torch.tensor([r.params.min_p for r in rows], device=device)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs

@@ -6,7 +6,12 @@ Each step is planned in this order, under a token budget (max_num_batched_tokens
      newest running sequence is preempted (blocks freed, KV recomputed later from its tokens);
   2. waiting sequences, oldest first, while the budget, max_num_seqs and free blocks allow.
      A waiting sequence may already hold KV (admitted prefilled, see `add_prefilled`).
-After the forward, `update` feeds back the sampled tokens and frees finished sequences' blocks.
+A plan counts its tokens as computed when it is made (the forward will write their KV); after the
+forward, `update` feeds back the sampled tokens and frees finished sequences' blocks.
+
+`schedule_ahead` plans the decode step after a decode step whose tokens are not known yet (async
+scheduling: the engine launches it before it reads them). Sequences that finish on one of those
+tokens keep their blocks until the step ahead, which still writes their KV, has been updated.
 """
 
 from __future__ import annotations
@@ -41,13 +46,12 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
+    start: int
+    """Position of the first token fed this step."""
     num_new_tokens: int
-    """Tokens fed this step, at positions [seq.num_computed, seq.num_computed + num_new_tokens)."""
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the sequence's last token, so a new token is sampled."""
-        return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
+    """Tokens fed this step, at positions [start, start + num_new_tokens)."""
+    samples: bool
+    """True when this step reaches the sequence's last token, so a new token is sampled."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._ahead: StepPlan | None = None
+        """The step planned ahead, until it is updated."""
+        self._held: list[int] = []
+        """Blocks of sequences that finished while `_ahead` still writes to them."""
 
     def add(self, seq: Sequence) -> None:
         """Queues a new sequence; its whole prompt will be prefilled here."""
@@ -121,7 +129,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, n))
+                scheduled.append(_scheduled(seq, n))
                 budget -= n
                 i += 1
         # After a preemption the pool is exhausted: admitting more would only thrash.
@@ -138,27 +146,67 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, n))
+            scheduled.append(_scheduled(seq, n))
             budget -= n
         if not scheduled:
             return None
+        for item in scheduled:
+            item.seq.num_computed += item.num_new_tokens
         return StepPlan(tuple(scheduled), tuple(preempted))
+
+    def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The decode step after `plan`, a decode step whose sampled tokens are not known yet:
+        every sequence of it feeds the token it samples there. None when that step cannot be
+        planned without them: something waits to be admitted, a sequence of `plan` finished or
+        stops on its length limits with that token (the step would be wasted on it), or a block
+        is needed and none is free (a normal `schedule` preempts)."""
+        seqs = [item.seq for item in plan.scheduled]
+        if (
+            self.waiting
+            or not all(item.samples and item.num_new_tokens == 1 for item in plan.scheduled)
+            or seqs != self.running
+        ):
+            return None
+        for seq in seqs:
+            # After the pending token: generated = num_output_tokens + 1, and likewise length.
+            if (
+                seq.num_output_tokens + 1 >= seq.stop.max_tokens
+                or seq.num_tokens + 1 >= seq.max_model_len
+            ):
+                return None
+        if not all(self._grow(seq, seq.num_computed + 1) for seq in seqs):
+            return None
+        # Every sequence of `plan` still runs, so none holds blocks back.
+        assert not self._held
+        scheduled = tuple(ScheduledSeq(seq, seq.num_computed, 1, True) for seq in seqs)
+        for seq in seqs:
+            seq.num_computed += 1
+        self._ahead = StepPlan(scheduled, ())
+        return self._ahead
+
+    @property
+    def ahead_is_idle(self) -> bool:
+        """Whether a step planned ahead is pending and every sequence in it has finished."""
+        return self._ahead is not None and all(i.seq.finished for i in self._ahead.scheduled)
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Sequence]:
         """Records a finished forward: `sampled` maps seq_id to the token sampled for every
-        scheduled sequence that samples. Returns the sequences that finished."""
+        scheduled sequence that samples (sequences that finished since the plan was made are
+        passed over). Returns the sequences that finished."""
         finished = []
         for item in plan.scheduled:
             seq = item.seq
-            samples = item.samples
-            seq.num_computed += item.num_new_tokens
-            if not samples:
+            if not item.samples or seq.finished:
                 continue
             reason = seq.append(sampled[seq.seq_id])
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
+        if plan is self._ahead:
+            self._ahead = None
+            self.pool.free(self._held)
+            self._held = []
         return finished
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -182,6 +230,13 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.block_ids:
-            self.pool.free(seq.block_ids)
+            if self._ahead is not None and any(i.seq is seq for i in self._ahead.scheduled):
+                self._held.extend(seq.block_ids)
+            else:
+                self.pool.free(seq.block_ids)
             seq.block_ids = []
         seq.finish(reason)
+
+
+def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
+    return ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)

@@ -1,5 +1,7 @@
 """engine.cuda_graphs' host-side planning (capture and replay are covered by gpu_engine_test)."""
 
+import torch
+
 from engine.cuda_graphs import StepInputs, batch_buckets
 
 
@@ -11,11 +13,11 @@ def test_batch_buckets_end_at_max_batch_and_grow():
 
 
 def test_step_inputs_lay_out_rows_and_pad_the_rest():
-    """The byte layout the captured copy moves: what the host writes is what the device views
-    read, after one copy of the whole buffer (as the graph does)."""
+    """The byte layout of the step's copy: what the host writes is what the device views
+    read, after one copy of the whole buffer (as each replay does)."""
     inputs = StepInputs(bucket=4, max_blocks=3, padding_block=9, block_size=16, device="cpu")
-    inputs.write([101, 102], [16, 5], [[3, 7], [4]])
-    inputs.device.copy_(inputs.host)
+    first = inputs.write([101, 102], [16, 5], [[3, 7], [4]])
+    inputs.device.copy_(first)
     assert inputs.input_ids.tolist() == [101, 102, 0, 0]
     assert inputs.positions.tolist() == [16, 5, 0, 0]
     assert inputs.slots.tolist() == [7 * 16 + 0, 4 * 16 + 5, 9 * 16, 9 * 16]
@@ -23,8 +25,24 @@ def test_step_inputs_lay_out_rows_and_pad_the_rest():
     assert inputs.block_tables[:, 0].tolist() == [3, 4, 9, 9]
     assert inputs.block_tables[0, :2].tolist() == [3, 7]
     # A smaller batch later: the rows it no longer uses point at the padding block again.
-    inputs.write([5], [0], [[2]])
-    inputs.device.copy_(inputs.host)
+    second = inputs.write([5], [0], [[2]])
+    assert second.data_ptr() != first.data_ptr()
+    before = first.clone()
+    inputs.device.copy_(second)
     assert inputs.slots.tolist() == [2 * 16, 9 * 16, 9 * 16, 9 * 16]
     assert inputs.seq_lens.tolist() == [1, 1, 1, 1]
     assert inputs.block_tables[:, 0].tolist() == [2, 9, 9, 9]
+    # The third write reuses the first buffer, again padding the second row it once held.
+    inputs.device.copy_(inputs.write([6], [1], [[2]]))
+    assert torch.equal(first, inputs.device) and not torch.equal(first, before)
+    assert inputs.slots.tolist() == [2 * 16 + 1, 9 * 16, 9 * 16, 9 * 16]
+
+
+def test_step_inputs_leave_input_ids_to_the_device_when_fed():
+    """A step planned ahead gets its input ids on the device (the step before's tokens): the
+    host writes everything else."""
+    inputs = StepInputs(bucket=2, max_blocks=2, padding_block=9, block_size=16, device="cpu")
+    inputs.device.copy_(inputs.write(None, [3, 20], [[1], [2, 5]]))
+    assert inputs.positions.tolist() == [3, 20]
+    assert inputs.slots.tolist() == [1 * 16 + 3, 5 * 16 + 4]
+    assert inputs.seq_lens.tolist() == [4, 21]

@@ -28,22 +28,51 @@ def _engines(**overrides):
     return cpu, gpu
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_greedy_tokens_equal_cpu_path(enforce_eager):
-    cpu, gpu = _engines(enforce_eager=enforce_eager)
+def _decode(engine, stops):
+    seqs = [
+        engine.add_request(f"r{i}", p, SamplingParams(), stop)
+        for i, (p, stop) in enumerate(zip(PROMPTS, stops, strict=True))
+    ]
+    ahead = 0
+    while engine.has_unfinished:
+        engine.step()
+        ahead += engine.has_step_in_flight
+    assert engine.pool.num_free == engine.pool.num_total
+    return [s.output_ids for s in seqs], ahead
+
+
+# (enforce_eager, async_scheduling): graphs with async scheduling (the default), graphs
+# without, and eager CUDA steps fed the tokens before them on the device.
+@pytest.mark.parametrize(
+    "enforce_eager, async_scheduling", [(False, None), (False, False), (True, True)]
+)
+def test_greedy_tokens_equal_cpu_path(enforce_eager, async_scheduling):
+    cpu, gpu = _engines(enforce_eager=enforce_eager, async_scheduling=async_scheduling)
     assert (gpu.runner.graphs is None) == enforce_eager
+    assert gpu.async_scheduling == (async_scheduling is not False)
     stops = [StopConditions(max_tokens=24 - 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
-    outputs = []
-    for engine in (cpu, gpu):
-        seqs = [
-            engine.add_request(f"r{i}", p, SamplingParams(), stop)
-            for i, (p, stop) in enumerate(zip(PROMPTS, stops, strict=True))
-        ]
-        while engine.has_unfinished:
-            engine.step()
-        outputs.append([s.output_ids for s in seqs])
-        assert engine.pool.num_free == engine.pool.num_total
-    assert outputs[0] == outputs[1]
+    expected, _ = _decode(cpu, stops)
+    outputs, ahead = _decode(gpu, stops)
+    assert outputs == expected
+    assert (ahead > 0) == gpu.async_scheduling
+
+
+def test_async_steps_stop_on_stop_ids_like_the_cpu_path():
+    """Stop ids end sequences while the step after is already on the device: the tokens that
+    step sampled for them are dropped, and the rest of the batch goes on unchanged."""
+    cpu, gpu = _engines()
+    free = [StopConditions(max_tokens=20, ignore_eos=True)] * len(PROMPTS)
+    full, _ = _decode(cpu, free)
+    # Each sequence stops at its own 4th + i-th token (or runs to 20, where a stop id
+    # appears earlier in it).
+    stops = [
+        StopConditions(max_tokens=20, ignore_eos=True, stop_token_ids=(out[min(3 + i, 19)],))
+        for i, out in enumerate(full)
+    ]
+    expected, _ = _decode(cpu, stops)
+    outputs, ahead = _decode(gpu, stops)
+    assert outputs == expected and ahead > 0
+    assert any(len(out) < 20 for out in expected)
 
 
 def test_graph_batches_pad_without_touching_live_blocks():

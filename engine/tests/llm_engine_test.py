@@ -2,7 +2,8 @@
 
 Greedy tokens must equal transformers' greedy `generate` token for token: one sequence at a
 time, batched with mixed prompt lengths and finishing steps, with chunked prefill, under
-preemption, and admitted prefilled (the decode server's path). Both sides run in float32 so
+preemption, and admitted prefilled (the decode server's path); with async scheduling too (each
+decode step launched before the host reads the one before it). Both sides run in float32 so
 that greedy choices cannot flip on rounding. Every test ends with the block pool all free.
 """
 
@@ -87,8 +88,9 @@ def test_one_at_a_time_equals_hugging_face(prompts, reference):
     _assert_pool_free(engine)
 
 
-def test_batched_with_staggered_lengths_equals_hugging_face(prompts, reference):
-    engine = _engine()
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_batched_with_staggered_lengths_equals_hugging_face(prompts, reference, async_scheduling):
+    engine = _engine(async_scheduling=async_scheduling)
     seqs = [
         # Different max_tokens: sequences leave the batch at different steps.
         engine.add_request(f"r{i}", p, GREEDY, StopConditions(max_tokens=NEW_TOKENS - 3 * i))
@@ -103,11 +105,17 @@ def test_batched_with_staggered_lengths_equals_hugging_face(prompts, reference):
     _assert_pool_free(engine)
 
 
-def test_chunked_prefill_and_preemption_do_not_change_tokens(prompts, reference):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_and_preemption_do_not_change_tokens(prompts, reference, async_scheduling):
     # 24 tokens per forward forces chunked prefill of every chat prompt; 24 blocks of 16 tokens
     # cannot hold 8 sequences of ~60 tokens, so the scheduler must preempt and recompute.
     per_block = 30 * 2 * 3 * 64 * 4 * 16  # layers * (K,V) * kv heads * head dim * fp32 * tokens
-    engine = _engine(max_num_batched_tokens=24, max_num_seqs=8, kv_cache_gb=24 * per_block / 2**30)
+    engine = _engine(
+        max_num_batched_tokens=24,
+        max_num_seqs=8,
+        kv_cache_gb=24 * per_block / 2**30,
+        async_scheduling=async_scheduling,
+    )
     assert engine.pool.num_total == 24
     seqs = [
         engine.add_request(f"r{i}", p, GREEDY, StopConditions(max_tokens=NEW_TOKENS))
@@ -120,10 +128,11 @@ def test_chunked_prefill_and_preemption_do_not_change_tokens(prompts, reference)
     _assert_pool_free(engine)
 
 
-def test_prefilled_admission_continues_from_copied_kv(prompts, reference):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prefilled_admission_continues_from_copied_kv(prompts, reference, async_scheduling):
     """A prompt prefilled by one engine, its KV copied into another engine's blocks, decodes
     there to the same tokens: the decode server's path with the transport replaced by a copy."""
-    prefill, decode = _engine(), _engine()
+    prefill, decode = _engine(), _engine(async_scheduling=async_scheduling)
     prompt, expected = prompts[2], reference[2]
     seq = prefill.add_request("p", prompt, GREEDY, StopConditions(max_tokens=2))
     [out] = prefill.step()  # the prompt's KV is now in seq's blocks
@@ -146,11 +155,44 @@ def test_prefilled_admission_continues_from_copied_kv(prompts, reference):
     _assert_pool_free(decode)
 
 
+def test_async_steps_return_each_token_once_and_drop_those_past_a_stop(prompts, reference):
+    """Sequences that stop on EOS or a stop id leave the batch while the step after is already
+    launched: that step's token for them is thrown away, every other token comes back exactly
+    once, in order, and an abort while a step is in flight frees everything."""
+    engine = _engine(async_scheduling=True)
+    stop_id = reference[1][5]  # the 6th token of the second prompt's continuation
+    seqs = [
+        engine.add_request(
+            f"r{i}", p, GREEDY, StopConditions(max_tokens=NEW_TOKENS, stop_token_ids=[stop_id])
+        )
+        for i, p in enumerate(prompts)
+    ]
+    streamed: dict[str, list[int]] = {s.seq_id: [] for s in seqs}
+    launched_ahead = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            streamed[out.seq_id].append(out.token_id)
+        launched_ahead += engine.has_step_in_flight
+    assert launched_ahead > NEW_TOKENS // 2
+    for seq, expected in zip(seqs, reference, strict=True):
+        cut = expected.index(stop_id) + 1 if stop_id in expected else len(expected)
+        assert seq.output_ids == streamed[seq.seq_id] == expected[:cut]
+    assert seqs[1].finish_reason is FinishReason.STOP and len(seqs[1].output_ids) == 6
+    _assert_pool_free(engine)
+    engine.add_request("a", prompts[0], GREEDY, StopConditions(max_tokens=NEW_TOKENS))
+    while not engine.has_step_in_flight:
+        engine.step()
+    assert engine.abort("a")
+    assert not engine.has_step_in_flight
+    _assert_pool_free(engine)
+
+
 def test_seeded_sampling_is_reproducible(prompts):
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
     stop = StopConditions(max_tokens=12, ignore_eos=True)
     first = _engine().generate(prompts[:2], params, stop)
-    second = _engine().generate(prompts[:2][::-1], params, stop)[::-1]
+    # Reversed, and each step's sampled tokens fed to the next on the device (async).
+    second = _engine(async_scheduling=True).generate(prompts[:2][::-1], params, stop)[::-1]
     assert first == second
     assert first[0] != _engine().generate(prompts[:1], GREEDY, stop)[0]
 

@@ -153,7 +153,8 @@ def test_prefilled_sequence_starts_decoding_at_prompt_len():
     assert sched.add_prefilled(seq, ids, first_token=40)
     plan = sched.schedule()
     assert _shape(plan) == [("p", 1, True)]
-    assert seq.num_computed == 6 and seq.token_ids[6] == 40 and seq.block_ids == ids
+    assert plan.scheduled[0].start == 6 and seq.token_ids[6] == 40 and seq.block_ids == ids
+    assert seq.num_computed == 7  # counted when planned: the forward writes its KV
     sched.update(plan, {"p": 41})
     assert seq.output_ids == [40, 41]
     sched.abort("p")
@@ -201,3 +202,96 @@ def test_invalid_requests_are_rejected_by_name():
         Sequence("x", [1] * 64, SamplingParams(), StopConditions(max_tokens=1), [EOS], 64)
     with pytest.raises(ValueError, match=r"^max_num_batched_tokens: "):
         SchedulerConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def _decoding(sched: Scheduler, *seqs: Sequence) -> StepPlan:
+    """Prefills seqs (one step, token 7 each); returns the first decode plan."""
+    for seq in seqs:
+        sched.add(seq)
+    plan = sched.schedule()
+    sched.update(plan, {s.seq.seq_id: 7 for s in plan.scheduled})
+    return sched.schedule()
+
+
+def test_step_ahead_feeds_the_pending_tokens_and_grows_blocks_first():
+    sched = _scheduler()
+    a, b = _seq("a", 2), _seq("b", 3)
+    plan = _decoding(sched, a, b)  # a: position 2 of 2 in block 0; b: position 3 in block 1
+    assert [i.start for i in plan.scheduled] == [2, 3]
+    ahead = sched.schedule_ahead(plan)
+    # Each feeds the token `plan` samples, one position on; b's reaches a second block.
+    assert _shape(ahead) == [("a", 1, True), ("b", 1, True)]
+    assert [i.start for i in ahead.scheduled] == [3, 4]
+    assert (a.block_ids, b.block_ids) == ([0], [1, 2])
+    sched.update(plan, {"a": 20, "b": 21})
+    sched.update(ahead, {"a": 22, "b": 23})
+    assert (a.output_ids, b.output_ids) == ([7, 20, 22], [7, 21, 23])
+    assert [i.start for i in sched.schedule().scheduled] == [4, 5]
+    for name in "ab":
+        sched.abort(name)
+    _assert_empty(sched)
+
+
+def test_sequence_stopping_under_a_step_ahead_keeps_its_blocks_until_that_step_is_updated():
+    sched = _scheduler()
+    a, b = _seq("a", 2), _seq("b", 2)
+    plan = _decoding(sched, a, b)
+    ahead = sched.schedule_ahead(plan)
+    free = sched.pool.num_free
+    assert sched.update(plan, {"a": EOS, "b": 30}) == [a]
+    assert a.finish_reason is FinishReason.STOP and a.block_ids == []
+    assert sched.pool.num_free == free  # the step ahead still writes a's KV
+    assert sched.schedule_ahead(ahead) is None  # a left the batch: plan it normally
+    assert not sched.ahead_is_idle
+    assert sched.update(ahead, {"a": 31, "b": 32}) == []
+    assert a.output_ids == [7, EOS] and b.output_ids == [7, 30, 32]
+    assert sched.pool.num_free == free + 1
+    sched.abort("b")
+    _assert_empty(sched)
+
+
+def test_aborting_every_sequence_of_a_step_ahead_leaves_it_idle():
+    sched = _scheduler()
+    a = _seq("a", 2)
+    plan = _decoding(sched, a)
+    ahead = sched.schedule_ahead(plan)
+    sched.update(plan, {"a": 30})
+    sched.abort("a")
+    assert sched.ahead_is_idle and sched.pool.num_free < sched.pool.num_total
+    sched.update(ahead, {})
+    assert not sched.ahead_is_idle
+    _assert_empty(sched)
+
+
+def test_no_step_ahead_when_the_pending_tokens_decide_it():
+    # A sequence whose pending token is its last (max_tokens) would only waste the step.
+    sched = _scheduler()
+    plan = _decoding(sched, _seq("a", 2, max_tokens=2))
+    assert sched.schedule_ahead(plan) is None
+    _run_to_end(sched)
+    # Nor with a sequence waiting to be admitted: the next step prefills it.
+    sched = _scheduler()
+    plan = _decoding(sched, _seq("a", 2))
+    sched.add(_seq("b", 2))
+    assert sched.schedule_ahead(plan) is None
+    _run_to_end(sched)
+    # Nor after a prefill step: its sequences may not all sample.
+    sched = _scheduler()
+    sched.add(_seq("a", 2))
+    plan = sched.schedule()
+    assert sched.schedule_ahead(plan) is None
+    sched.update(plan, {"a": 7})
+    _run_to_end(sched)
+    _assert_empty(sched)
+
+
+def test_no_step_ahead_when_it_needs_a_block_and_none_is_free():
+    sched = _scheduler(num_blocks=3, block_size=4)
+    a, b = _seq("a", 3), _seq("b", 4)  # a's position after the next (4) needs a fourth block
+    plan = _decoding(sched, a, b)
+    assert sched.pool.num_free == 0
+    assert sched.schedule_ahead(plan) is None
+    assert [s.num_computed for s in (a, b)] == [4, 5]  # unchanged: nothing planned
+    sched.update(plan, {"a": 7, "b": 7})
+    _run_to_end(sched)
+    _assert_empty(sched)
