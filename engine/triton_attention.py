@@ -19,7 +19,10 @@ The decode path is CUDA-graph capturable: launch grids and buffer sizes depend o
   length in `seq_lens`, so short sequences leave trailing splits empty; an empty split stores
   out = 0 and lse = -inf. With one split the kernel writes the final output directly. Called by
   `attention`, it also gets each sequence's new K/V: split 0 attends to them from registers after
-  its tiles of the context before them, and stores them in the cache.
+  its tiles of the context before them, and stores them in the cache. Then the context's K/V
+  do not depend on the kernel before (the qkv projection), and with several splits (small
+  batches: a split has a tile or two) each program loads its first tile before it waits for
+  that kernel.
 - `_combine_kernel`, grid (sequence, query head): merges the splits' partial outputs by
   log-sum-exp.
 - `_write_kv_kernel`, grid (token, kv head): copies one head of one token's K and V to its slot.
@@ -212,6 +215,9 @@ def _decode(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WRITE_LSE=num_splits > 1,
         NEW_KV=new_kv is not None,
+        # Where a split has a tile or two (small batches): at bs=64, one split a sequence, it
+        # costs more in registers than it gains (docs/performance.md).
+        PRELOAD=new_kv is not None and num_splits > 1,
         PDL=triton_pdl.enabled(q.device),
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
@@ -263,6 +269,51 @@ def _sm_count(device: torch.device) -> int:
 
 
 @triton.jit
+def _load_tile(
+    k_head, v_head, table, tile, context_len, dims,
+    stride_kb, stride_kt, stride_vb, stride_vt,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """K, V [TILE, HEAD_DIM_PAD] of one tile of the context, and which of its tokens are in it.
+    Each token's block id comes from the block table: a tile may span several small blocks or
+    part of a large one."""
+    pos = tile * TILE + tl.arange(0, TILE)
+    valid = pos < context_len
+    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    offset = pos % BLOCK_SIZE
+    # NOTE: slots past the context may hold NaN bit patterns (a remote sender writes whole
+    # blocks; the new token's may not be written yet), and 0 * NaN is NaN: both K and V loads
+    # must be masked, not just scores.
+    kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
+    k = tl.load(
+        k_head + (block * stride_kb + offset * stride_kt)[:, None] + dims[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        v_head + (block * stride_vb + offset * stride_vt)[:, None] + dims[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    return k, v, valid
+
+
+@triton.jit
+def _attend_tile(q, k, v, valid, m, sum_exp, acc, scale_log2, PRECISION: tl.constexpr):
+    """One online-softmax step over a tile holding at least one valid token."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))  # finite: the tile holds a valid token
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    sum_exp = sum_exp * alpha + tl.sum(p, 1)
+    # p is rounded to the cache dtype for the tensor-core dot, as in flash attention.
+    p = p.to(v.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, sum_exp, acc
+
+
+@triton.jit
 def _split_kernel(
     q_ptr,
     k_ptr,
@@ -303,12 +354,12 @@ def _split_kernel(
     PRECISION: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     NEW_KV: tl.constexpr,
+    PRELOAD: tl.constexpr,  # the first tile is loaded before the wait (NEW_KV only)
     PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    triton_pdl.await_previous_kernel(PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     # NEW_KV: the last token's K/V come in registers; the tiles hold the tokens before it.
     context_len = seq_len - 1 if NEW_KV else seq_len
@@ -321,6 +372,18 @@ def _split_kernel(
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM_PAD)
     row_dim_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    table = block_tables_ptr + seq * stride_table
+    if PRELOAD:
+        # Before the wait: the step's inputs (lengths, block tables) and the context's K/V were
+        # all written before this step's first kernel; only q and the new token come from the
+        # kernel before. So the split's first tile streams while that kernel ends.
+        k0, v0, valid0 = _load_tile(
+            k_head, v_head, table, tile_begin, context_len, dims,
+            stride_kb, stride_kt, stride_vb, stride_vt, HEAD_DIM, BLOCK_SIZE, TILE,
+        )  # fmt: skip
+    triton_pdl.await_previous_kernel(PDL)
     q = tl.load(
         q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
         mask=row_dim_mask,
@@ -330,10 +393,6 @@ def _split_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max, log2 domain
     sum_exp = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
-    table = block_tables_ptr + seq * stride_table
-    tokens = tl.arange(0, TILE)
     if NEW_KV:
         # Split 0 attends to the new token from these registers after its tiles, and stores it
         # in the cache for the steps after.
@@ -350,36 +409,18 @@ def _split_kernel(
         tl.store(
             v_head + block_of_slot * stride_vb + offset_of_slot * stride_vt + dims, new_v, write
         )
+    if PRELOAD:
+        if tile_begin < tile_end:  # else the split is empty (and valid0 all False)
+            m, sum_exp, acc = _attend_tile(
+                q, k0, v0, valid0, m, sum_exp, acc, scale_log2, PRECISION
+            )
+        tile_begin += 1
     for t in range(tile_begin, tile_end):
-        pos = t * TILE + tokens
-        valid = pos < context_len
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        # NOTE: slots past the context may hold NaN bit patterns (a remote sender writes whole
-        # blocks; the new token's may not be written yet), and 0 * NaN is NaN: both K and V
-        # loads must be masked, not just scores.
-        kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(
-            k_head + (block * stride_kb + offset * stride_kt)[:, None] + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        # Every tile holds at least one valid token, so m_new is finite.
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        sum_exp = sum_exp * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head + (block * stride_vb + offset * stride_vt)[:, None] + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        # p is rounded to the cache dtype for the tensor-core dot, as in flash attention.
-        p = p.to(v_ptr.dtype.element_ty)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m = m_new
+        k, v, valid = _load_tile(
+            k_head, v_head, table, t, context_len, dims,
+            stride_kb, stride_kt, stride_vb, stride_vt, HEAD_DIM, BLOCK_SIZE, TILE,
+        )  # fmt: skip
+        m, sum_exp, acc = _attend_tile(q, k, v, valid, m, sum_exp, acc, scale_log2, PRECISION)
     if NEW_KV:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if split == 0:  # the new token, one query row at a time (no tile to dot)
             score = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * scale_log2
