@@ -158,8 +158,9 @@ class Scheduler:
         """The decode step after `plan`, a decode step whose sampled tokens are not known yet:
         every sequence of it feeds the token it samples there. None when that step cannot be
         planned without them: something waits to be admitted, a sequence of `plan` finished or
-        stops on its length limits with that token (the step would be wasted on it), or a block
-        is needed and none is free (a normal `schedule` preempts)."""
+        stops on its length limits with that token (the step would be wasted on it), one
+        samples with penalties (they count the tokens generated so far, that one included), or
+        a block is needed and none is free (a normal `schedule` preempts)."""
         seqs = [item.seq for item in plan.scheduled]
         if (
             self.waiting
@@ -172,6 +173,7 @@ class Scheduler:
             if (
                 seq.num_output_tokens + 1 >= seq.stop.max_tokens
                 or seq.num_tokens + 1 >= seq.max_model_len
+                or seq.sampling.penalized
             ):
                 return None
         if not all(self._grow(seq, seq.num_computed + 1) for seq in seqs):

@@ -197,6 +197,22 @@ def test_seeded_sampling_is_reproducible(prompts):
     assert first[0] != _engine().generate(prompts[:1], GREEDY, stop)[0]
 
 
+def test_penalized_sampling_is_the_same_with_async_scheduling(prompts):
+    """Penalties count every token generated so far, so a step planned before the last one is
+    known must not run them: the engine plans those steps normally, and tokens match."""
+    params = SamplingParams(
+        temperature=0.8, seed=7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5
+    )
+    stop = StopConditions(max_tokens=12, ignore_eos=True)
+    engine = _engine(async_scheduling=True)
+    seqs = [engine.add_request(f"r{i}", p, params, stop) for i, p in enumerate(prompts[:2])]
+    while engine.has_unfinished:
+        engine.step()
+        assert not engine.has_step_in_flight
+    assert [s.output_ids for s in seqs] == _engine().generate(prompts[:2], params, stop)
+    _assert_pool_free(engine)
+
+
 def test_out_of_vocabulary_prompt_is_rejected_by_name():
     engine = _engine()
     with pytest.raises(ValueError, match=r"^prompt: token id 49152 is outside"):

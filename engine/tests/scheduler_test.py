@@ -269,6 +269,13 @@ def test_no_step_ahead_when_the_pending_tokens_decide_it():
     plan = _decoding(sched, _seq("a", 2, max_tokens=2))
     assert sched.schedule_ahead(plan) is None
     _run_to_end(sched)
+    # Nor with penalties: they count every generated token, the pending one included.
+    sched = _scheduler()
+    seq = _seq("a", 2)
+    seq.sampling = SamplingParams(temperature=1.0, presence_penalty=0.5)
+    plan = _decoding(sched, seq)
+    assert sched.schedule_ahead(plan) is None
+    _run_to_end(sched)
     # Nor with a sequence waiting to be admitted: the next step prefills it.
     sched = _scheduler()
     plan = _decoding(sched, _seq("a", 2))
