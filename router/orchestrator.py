@@ -26,6 +26,11 @@ from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 
 PROBE_INTERVAL_S = 2.0
 
+# Idle connections to a prefill server are dropped after 2 s, before the server's own keep-alive
+# timeout (5 s in uvicorn, tandem's prefill server and vLLM's alike) can close one as a request
+# is sent on it: that race surfaced as a ReadError and a 503 under load.
+_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=2.0)
+
 
 class BackendError(Exception):
     """The request could not be served; `status` is the HTTP status to answer with."""
@@ -96,7 +101,7 @@ class Orchestrator:
     async def start(self) -> None:
         """Opens the clients; on the event loop that serves (gRPC aio channels bind to it)."""
         self.prefills = [
-            PrefillInstance(url, httpx.AsyncClient(base_url=url, timeout=600))
+            PrefillInstance(url, httpx.AsyncClient(base_url=url, timeout=600, limits=_LIMITS))
             for url in self.prefill_urls
         ]
         for address in self.decode_addresses:
