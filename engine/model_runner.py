@@ -85,11 +85,11 @@ class ModelRunner:
         if self.graphs is not None and plan.is_decode_only:
             logits, greedy = self._decode_with_graph(plan, feed)
             if len(sampling) < len(plan.scheduled):  # a one-token prompt chunk rode along
-                rows = torch.tensor(
+                sampling_rows = torch.tensor(
                     [i for i, item in enumerate(plan.scheduled) if item.samples],
                     device=self.device,
                 )
-                logits, greedy = logits[rows], greedy[rows]
+                logits, greedy = logits[sampling_rows], greedy[sampling_rows]
         else:
             hidden, last_rows = self._forward_eager(plan, feed)
             if not sampling:
