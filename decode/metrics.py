@@ -19,6 +19,7 @@ class DecodeMetrics:
             "running": "sequences in the running batch",
             "waiting": "sequences admitted and waiting for blocks or a batch slot",
             "reserved": "tickets waiting for their KV",
+            "engine_up": "1 while the engine steps; 0 once it has failed (restart the server)",
         }
         for name, read in gauges.items():
             gauge = Gauge(f"tandem_decode_{name}", help_text[name], registry=self.registry)

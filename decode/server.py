@@ -113,6 +113,7 @@ class DecodeServer:
                 "running": lambda: self.loop.num_running,
                 "waiting": lambda: self.loop.num_waiting,
                 "reserved": lambda: self.admission.num_reserved,
+                "engine_up": lambda: float(self.loop.failure is None),
             }
         )
         self.servicer = DecodeServicer(

@@ -1,5 +1,7 @@
 """tandem.v1.DecodeService: the gRPC face of admission (decode/admission.py) and the engine
-loop (decode/engine_loop.py). Every refusal is a gRPC status whose message names the values."""
+loop (decode/engine_loop.py). Every refusal is a gRPC status whose message names the values.
+Once the engine has failed, Reserve, Generate and Stats answer UNAVAILABLE with its failure (the
+router then marks the instance down, and its Stats probe keeps it down until a restart)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import time
 import grpc
 
 from decode.admission import Admission, AdmissionError
-from decode.engine_loop import EngineLoop, Finished
+from decode.engine_loop import EngineFailed, EngineLoop, Finished
 from decode.layout import mismatch
 from decode.metrics import DecodeMetrics
 from engine.kv_cache import KVCache
@@ -61,6 +63,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return decode_pb2.HelloResponse(decode_layout=self.layout, endpoints=[self.endpoint])
 
     def Reserve(self, request, context):
+        self._check_engine(context)
         res = self._call(
             context,
             self.admission.reserve,
@@ -113,6 +116,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def Generate(self, request, context):
         started = time.monotonic()
         res = self._call(context, self.admission.wait_ready, request.request_id, request.generation)
+        self._check_engine(context)
         try:
             sampling = SamplingParams(
                 **{
@@ -136,6 +140,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         context.add_callback(lambda: self.loop.abort(seq.seq_id))  # client gone: stop decoding
         first = True
         for item in stream:
+            if isinstance(item, EngineFailed):
+                context.abort(grpc.StatusCode.UNAVAILABLE, item.message)
             if isinstance(item, Finished):
                 yield decode_pb2.GenerateResponse(
                     finish_reason=_FINISH[item.reason],
@@ -165,6 +171,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return decode_pb2.AbortResponse(aborted=aborted)
 
     def Stats(self, request, context):
+        self._check_engine(context)
         self.admission.expire()
         pool = self.admission.pool
         engine = self.loop.engine
@@ -186,6 +193,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def _device(self) -> dict:
         device = self.kv_cache.storage.device
         return {"device_id": device.index or 0, "is_gpu": device.type == "cuda"}
+
+    def _check_engine(self, context) -> None:
+        if self.loop.failure is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, self.loop.failure)
 
     @staticmethod
     def _call(context, fn, *args):

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 import transport
+from decode.engine_loop import EngineFailed
 from decode.layout import decode_layout
 from decode.server import DecodeServer, DecodeServerConfig
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
@@ -284,3 +285,63 @@ def test_two_sender_ranks_each_write_their_heads(stack, reference):
     assert (done.committed_senders, done.expected_senders) == (2, 2)
     assert [t for m in sender.generate(ticket, first) for t in m.token_ids] == reference[1]
     _assert_pool_free(server, stub)
+
+
+def test_an_engine_failure_ends_every_stream_and_refuses_new_work():
+    """A step that raises (a CUDA error, say) loses the engine's state: the open stream ends
+    UNAVAILABLE naming the error instead of waiting forever, and the instance refuses work (so
+    the router marks it down) until it is restarted."""
+    server = DecodeServer(
+        DecodeServerConfig(engine=EngineConfig(**ENGINE), transport="tcp", metrics_port=0)
+    )
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = decode_pb2_grpc.DecodeServiceStub(channel)
+    sender = Sender(stub, "tcp")
+    try:
+        sender.hello()
+        tickets = {}
+        for request_id, prompt in [("live", PROMPTS[3]), ("ready", PROMPTS[0])]:
+            tickets[request_id] = sender.reserve(request_id, prompt)
+            tickets[request_id, "first"] = sender.prefill_and_write(tickets[request_id], prompt)
+            sender.commit(tickets[request_id])
+
+        real_step, steps = server.engine.step, []
+
+        def failing_step(*args, **kwargs):
+            steps.append(1)
+            if len(steps) > 3:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return real_step(*args, **kwargs)
+
+        server.engine.step = failing_step
+        tokens = []
+        with pytest.raises(grpc.RpcError) as err:
+            for message in sender.generate(tickets["live"], tickets["live", "first"]):
+                tokens += message.token_ids
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "RuntimeError: CUDA error: an illegal memory access" in err.value.details()
+        assert "restart the decode server" in err.value.details()
+        assert len(tokens) == 4  # the first token, then one a step until the failing one
+
+        refused = [
+            lambda: stub.Stats(decode_pb2.StatsRequest(), timeout=10),
+            lambda: sender.reserve("after", PROMPTS[1]),
+            lambda: list(sender.generate(tickets["ready"], tickets["ready", "first"])),
+        ]
+        for call in refused:
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "RuntimeError: CUDA error" in err.value.details()
+        # A submit that raced the failure past the RPC's check still ends at once.
+        late = server.engine.new_sequence("late", PROMPTS[1], SamplingParams(), StopConditions(2))
+        with ThreadPoolExecutor(1) as pool:
+            items = pool.submit(list, server.loop.submit(late, [], 7)).result(timeout=10)
+        assert items == [EngineFailed(server.loop.failure)]
+        scrape = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read()
+        assert b"tandem_decode_engine_up 0.0" in scrape
+    finally:
+        sender.agent.close()
+        channel.close()
+        server.stop()
