@@ -110,7 +110,9 @@ class PrefillServer:
             return _error(error.status, str(error))
 
         @app.get("/health")
-        async def health() -> dict:
+        async def health():
+            if self.worker.failure is not None:
+                return _error(503, self.worker.failure)
             return {"status": "ok"}
 
         @app.get("/v1/models")

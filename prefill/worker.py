@@ -5,11 +5,16 @@ A job's life: submit() -> queued -> (ticket: Hello once per decode server, conne
 transport) -> prefilled in the engine's next steps, its layers sent as they are computed ->
 sampled -> (ticket: writes awaited, then Commit, on a finisher thread so the engine keeps
 going) -> its future resolves. The job's blocks are held until its writes have completed.
+
+If the engine raises (a CUDA error, a bug), its state is lost: every job's future fails with a
+503 naming the error at once, and so does every later one; `failure` says what happened, and
+/health answers 503 until the server is restarted.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 import queue
 import threading
 import time
@@ -25,6 +30,8 @@ from engine.sequence import Sequence, StopConditions
 from prefill.publisher import KvPublisher, SendSession
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 from transport.base import Transport, TransportError
+
+_log = logging.getLogger(__name__)
 
 TICKET_KEY = "tandem_ticket"  # base64 of a serialized tandem.v1.Ticket
 DECODE_KEY = "decode_address"  # host:port of the decode server's gRPC
@@ -118,6 +125,8 @@ class PrefillWorker:
         self._ids = iter(range(1, 1 << 62))
         self._wake = threading.Event()
         self._stopped = False
+        self.failure: str | None = None
+        """Set once the engine raised: why, and what to do."""
         self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
         self._thread.start()
 
@@ -135,11 +144,38 @@ class PrefillWorker:
             client.channel.close()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as error:
+            _log.exception("prefill engine failed; failing every request")
+            self.failure = (
+                f"prefill engine failed: {type(error).__name__}: {error} "
+                "(its state is lost: restart the prefill server)"
+            )
+            for job in self._live.values():
+                job.future.set_exception(PrefillError(503, self.failure))
+            self._live.clear()
+            self._refuse_until_stopped()
+
+    def _refuse_until_stopped(self) -> None:
+        """After a failure: every job (queued or still to come) fails with it at once."""
+        while not self._stopped:
+            while True:
+                try:
+                    self._jobs.get_nowait().future.set_exception(PrefillError(503, self.failure))
+                except queue.Empty:
+                    break
+            self._wait()
+
+    def _wait(self) -> None:
+        self._wake.wait(timeout=0.5)
+        self._wake.clear()
+
+    def _serve(self) -> None:
         while not self._stopped:
             self._admit_jobs()
             if not self.engine.has_unfinished:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+                self._wait()
                 continue
             outputs = self.engine.step(before_run=self._arm)
             for session in self._after_forward:

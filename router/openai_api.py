@@ -83,7 +83,7 @@ def create_app(
                 "segmented": prompts.local.segmented,
             },
             "decode": {d.address: "up" if d.healthy else "down" for d in orchestrator.decodes},
-            "prefill": [p.url for p in orchestrator.prefills],
+            "prefill": {p.url: "up" if p.healthy else "down" for p in orchestrator.prefills},
         }
 
     @app.get("/v1/models")

@@ -7,7 +7,8 @@
 Cancelling the consumer (client gone) aborts the request on the decode server, and so does a
 prefill failure (the reservation is released at once instead of at its deadline). A decode
 instance whose RPC fails with UNAVAILABLE is marked down until a Stats probe answers; a prefill
-instance that cannot be reached is marked down until its /health answers.
+instance that cannot be reached or answers 503 (its engine failed) is marked down until its
+/health answers 200.
 """
 
 from __future__ import annotations
@@ -170,6 +171,8 @@ class Orchestrator:
                 if reply.status_code == 200:
                     return reply.json()["tokens"]
                 error = f"prefill {prefill.url} /tokenize: {reply.status_code} {reply.text[:200]}"
+                if reply.status_code == 503:  # its engine failed: down until /health says 200
+                    prefill.healthy = False
                 if reply.status_code < 500:  # the request is at fault: another would refuse it too
                     raise BackendError(reply.status_code, error)
             except httpx.HTTPError as e:
@@ -224,6 +227,8 @@ class Orchestrator:
                     )
                     break
                 error = f"prefill {prefill.url} answered {reply.status_code}: {reply.text[:200]}"
+                if reply.status_code == 503:
+                    prefill.healthy = False
                 if reply.status_code < 500:
                     break  # the request itself is at fault: another prefill would refuse it too
             except httpx.HTTPError as e:

@@ -1,12 +1,15 @@
 """Failures behind the router: a decode server killed mid-stream ends the client's stream with an
 error event within 5 s and later requests are served by the remaining decode server; a killed
-prefill server is retried on another, and with none left the client gets a 503. Afterwards no
+prefill server is retried on another, and with none left the client gets a 503; a prefill whose
+engine failed (it answers 503) is marked down until its /health answers again. Afterwards no
 KV block stays allocated on the surviving decode server."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import httpx
@@ -90,3 +93,63 @@ def test_killed_prefill_is_retried_on_the_other_and_none_left_gives_503(two_pref
     assert reply.status_code == 503 and time.monotonic() - started < 5.0
     assert "prefill" in reply.json()["error"]["message"]
     assert decode_pool_free(decode_address)  # released at once: the ticket never reached a prefill
+
+
+class FailedPrefill:
+    """Answers as tandem's prefill server does once its engine has failed: 503 with an OpenAI
+    error body to everything, /health included, until `recovered` is set."""
+
+    def __init__(self) -> None:
+        self.completions = 0
+        self.recovered = False
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self._answer(200 if outer.recovered else 503)
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/v1/completions":
+                    outer.completions += 1
+                self._answer(503)
+
+            def _answer(self, status: int) -> None:
+                message = "prefill engine failed: RuntimeError: CUDA error (restart it)"
+                body = {"status": "ok"} if status == 200 else {"error": {"message": message}}
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_prefill_answering_503_is_passed_over_until_its_health_is_back():
+    failed = FailedPrefill()
+    decode, address = start_decode("tcp")
+    prefill, prefill_url = start_prefill("tcp")
+    router, url = start_router([failed.url, prefill_url], [address])  # the failed one first
+    try:
+        for _ in range(3):
+            reply = httpx.post(f"{url}/v1/completions", json=REQUEST, timeout=30)
+            assert reply.status_code == 200, reply.text
+        assert failed.completions <= 1, "marked down at its first 503, not tried first each time"
+        health = httpx.get(f"{url}/health").json()["prefill"]
+        assert health == {failed.url: "down", prefill_url: "up"}
+        failed.recovered = True
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health").json()["prefill"][failed.url] == "down":
+            assert time.monotonic() < deadline, "never probed back up"
+            time.sleep(0.2)
+        assert decode_pool_free(address)
+    finally:
+        _stop(router, prefill, decode)
+        failed.server.shutdown()

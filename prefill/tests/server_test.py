@@ -1,0 +1,51 @@
+"""tandem's prefill server in this process (its FastAPI app, a random tiny model on the CPU):
+what it answers when its engine fails."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.llm_engine import EngineConfig
+from prefill.server import PrefillServer, PrefillServerConfig
+
+
+@pytest.fixture()
+def server():
+    server = PrefillServer(
+        PrefillServerConfig(EngineConfig(model="random:tiny", dtype="float32", kv_cache_gb=0.01))
+    )
+    yield server
+    server.stop()
+
+
+def _bounded(call, timeout_s: float = 30):
+    """The call's result, or a TimeoutError where it would hang."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(call).result(timeout=timeout_s)
+
+
+def test_an_engine_failure_fails_requests_with_503_and_health_says_so(server):
+    """A step that raises (a CUDA error, say) loses the engine's state: the request in it gets a
+    503 naming the error instead of waiting forever, later ones too, and /health goes 503 so the
+    router marks the instance down until it is restarted."""
+    client = TestClient(server.app)
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 3, "temperature": 0}
+    ok = _bounded(lambda: client.post("/v1/completions", json=body))
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 3
+
+    def failing_step(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    server.engine.step = failing_step
+    for _ in range(2):  # the request in the failing step, then one arriving after it
+        reply = _bounded(lambda: client.post("/v1/completions", json=body))
+        assert reply.status_code == 503
+        error = reply.json()["error"]
+        assert error["type"] == "upstream_error"
+        assert "RuntimeError: CUDA error: an illegal memory access" in error["message"]
+        assert "restart the prefill server" in error["message"]
+    health = _bounded(lambda: client.get("/health"))
+    assert health.status_code == 503 and "RuntimeError" in health.json()["error"]["message"]
