@@ -9,8 +9,6 @@ concurrent requests of different lengths, and decode must batch them.
 from __future__ import annotations
 
 import base64
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -20,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
-from tests.servers import MODEL, start_decode, start_prefill
+from tests.servers import MODEL, PeakRunning, start_decode, start_prefill
 
 PROMPTS = [
     [1, 504, 3458, 2767, 28, 1442, 1463, 253, 2353],
@@ -92,30 +90,15 @@ def _request(stub, http, decode_address: str, request_id: str, prompt: list[int]
 
 def test_disaggregated_greedy_equals_hugging_face_and_decode_batches(stack, hugging_face):
     stub, http, decode_address = stack
-    peak = 0
-    done = threading.Event()
-
-    def watch() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, stub.Stats(decode_pb2.StatsRequest()).running)
-            time.sleep(0.005)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            outs = list(
-                pool.map(
-                    lambda i: _request(stub, http, decode_address, f"r{i}", PROMPTS[i]),
-                    range(len(PROMPTS)),
-                )
+    with PeakRunning(stub) as running, ThreadPoolExecutor(len(PROMPTS)) as pool:
+        outs = list(
+            pool.map(
+                lambda i: _request(stub, http, decode_address, f"r{i}", PROMPTS[i]),
+                range(len(PROMPTS)),
             )
-    finally:
-        done.set()
-        watcher.join()
+        )
     assert outs == hugging_face
-    assert peak > 1
+    assert running.peak > 1
     stats = stub.Stats(decode_pb2.StatsRequest())
     assert stats.kv_blocks_free == stats.kv_blocks_total
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 
 import grpc
@@ -53,3 +54,27 @@ def decode_pool_free(address: str, within: float = 5.0) -> decode_pb2.StatsRespo
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.1)
+
+
+class PeakRunning:
+    """The largest running batch a decode server reports while the `with` block runs, polled
+    every 5 ms: requests sent together must decode as a batch, not one at a time."""
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeServiceStub) -> None:
+        self.stub = stub
+        self.peak = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch)
+
+    def __enter__(self) -> PeakRunning:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, self.stub.Stats(decode_pb2.StatsRequest()).running)
+            time.sleep(0.005)

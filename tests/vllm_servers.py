@@ -3,9 +3,12 @@ without, and decode servers whose Prometheus metrics are served (for the bytes c
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 
 import httpx
 
@@ -18,11 +21,17 @@ from tools.launch import start
 MAX_BATCHED_TOKENS = 64
 SMALL = ["--max-model-len", "512", "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
 
+# vLLM's processes talk over IPC sockets in VLLM_RPC_BASE_PATH (default: /tmp) and leave them
+# there when stopped. A folder of this test process's own instead, removed at its exit; short
+# (in /tmp, not Bazel's long TEST_TMPDIR), since a socket's path must fit in ~107 bytes.
+_RPC_DIR = tempfile.mkdtemp(prefix="tandem-vllm-", dir="/tmp")
+atexit.register(shutil.rmtree, _RPC_DIR, ignore_errors=True)
+
 
 def start_vllm(transport: str | None) -> tuple[subprocess.Popen, str]:
     """vLLM serving the bundled model in float32 (the decode servers' dtype), with
     TandemConnector over `transport`, or without the connector (transport None)."""
-    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_RPC_BASE_PATH=_RPC_DIR)
     if "TEST_TMPDIR" in os.environ:  # vLLM caches under $HOME, read-only in Bazel's sandbox
         os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ["TEST_TMPDIR"], "vllm")
     port = free_port("127.0.0.1")

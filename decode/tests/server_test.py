@@ -25,6 +25,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 from prefill.kv_sender import BlockLayout, LayerKV, layer_ops, valid_bytes
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
+from tests.servers import PeakRunning
 
 MODEL = "tools/smollm2-135m-instruct"  # Bazel data: //tools:smollm2
 ENGINE = dict(model=MODEL, dtype="float32", block_size=16, kv_cache_gb=0.1)
@@ -175,23 +176,10 @@ def _run(sender, request_id: str, prompt: list[int]) -> list[int]:
 
 def test_disaggregated_tokens_equal_one_engine_and_requests_batch(stack, reference):
     server, stub, sender = stack
-    peak = 0
-    done = threading.Event()
-
-    def watch() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, stub.Stats(decode_pb2.StatsRequest()).running)
-            time.sleep(0.005)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+    with PeakRunning(stub) as running, ThreadPoolExecutor(len(PROMPTS)) as pool:
         outs = list(pool.map(lambda i: _run(sender, f"r{i}", PROMPTS[i]), range(len(PROMPTS))))
-    done.set()
-    watcher.join()
     assert outs == [reference[i] for i in range(len(PROMPTS))]
-    assert peak > 1  # decoded as a batch, not one at a time
+    assert running.peak > 1  # decoded as a batch, not one at a time
     _assert_pool_free(server, stub)
 
 
