@@ -4,6 +4,7 @@ unpacks it (checking each layer against its digest and diff id) into a runtime b
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -29,14 +30,21 @@ def test_skopeo_inspect(name):
     assert config["rootfs"]["diff_ids"]
 
 
+@pytest.fixture()
+def scratch(tmp_path):
+    """tmp_path, emptied after the test: the unpacked images add up to ~10 GB."""
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("name", IMAGES)
-def test_umoci_unpack(name, tmp_path):
-    layout = tmp_path / "layout"
+def test_umoci_unpack(name, scratch):
+    layout = scratch / "layout"
     with tarfile.open(f"images/{name}.tar") as tar:
         tar.extractall(layout)
     stat = json.loads(_run("umoci", "stat", "--json", "--image", f"{layout}:{name}"))
     assert stat["history"]
-    bundle = tmp_path / "bundle"
+    bundle = scratch / "bundle"
     _run("umoci", "unpack", "--image", f"{layout}:{name}", str(bundle))
     spec = json.loads((bundle / "config.json").read_text())
     if name != "cpu_base":
