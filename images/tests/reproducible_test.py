@@ -5,15 +5,29 @@ manifest digests with those of the build it is part of."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(os.path.realpath("WORKSPACE")).parent
 IMAGES = ["cpu_base", "router_cpu", "prefill_cpu", "decode_cpu"]
 
 
-def test_clean_build_gives_the_same_digests():
-    output_base = Path(os.environ["TEST_TMPDIR"]) / "clean"
+@pytest.fixture()
+def output_base():
+    """A fresh output base, removed afterwards with the nested build's caches (~5 GB that would
+    stay in Bazel's per-test folder: this test runs unsandboxed)."""
+    scratch = Path(os.environ["TEST_TMPDIR"])
+    yield scratch / "clean"
+    for made in (scratch / "clean", scratch / "_bazel_root"):
+        if made.exists():
+            subprocess.run(["chmod", "-R", "u+w", str(made)], check=False)  # read-only outputs
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def test_clean_build_gives_the_same_digests(output_base):
     targets = [f"//images:{name}" for name in IMAGES]
     # --symlink_prefix=/: no bazel-* links, which would repoint the workspace's at this build.
     cmd = ["bazel", f"--output_base={output_base}", "--batch", "build", "--symlink_prefix=/"]
