@@ -34,7 +34,8 @@ class LaunchedStep:
         self.plan = plan
         self.tokens = tokens
         """The sampled token of each sampling sequence, in plan order, on the device."""
-        self._seq_ids = seq_ids
+        self.seq_ids = seq_ids
+        """The sampling sequences' ids, in the order of `tokens`."""
         self._host = host
         self._copied: torch.cuda.Event | None = None
         if host is not None:  # CUDA: the copy to pinned memory lands when the device gets there
@@ -44,14 +45,14 @@ class LaunchedStep:
 
     def result(self) -> dict[str, int]:
         """{seq_id: sampled token}; waits for the device."""
-        if not self._seq_ids:
+        if not self.seq_ids:
             return {}
         if self._copied is not None:
             self._copied.synchronize()
             values = self._host.tolist()
         else:
             values = self.tokens.tolist()
-        return dict(zip(self._seq_ids, values, strict=True))
+        return dict(zip(self.seq_ids, values, strict=True))
 
 
 class ModelRunner:
@@ -81,9 +82,10 @@ class ModelRunner:
         """Queues one forward over the plan and the sampling of every sequence that samples.
         `feed`: the step before a step planned ahead, whose tokens are this one's input ids."""
         sampling = [item for item in plan.scheduled if item.samples]
+        fed = None if feed is None else self._fed_ids(plan, feed)
         greedy = None
         if self.graphs is not None and plan.is_decode_only:
-            logits, greedy = self._decode_with_graph(plan, feed)
+            logits, greedy = self._decode_with_graph(plan, fed)
             if len(sampling) < len(plan.scheduled):  # a one-token prompt chunk rode along
                 sampling_rows = torch.tensor(
                     [i for i, item in enumerate(plan.scheduled) if item.samples],
@@ -91,7 +93,7 @@ class ModelRunner:
                 )
                 logits, greedy = logits[sampling_rows], greedy[sampling_rows]
         else:
-            hidden, last_rows = self._forward_eager(plan, feed)
+            hidden, last_rows = self._forward_eager(plan, fed)
             if not sampling:
                 return LaunchedStep(plan, [], None)
             hidden = hidden[torch.tensor(last_rows, device=self.device)]
@@ -107,8 +109,20 @@ class ModelRunner:
             host = self._host_tokens[self._launches % 2][: len(sampling)]
         return LaunchedStep(plan, [item.seq.seq_id for item in sampling], tokens, host)
 
+    def _fed_ids(self, plan: StepPlan, feed: LaunchedStep) -> torch.Tensor:
+        """The input ids of a step planned ahead: the tokens `feed` samples for its sequences
+        (a sequence of `feed` that stops on its length there has no row in `plan`)."""
+        seq_ids = [item.seq.seq_id for item in plan.scheduled]
+        if seq_ids == feed.seq_ids:
+            return feed.tokens
+        row = {seq_id: i for i, seq_id in enumerate(feed.seq_ids)}
+        rows = torch.tensor([row[s] for s in seq_ids])
+        if self.device.type == "cuda":  # from pinned memory: a pageable copy waits for the device
+            rows = rows.pin_memory()
+        return feed.tokens[rows.to(self.device, non_blocking=True)]
+
     def _decode_with_graph(
-        self, plan: StepPlan, feed: LaunchedStep | None
+        self, plan: StepPlan, fed: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and greedy tokens of every scheduled sequence, one row each."""
         seqs = [item.seq for item in plan.scheduled]
@@ -116,13 +130,13 @@ class ModelRunner:
         assert len(seqs) <= self.graphs.max_batch
         positions = [item.start for item in plan.scheduled]
         tables = [seq.block_ids for seq in seqs]
-        if feed is not None:
-            return self.graphs.run(None, positions, tables, fed_ids=feed.tokens)
+        if fed is not None:
+            return self.graphs.run(None, positions, tables, fed_ids=fed)
         input_ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions, strict=True)]
         return self.graphs.run(input_ids, positions, tables)
 
     def _forward_eager(
-        self, plan: StepPlan, feed: LaunchedStep | None
+        self, plan: StepPlan, fed: torch.Tensor | None
     ) -> tuple[torch.Tensor, list[int]]:
         input_ids: list[int] = []
         positions: list[int] = []
@@ -130,7 +144,7 @@ class ModelRunner:
         last_rows: list[int] = []
         for item in plan.scheduled:
             seq, start, n = item.seq, item.start, item.num_new_tokens
-            if feed is None:
+            if fed is None:
                 input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             query_lens.append(n)
@@ -141,7 +155,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             query_lens, seq_lens, tables, self.kv_cache.block_size, self.device
         )
-        ids = feed.tokens if feed is not None else torch.tensor(input_ids, device=self.device)
+        ids = fed if fed is not None else torch.tensor(input_ids, device=self.device)
         hidden = self.model(
             ids,
             torch.tensor(positions, device=self.device),

@@ -156,32 +156,34 @@ class Scheduler:
 
     def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
         """The decode step after `plan`, a decode step whose sampled tokens are not known yet:
-        every sequence of it feeds the token it samples there. None when that step cannot be
-        planned without them: something waits to be admitted, a sequence of `plan` finished or
-        stops on its length limits with that token (the step would be wasted on it), one
-        samples with penalties (they count the tokens generated so far, that one included), or
-        a block is needed and none is free (a normal `schedule` preempts)."""
+        every sequence of it feeds the token it samples there, except those that stop on their
+        length limits with that token (they finish when `plan` is updated). None when that step
+        cannot be planned without the tokens: something waits to be admitted, a sequence of
+        `plan` has finished, one samples with penalties (they count the tokens generated so far,
+        that one included), every one stops on its length, or a block is needed and none is
+        free (a normal `schedule` preempts)."""
         seqs = [item.seq for item in plan.scheduled]
         if (
             self.waiting
             or not all(item.samples and item.num_new_tokens == 1 for item in plan.scheduled)
             or seqs != self.running
+            or any(seq.sampling.penalized for seq in seqs)
         ):
             return None
-        for seq in seqs:
-            # After the pending token: generated = num_output_tokens + 1, and likewise length.
-            if (
-                seq.num_output_tokens + 1 >= seq.stop.max_tokens
-                or seq.num_tokens + 1 >= seq.max_model_len
-                or seq.sampling.penalized
-            ):
-                return None
-        if not all(self._grow(seq, seq.num_computed + 1) for seq in seqs):
+        # After the pending token: generated = num_output_tokens + 1, and likewise length.
+        continuing = [
+            seq
+            for seq in seqs
+            if seq.num_output_tokens + 1 < seq.stop.max_tokens
+            and seq.num_tokens + 1 < seq.max_model_len
+        ]
+        if not continuing or not all(self._grow(s, s.num_computed + 1) for s in continuing):
             return None
-        # Every sequence of `plan` still runs, so none holds blocks back.
+        # Every sequence of `plan` still runs, so none holds blocks back; those left out free
+        # theirs when they finish, since no step ahead writes them.
         assert not self._held
-        scheduled = tuple(ScheduledSeq(seq, seq.num_computed, 1, True) for seq in seqs)
-        for seq in seqs:
+        scheduled = tuple(ScheduledSeq(seq, seq.num_computed, 1, True) for seq in continuing)
+        for seq in continuing:
             seq.num_computed += 1
         self._ahead = StepPlan(scheduled, ())
         return self._ahead

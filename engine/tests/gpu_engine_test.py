@@ -33,12 +33,15 @@ def _decode(engine, stops):
         engine.add_request(f"r{i}", p, SamplingParams(), stop)
         for i, (p, stop) in enumerate(zip(PROMPTS, stops, strict=True))
     ]
-    ahead = 0
+    ahead = missed = steps = 0
     while engine.has_unfinished:
         engine.step()
+        steps += 1
         ahead += engine.has_step_in_flight
+        # A step after the first (prefill) that leaves the batch going but no step running.
+        missed += steps > 1 and engine.has_unfinished and not engine.has_step_in_flight
     assert engine.pool.num_free == engine.pool.num_total
-    return [s.output_ids for s in seqs], ahead
+    return [s.output_ids for s in seqs], ahead, missed
 
 
 # (enforce_eager, async_scheduling): graphs with async scheduling (the default), graphs
@@ -51,10 +54,12 @@ def test_greedy_tokens_equal_cpu_path(enforce_eager, async_scheduling):
     assert (gpu.runner.graphs is None) == enforce_eager
     assert gpu.async_scheduling == (async_scheduling is not False)
     stops = [StopConditions(max_tokens=24 - 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
-    expected, _ = _decode(cpu, stops)
-    outputs, ahead = _decode(gpu, stops)
+    expected, _, _ = _decode(cpu, stops)
+    outputs, ahead, missed = _decode(gpu, stops)
     assert outputs == expected
     assert (ahead > 0) == gpu.async_scheduling
+    # Sequences leave by length at different steps; the step ahead goes on without them.
+    assert missed == 0 or not gpu.async_scheduling
 
 
 def test_async_steps_stop_on_stop_ids_like_the_cpu_path():
@@ -62,15 +67,15 @@ def test_async_steps_stop_on_stop_ids_like_the_cpu_path():
     step sampled for them are dropped, and the rest of the batch goes on unchanged."""
     cpu, gpu = _engines()
     free = [StopConditions(max_tokens=20, ignore_eos=True)] * len(PROMPTS)
-    full, _ = _decode(cpu, free)
+    full, _, _ = _decode(cpu, free)
     # Each sequence stops at its own 4th + i-th token (or runs to 20, where a stop id
     # appears earlier in it).
     stops = [
         StopConditions(max_tokens=20, ignore_eos=True, stop_token_ids=(out[min(3 + i, 19)],))
         for i, out in enumerate(full)
     ]
-    expected, _ = _decode(cpu, stops)
-    outputs, ahead = _decode(gpu, stops)
+    expected, _, _ = _decode(cpu, stops)
+    outputs, ahead, _ = _decode(gpu, stops)
     assert outputs == expected and ahead > 0
     assert any(len(out) < 20 for out in expected)
 

@@ -96,10 +96,18 @@ def test_batched_with_staggered_lengths_equals_hugging_face(prompts, reference, 
         engine.add_request(f"r{i}", p, GREEDY, StopConditions(max_tokens=NEW_TOKENS - 3 * i))
         for i, p in enumerate(prompts)
     ]
-    max_batch = 0
+    max_batch, steps, without_step_ahead = 0, 0, 0
     while engine.has_unfinished:
         max_batch = max(max_batch, len(engine.step()))
+        steps += 1
+        without_step_ahead += steps > 1 and engine.has_unfinished and not engine.has_step_in_flight
     assert max_batch == len(prompts)  # all decoded together
+    if async_scheduling:
+        # After the first step (prefill), every step leaves the next one running but the one
+        # after a sequence stops on EOS (the step ahead then held it): a sequence that stops on
+        # its length is left out of the step ahead, not the whole batch kept from one.
+        stops = sum(seq.finish_reason is FinishReason.STOP for seq in seqs)
+        assert without_step_ahead <= stops < len(prompts) - 1
     for i, (seq, expected) in enumerate(zip(seqs, reference, strict=True)):
         assert seq.output_ids == expected[: NEW_TOKENS - 3 * i]
     _assert_pool_free(engine)

@@ -263,10 +263,34 @@ def test_aborting_every_sequence_of_a_step_ahead_leaves_it_idle():
     _assert_empty(sched)
 
 
-def test_no_step_ahead_when_the_pending_tokens_decide_it():
-    # A sequence whose pending token is its last (max_tokens) would only waste the step.
+def test_step_ahead_leaves_out_sequences_that_stop_on_their_length():
+    """A sequence whose pending token is its last (max_tokens, or the context's end) would only
+    waste the step ahead: the others go on without it, and it frees its blocks as it finishes."""
     sched = _scheduler()
-    plan = _decoding(sched, _seq("a", 2, max_tokens=2))
+    a, b, c = _seq("a", 2, max_tokens=2), _seq("b", 3), _seq("c", 2, max_tokens=2)
+    plan = _decoding(sched, a, b, c)
+    free = sched.pool.num_free
+    ahead = sched.schedule_ahead(plan)
+    assert _shape(ahead) == [("b", 1, True)]
+    assert [i.start for i in ahead.scheduled] == [4]
+    assert sched.pool.num_free == free - 1  # b's position 4 opens its second block
+    assert sched.update(plan, {"a": 20, "b": 21, "c": 22}) == [a, c]
+    assert (a.finish_reason, c.finish_reason) == (FinishReason.LENGTH, FinishReason.LENGTH)
+    assert sched.pool.num_free == free - 1 + 2  # a's and c's blocks: no step ahead writes them
+    assert sched.running == [b]
+    after = sched.schedule_ahead(ahead)  # b alone goes on ahead
+    assert _shape(after) == [("b", 1, True)] and after.scheduled[0].start == 5
+    sched.update(ahead, {"b": 23})
+    sched.update(after, {"b": 24})
+    assert (a.output_ids, b.output_ids, c.output_ids) == ([7, 20], [7, 21, 23, 24], [7, 22])
+    sched.abort("b")
+    _assert_empty(sched)
+
+
+def test_no_step_ahead_when_the_pending_tokens_decide_it():
+    # Every sequence stopping on its length: the step ahead would have nothing to do.
+    sched = _scheduler()
+    plan = _decoding(sched, _seq("a", 2, max_tokens=2), _seq("b", 2, max_tokens=2))
     assert sched.schedule_ahead(plan) is None
     _run_to_end(sched)
     # Nor with penalties: they count every generated token, the pending one included.
