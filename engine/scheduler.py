@@ -10,8 +10,9 @@ A plan counts its tokens as computed when it is made (the forward will write the
 forward, `update` feeds back the sampled tokens and frees finished sequences' blocks.
 
 `schedule_ahead` plans the decode step after a decode step whose tokens are not known yet (async
-scheduling: the engine launches it before it reads them). Sequences that finish on one of those
-tokens keep their blocks until the step ahead, which still writes their KV, has been updated.
+scheduling: the engine launches it before it reads them). A sequence that finishes on one of
+those tokens (or is aborted) keeps its blocks until the last step planned ahead with it, which
+still writes its KV, has been updated; the steps planned after leave it out.
 """
 
 from __future__ import annotations
@@ -75,10 +76,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._ahead: StepPlan | None = None
-        """The step planned ahead, until it is updated."""
-        self._held: list[int] = []
-        """Blocks of sequences that finished while `_ahead` still writes to them."""
+        self._ahead: list[StepPlan] = []
+        """Steps planned ahead and not yet updated, oldest first (two at most: the one the
+        engine reads, and the one launched after it)."""
+        self._held: dict[int, list[int]] = {}
+        """id of a step in `_ahead` -> blocks of finished sequences it still writes to."""
 
     def add(self, seq: Sequence) -> None:
         """Queues a new sequence; its whole prompt will be prefilled here."""
@@ -156,42 +158,39 @@ class Scheduler:
 
     def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
         """The decode step after `plan`, a decode step whose sampled tokens are not known yet:
-        every sequence of it feeds the token it samples there, except those that stop on their
+        every sequence of it feeds the token it samples there, except those that have finished
+        since it was planned (their tokens there are thrown away) and those that stop on their
         length limits with that token (they finish when `plan` is updated). None when that step
-        cannot be planned without the tokens: something waits to be admitted, a sequence of
-        `plan` has finished, one samples with penalties (they count the tokens generated so far,
-        that one included), every one stops on its length, or a block is needed and none is
-        free (a normal `schedule` preempts)."""
-        seqs = [item.seq for item in plan.scheduled]
+        cannot be planned without the tokens: something waits to be admitted, one samples with
+        penalties (they count the tokens generated so far, that one included), none goes on,
+        or a block is needed and none is free (a normal `schedule` preempts)."""
+        live = [item.seq for item in plan.scheduled if not item.seq.finished]
         if (
             self.waiting
             or not all(item.samples and item.num_new_tokens == 1 for item in plan.scheduled)
-            or seqs != self.running
-            or any(seq.sampling.penalized for seq in seqs)
+            or live != self.running
+            or any(seq.sampling.penalized for seq in live)
         ):
             return None
         # After the pending token: generated = num_output_tokens + 1, and likewise length.
         continuing = [
             seq
-            for seq in seqs
+            for seq in live
             if seq.num_output_tokens + 1 < seq.stop.max_tokens
             and seq.num_tokens + 1 < seq.max_model_len
         ]
         if not continuing or not all(self._grow(s, s.num_computed + 1) for s in continuing):
             return None
-        # Every sequence of `plan` still runs, so none holds blocks back; those left out free
-        # theirs when they finish, since no step ahead writes them.
-        assert not self._held
         scheduled = tuple(ScheduledSeq(seq, seq.num_computed, 1, True) for seq in continuing)
         for seq in continuing:
             seq.num_computed += 1
-        self._ahead = StepPlan(scheduled, ())
-        return self._ahead
+        self._ahead.append(StepPlan(scheduled, ()))
+        return self._ahead[-1]
 
     @property
     def ahead_is_idle(self) -> bool:
-        """Whether a step planned ahead is pending and every sequence in it has finished."""
-        return self._ahead is not None and all(i.seq.finished for i in self._ahead.scheduled)
+        """Whether the last step planned ahead is pending and every sequence in it has finished."""
+        return bool(self._ahead) and all(i.seq.finished for i in self._ahead[-1].scheduled)
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Sequence]:
         """Records a finished forward: `sampled` maps seq_id to the token sampled for every
@@ -207,10 +206,9 @@ class Scheduler:
                 self.running.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
-        if plan is self._ahead:
-            self._ahead = None
-            self.pool.free(self._held)
-            self._held = []
+        if any(plan is ahead for ahead in self._ahead):
+            self._ahead = [ahead for ahead in self._ahead if ahead is not plan]
+            self.pool.free(self._held.pop(id(plan), []))
         return finished
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -234,8 +232,13 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.block_ids:
-            if self._ahead is not None and any(i.seq is seq for i in self._ahead.scheduled):
-                self._held.extend(seq.block_ids)
+            # The last pending step planned ahead with it still writes its KV.
+            writer = next(
+                (p for p in reversed(self._ahead) if any(i.seq is seq for i in p.scheduled)),
+                None,
+            )
+            if writer is not None:
+                self._held.setdefault(id(writer), []).extend(seq.block_ids)
             else:
                 self.pool.free(seq.block_ids)
             seq.block_ids = []

@@ -241,12 +241,39 @@ def test_sequence_stopping_under_a_step_ahead_keeps_its_blocks_until_that_step_i
     assert sched.update(plan, {"a": EOS, "b": 30}) == [a]
     assert a.finish_reason is FinishReason.STOP and a.block_ids == []
     assert sched.pool.num_free == free  # the step ahead still writes a's KV
-    assert sched.schedule_ahead(ahead) is None  # a left the batch: plan it normally
+    after = sched.schedule_ahead(ahead)  # the batch goes on ahead without a
+    assert _shape(after) == [("b", 1, True)]
+    assert sched.pool.num_free == free - 1  # b's position 4 opens its second block
     assert not sched.ahead_is_idle
-    assert sched.update(ahead, {"a": 31, "b": 32}) == []
+    assert sched.update(ahead, {"a": 31, "b": 32}) == []  # a's token there is thrown away
     assert a.output_ids == [7, EOS] and b.output_ids == [7, 30, 32]
-    assert sched.pool.num_free == free + 1
+    assert sched.pool.num_free == free  # a's block back: no step left writes it
+    sched.update(after, {"b": 33})
+    assert b.output_ids == [7, 30, 32, 33]
     sched.abort("b")
+    _assert_empty(sched)
+
+
+def test_sequence_aborted_under_two_steps_ahead_keeps_its_blocks_until_the_last_is_updated():
+    sched = _scheduler()
+    a, b = _seq("a", 2), _seq("b", 2)
+    plan = _decoding(sched, a, b)
+    first = sched.schedule_ahead(plan)
+    sched.update(plan, {"a": 20, "b": 21})
+    second = sched.schedule_ahead(first)  # both steps ahead write a's KV
+    assert _shape(second) == [("a", 1, True), ("b", 1, True)]
+    free = sched.pool.num_free
+    sched.abort("a")
+    sched.update(first, {"a": 22, "b": 23})
+    assert sched.pool.num_free == free  # `second` still writes a's KV
+    third = sched.schedule_ahead(second)
+    assert _shape(third) == [("b", 1, True)]
+    sched.update(second, {"a": 24, "b": 25})
+    assert sched.pool.num_free == free + 2  # a's two blocks
+    assert a.output_ids == [7, 20] and b.output_ids == [7, 21, 23, 25]
+    sched.abort("b")
+    assert sched.ahead_is_idle  # `third` has no live sequence left: the engine waits for it
+    sched.update(third, {})
     _assert_empty(sched)
 
 
