@@ -60,8 +60,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     """Launch each decode step before the host has read the tokens of the one before it, so
     that scheduling and output processing overlap the device's work. A sequence that stops on
-    a token (EOS, a stop id) then costs one more step that is thrown away. None: on with CUDA
-    graphs, where it overlaps; off elsewhere (CPU runs each step before returning)."""
+    a token (EOS, a stop id) then costs one more row, thrown away, in the step already launched;
+    the rest of the batch goes on. None: on with CUDA graphs, where it overlaps; off elsewhere
+    (CPU runs each step before returning)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

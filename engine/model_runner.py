@@ -111,7 +111,7 @@ class ModelRunner:
 
     def _fed_ids(self, plan: StepPlan, feed: LaunchedStep) -> torch.Tensor:
         """The input ids of a step planned ahead: the tokens `feed` samples for its sequences
-        (a sequence of `feed` that stops on its length there has no row in `plan`)."""
+        (one of `feed` that has finished, or stops on its length there, has no row in `plan`)."""
         seq_ids = [item.seq.seq_id for item in plan.scheduled]
         if seq_ids == feed.seq_ids:
             return feed.tokens
