@@ -14,11 +14,12 @@ If the engine raises (a CUDA error, a bug), its state is lost: every job's futur
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -72,6 +73,15 @@ class Job:
     session: SendSession | None = None
     request_id: str = ""
     seq: Sequence | None = None
+
+    def fail(self, error: PrefillError) -> None:
+        """Fails the job's future, unless its caller has given up on it (cancelled it)."""
+        with contextlib.suppress(InvalidStateError):
+            self.future.set_exception(error)
+
+    def resolve(self, result: Result) -> None:
+        with contextlib.suppress(InvalidStateError):
+            self.future.set_result(result)
 
 
 @dataclass(frozen=True)
@@ -153,7 +163,7 @@ class PrefillWorker:
                 "(its state is lost: restart the prefill server)"
             )
             for job in self._live.values():
-                job.future.set_exception(PrefillError(503, self.failure))
+                job.fail(PrefillError(503, self.failure))
             self._live.clear()
             self._refuse_until_stopped()
 
@@ -162,7 +172,7 @@ class PrefillWorker:
         while not self._stopped:
             while True:
                 try:
-                    self._jobs.get_nowait().future.set_exception(PrefillError(503, self.failure))
+                    self._jobs.get_nowait().fail(PrefillError(503, self.failure))
                 except queue.Empty:
                     break
             self._wait()
@@ -202,13 +212,13 @@ class PrefillWorker:
                     job.request_id, job.prompt_ids, job.sampling, job.stop
                 )
             except PrefillError as e:
-                job.future.set_exception(e)
+                job.fail(e)
                 continue
             except TransportError as e:
-                job.future.set_exception(PrefillError(502, f"KV transport: {e}"))
+                job.fail(PrefillError(502, f"KV transport: {e}"))
                 continue
             except ValueError as e:
-                job.future.set_exception(PrefillError(400, str(e)))
+                job.fail(PrefillError(400, str(e)))
                 continue
             job.seq = seq
             self._live[job.request_id] = job
@@ -267,10 +277,10 @@ class PrefillWorker:
                     timeout=10,
                 )
             except grpc.RpcError as e:
-                job.future.set_exception(PrefillError(502, f"commit refused: {e.details()}"))
+                job.fail(PrefillError(502, f"commit refused: {e.details()}"))
                 return
             if stats.error:
-                job.future.set_exception(PrefillError(502, f"KV transfer failed: {stats.error}"))
+                job.fail(PrefillError(502, f"KV transfer failed: {stats.error}"))
                 return
             kv_params = {
                 "first_token_id": seq.output_ids[0],
@@ -284,6 +294,4 @@ class PrefillWorker:
                 "post_ms": round(stats.post_seconds * 1000, 3),
                 "write_ops": stats.write_ops,
             }
-        job.future.set_result(
-            Result(seq.output_ids, finish_reason, seq.num_prompt_tokens, kv_params)
-        )
+        job.resolve(Result(seq.output_ids, finish_reason, seq.num_prompt_tokens, kv_params))

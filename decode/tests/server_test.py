@@ -288,11 +288,11 @@ def test_an_engine_failure_ends_every_stream_and_refuses_new_work():
     sender = Sender(stub, "tcp")
     try:
         sender.hello()
-        tickets = {}
+        ready = {}  # request id -> (ticket with its KV committed, first token)
         for request_id, prompt in [("live", PROMPTS[3]), ("ready", PROMPTS[0])]:
-            tickets[request_id] = sender.reserve(request_id, prompt)
-            tickets[request_id, "first"] = sender.prefill_and_write(tickets[request_id], prompt)
-            sender.commit(tickets[request_id])
+            ticket = sender.reserve(request_id, prompt)
+            ready[request_id] = ticket, sender.prefill_and_write(ticket, prompt)
+            sender.commit(ticket)
 
         real_step, steps = server.engine.step, []
 
@@ -305,7 +305,7 @@ def test_an_engine_failure_ends_every_stream_and_refuses_new_work():
         server.engine.step = failing_step
         tokens = []
         with pytest.raises(grpc.RpcError) as err:
-            for message in sender.generate(tickets["live"], tickets["live", "first"]):
+            for message in sender.generate(*ready["live"]):
                 tokens += message.token_ids
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "RuntimeError: CUDA error: an illegal memory access" in err.value.details()
@@ -315,7 +315,7 @@ def test_an_engine_failure_ends_every_stream_and_refuses_new_work():
         refused = [
             lambda: stub.Stats(decode_pb2.StatsRequest(), timeout=10),
             lambda: sender.reserve("after", PROMPTS[1]),
-            lambda: list(sender.generate(tickets["ready"], tickets["ready", "first"])),
+            lambda: list(sender.generate(*ready["ready"])),
         ]
         for call in refused:
             with pytest.raises(grpc.RpcError) as err:

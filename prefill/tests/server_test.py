@@ -1,5 +1,5 @@
 """tandem's prefill server in this process (its FastAPI app, a random tiny model on the CPU):
-what it answers when its engine fails."""
+what it answers when its engine fails, and that a request given up on does not fail it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.llm_engine import EngineConfig
+from engine.sampling import SamplingParams
+from engine.sequence import StopConditions
 from prefill.server import PrefillServer, PrefillServerConfig
+from prefill.worker import Job
 
 
 @pytest.fixture()
@@ -49,3 +52,16 @@ def test_an_engine_failure_fails_requests_with_503_and_health_says_so(server):
         assert "restart the prefill server" in error["message"]
     health = _bounded(lambda: client.get("/health"))
     assert health.status_code == 503 and "RuntimeError" in health.json()["error"]["message"]
+
+
+def test_a_request_given_up_on_leaves_the_engine_serving(server):
+    """A caller that gave up on its request (its future cancelled) before the engine refused it
+    must not take the engine down with it."""
+    gone = Job([1] * 100_000, SamplingParams(), StopConditions(max_tokens=1), None)  # too long
+    gone.future.cancel()
+    server.worker.submit(gone)
+    client = TestClient(server.app)
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 2, "temperature": 0}
+    reply = _bounded(lambda: client.post("/v1/completions", json=body))
+    assert reply.status_code == 200, reply.text
+    assert server.worker.failure is None
