@@ -127,25 +127,24 @@ class EngineLoop:
     def _refuse_until_stopped(self) -> None:
         """After a failure: every submit (queued or still to come) ends with it at once."""
         while not self._stopped:
-            while True:
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
+            for command in self._queued_commands():
                 if command[0] == "add":
                     command[-1].put(EngineFailed(self.failure))
             self._wait()
+
+    def _queued_commands(self) -> Iterator[tuple]:
+        while True:
+            try:
+                yield self._commands.get_nowait()
+            except queue.Empty:
+                return
 
     def _wait(self) -> None:
         self._wake.wait(timeout=0.5)
         self._wake.clear()
 
     def _drain_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._queued_commands():
             if command[0] == "add":
                 _, seq, block_ids, first_token, stream = command
                 self._live[seq.seq_id] = (seq, stream)

@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -170,12 +171,16 @@ class PrefillWorker:
     def _refuse_until_stopped(self) -> None:
         """After a failure: every job (queued or still to come) fails with it at once."""
         while not self._stopped:
-            while True:
-                try:
-                    self._jobs.get_nowait().fail(PrefillError(503, self.failure))
-                except queue.Empty:
-                    break
+            for job in self._queued_jobs():
+                job.fail(PrefillError(503, self.failure))
             self._wait()
+
+    def _queued_jobs(self) -> Iterator[Job]:
+        while True:
+            try:
+                yield self._jobs.get_nowait()
+            except queue.Empty:
+                return
 
     def _wait(self) -> None:
         self._wake.wait(timeout=0.5)
@@ -199,11 +204,7 @@ class PrefillWorker:
                     self._finisher.submit(self._finish, job, out.finish_reason.value)
 
     def _admit_jobs(self) -> None:
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
+        for job in self._queued_jobs():
             job.request_id = f"p{next(self._ids)}"
             try:
                 if job.transfer is not None:
