@@ -76,11 +76,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._ahead: list[StepPlan] = []
+        self._ahead: list[tuple[StepPlan, list[int]]] = []
         """Steps planned ahead and not yet updated, oldest first (two at most: the one the
-        engine reads, and the one launched after it)."""
-        self._held: dict[int, list[int]] = {}
-        """id of a step in `_ahead` -> blocks of finished sequences it still writes to."""
+        engine reads, and the one launched after it), each with the blocks of finished
+        sequences it still writes to (freed when it is updated)."""
 
     def add(self, seq: Sequence) -> None:
         """Queues a new sequence; its whole prompt will be prefilled here."""
@@ -184,13 +183,14 @@ class Scheduler:
         scheduled = tuple(ScheduledSeq(seq, seq.num_computed, 1, True) for seq in continuing)
         for seq in continuing:
             seq.num_computed += 1
-        self._ahead.append(StepPlan(scheduled, ()))
-        return self._ahead[-1]
+        ahead = StepPlan(scheduled, ())
+        self._ahead.append((ahead, []))
+        return ahead
 
     @property
     def ahead_is_idle(self) -> bool:
         """Whether the last step planned ahead is pending and every sequence in it has finished."""
-        return bool(self._ahead) and all(i.seq.finished for i in self._ahead[-1].scheduled)
+        return bool(self._ahead) and all(i.seq.finished for i in self._ahead[-1][0].scheduled)
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Sequence]:
         """Records a finished forward: `sampled` maps seq_id to the token sampled for every
@@ -206,9 +206,11 @@ class Scheduler:
                 self.running.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
-        if any(plan is ahead for ahead in self._ahead):
-            self._ahead = [ahead for ahead in self._ahead if ahead is not plan]
-            self.pool.free(self._held.pop(id(plan), []))
+        for i, (ahead, held) in enumerate(self._ahead):
+            if ahead is plan:
+                del self._ahead[i]
+                self.pool.free(held)
+                break
         return finished
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -233,12 +235,12 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.block_ids:
             # The last pending step planned ahead with it still writes its KV.
-            writer = next(
-                (p for p in reversed(self._ahead) if any(i.seq is seq for i in p.scheduled)),
+            held = next(
+                (h for p, h in reversed(self._ahead) if any(i.seq is seq for i in p.scheduled)),
                 None,
             )
-            if writer is not None:
-                self._held.setdefault(id(writer), []).extend(seq.block_ids)
+            if held is not None:
+                held.extend(seq.block_ids)
             else:
                 self.pool.free(seq.block_ids)
             seq.block_ids = []
