@@ -51,14 +51,17 @@ __all__ = [
     "linear_silu",
 ]
 
-# (rows per program, largest K step, warps) by the matrix's shape, N out of K in: chosen on an
-# H200 by streaming 32 distinct copies of each Llama-3-8B matrix in one CUDA graph per choice
-# (docs/performance.md). Very tall matrices (N >= 3K: gate_up, lm_head) stream best with
-# 8 rows and 8 warps a program, tall ones (qkv, N = 1.5K) with 16 rows in short steps, square
-# and wide ones (o_proj, down_proj) with 2 rows and 4 warps.
-_VERY_TALL = (8, 1024, 8)
+# (rows per program, largest K step, warps) by the matrix's shape, N out of K in. Chosen on an
+# H200 in the engine's own bs=1 decode graph of Llama-3-8B, where each GEMV overlaps the
+# kernels around it (its first tile is requested while they finish), each candidate's graph
+# replayed in turn with the others' (docs/performance.md): very tall matrices (N >= 3K:
+# gate_up, lm_head) with 16 rows and 8 warps a program, tall ones (qkv, N = 1.5K) with 16 rows
+# in short steps, square and wide ones (o_proj, down_proj) with 4 rows and 4 warps. Streaming
+# each shape alone had chosen fewer rows for very tall, square and wide matrices, 2.1% slower
+# in the step.
+_VERY_TALL = (16, 1024, 8)
 _TALL = (16, 512, 8)
-_OTHER = (2, 2048, 4)
+_OTHER = (4, 1024, 4)
 
 # What the kernel does with its rounded outputs (the EPILOGUE constexpr).
 _STORE, _SILU, _ROPE = 0, 1, 2
