@@ -2,13 +2,13 @@
 
 A bs=1 decode step is a chain of matrix-vector products that stream every weight once, so
 their bandwidth is the step's speed. cuBLAS's M=1 kernels leave bandwidth unused on the square
-and short matrices (o_proj at ~61% of the measured read bandwidth on an H200, ~85% here:
+and short matrices (o_proj at ~61% of the measured read bandwidth on an H200, ~87% here:
 engine.gemv_bench), and they cannot overlap their launch with the kernels around them, which
 this one does (programmatic dependent launch, engine.triton_pdl). Figures: docs/performance.md.
 
 `_gemv_kernel`, grid (N / BLOCK_N,): one program owns BLOCK_N whole rows of W and walks K in
 BLOCK_K steps, multiplying in fp32 into a [BLOCK_N, BLOCK_K] accumulator that is summed once at
-the end. Rows are many and short-lived programs (an 8B layer's matrices give 384 to 3,584),
+the end. Rows are many and short-lived programs (an 8B layer's matrices give 384 to 1,792),
 so the hardware keeps several programs' loads in flight per SM without software pipelining.
 A program requests its first weight tile *before* waiting for the previous kernel: weights do
 not depend on it, so HBM keeps streaming while the kernels before finish.
