@@ -1,5 +1,5 @@
-"""The prefill engine's thread: runs prompts, sends their KV layer by layer to the decode
-server named in each request's ticket, and commits.
+"""The prefill engine's thread (engine.engine_thread): runs prompts, sends their KV layer by
+layer to the decode server named in each request's ticket, and commits.
 
 A job's life: submit() -> queued -> (ticket: Hello once per decode server, connect its
 transport) -> prefilled in the engine's next steps, its layers sent as they are computed ->
@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import logging
-import queue
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 
+from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.scheduler import StepPlan
@@ -32,8 +29,6 @@ from engine.sequence import Sequence, StopConditions
 from prefill.publisher import KvPublisher, SendSession
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 from transport.base import Transport, TransportError
-
-_log = logging.getLogger(__name__)
 
 TICKET_KEY = "tandem_ticket"  # base64 of a serialized tandem.v1.Ticket
 DECODE_KEY = "decode_address"  # host:port of the decode server's gRPC
@@ -109,7 +104,7 @@ class DecodeClient:
             raise PrefillError(502, f"decode server {address}: {e.details()}") from None
 
 
-class PrefillWorker:
+class PrefillWorker(EngineThread):
     def __init__(
         self,
         engine: LLMEngine,
@@ -119,7 +114,6 @@ class PrefillWorker:
         transfer_timeout_s: float = 30.0,
         layerwise: bool = True,
     ) -> None:
-        self.engine = engine
         self.publisher = publisher
         self.agent = agent
         self.sender_layout = sender_layout
@@ -127,102 +121,61 @@ class PrefillWorker:
         self.layerwise = layerwise
         """False: send a request's layers only after its whole forward (to measure what sending
         each layer as it is computed buys)."""
-        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._live: dict[str, Job] = {}
         self._after_forward: list[SendSession] = []
         self._decoders: dict[str, DecodeClient] = {}
         self._peers: dict[bytes, object] = {}
         self._finisher = ThreadPoolExecutor(4, thread_name_prefix="prefill-commit")
         self._ids = iter(range(1, 1 << 62))
-        self._wake = threading.Event()
-        self._stopped = False
-        self.failure: str | None = None
-        """Set once the engine raised: why, and what to do."""
-        self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
-        self._thread.start()
+        super().__init__(engine, server="prefill", thread_name="prefill-engine")
 
     def submit(self, job: Job) -> Future:
-        self._jobs.put(job)
-        self._wake.set()
+        self._put(job)
         return job.future
 
     def stop(self) -> None:
-        self._stopped = True
-        self._wake.set()
-        self._thread.join(timeout=10)
+        super().stop()
         self._finisher.shutdown(wait=True)
         for client in self._decoders.values():
             client.channel.close()
 
-    def _run(self) -> None:
+    def _admit(self, job: Job) -> None:
+        job.request_id = f"p{next(self._ids)}"
         try:
-            self._serve()
-        except Exception as error:
-            _log.exception("prefill engine failed; failing every request")
-            self.failure = (
-                f"prefill engine failed: {type(error).__name__}: {error} "
-                "(its state is lost: restart the prefill server)"
-            )
-            for job in self._live.values():
-                job.fail(PrefillError(503, self.failure))
-            self._live.clear()
-            self._refuse_until_stopped()
+            if job.transfer is not None:
+                job.session = self._session(job.transfer)
+            seq = self.engine.add_request(job.request_id, job.prompt_ids, job.sampling, job.stop)
+        except PrefillError as e:
+            job.fail(e)
+            return
+        except TransportError as e:
+            job.fail(PrefillError(502, f"KV transport: {e}"))
+            return
+        except ValueError as e:
+            job.fail(PrefillError(400, str(e)))
+            return
+        job.seq = seq
+        self._live[job.request_id] = job
 
-    def _refuse_until_stopped(self) -> None:
-        """After a failure: every job (queued or still to come) fails with it at once."""
-        while not self._stopped:
-            for job in self._queued_jobs():
-                job.fail(PrefillError(503, self.failure))
-            self._wait()
+    def _step(self) -> None:
+        outputs = self.engine.step(before_run=self._arm)
+        for session in self._after_forward:
+            for layer in range(len(self.engine.kv_cache.kv_caches)):
+                session.layer_ready(layer)
+        self.publisher.armed = self._after_forward = []
+        for out in outputs:
+            job = self._live.get(out.seq_id)
+            if job is not None and out.finish_reason is not None:
+                del self._live[out.seq_id]
+                self._finisher.submit(self._finish, job, out.finish_reason.value)
 
-    def _queued_jobs(self) -> Iterator[Job]:
-        while True:
-            try:
-                yield self._jobs.get_nowait()
-            except queue.Empty:
-                return
+    def _fail_live(self, failure: str) -> None:
+        for job in self._live.values():
+            job.fail(PrefillError(503, failure))
+        self._live.clear()
 
-    def _wait(self) -> None:
-        self._wake.wait(timeout=0.5)
-        self._wake.clear()
-
-    def _serve(self) -> None:
-        while not self._stopped:
-            self._admit_jobs()
-            if not self.engine.has_unfinished:
-                self._wait()
-                continue
-            outputs = self.engine.step(before_run=self._arm)
-            for session in self._after_forward:
-                for layer in range(len(self.engine.kv_cache.kv_caches)):
-                    session.layer_ready(layer)
-            self.publisher.armed = self._after_forward = []
-            for out in outputs:
-                job = self._live.get(out.seq_id)
-                if job is not None and out.finish_reason is not None:
-                    del self._live[out.seq_id]
-                    self._finisher.submit(self._finish, job, out.finish_reason.value)
-
-    def _admit_jobs(self) -> None:
-        for job in self._queued_jobs():
-            job.request_id = f"p{next(self._ids)}"
-            try:
-                if job.transfer is not None:
-                    job.session = self._session(job.transfer)
-                seq = self.engine.add_request(
-                    job.request_id, job.prompt_ids, job.sampling, job.stop
-                )
-            except PrefillError as e:
-                job.fail(e)
-                continue
-            except TransportError as e:
-                job.fail(PrefillError(502, f"KV transport: {e}"))
-                continue
-            except ValueError as e:
-                job.fail(PrefillError(400, str(e)))
-                continue
-            job.seq = seq
-            self._live[job.request_id] = job
+    def _refuse(self, job: Job, failure: str) -> None:
+        job.fail(PrefillError(503, failure))
 
     def _session(self, transfer: KvTransfer) -> SendSession:
         client = self._decoders.get(transfer.decode_address)
