@@ -6,8 +6,9 @@ wakes it. The engine is touched by this thread only.
 
 If the engine raises (a CUDA error, a bug), its state is lost. Rather than leave callers
 waiting on steps that will never come, the thread sets `failure` (the error, and that the
-server must be restarted), ends every live request with it (`_fail_live`), and from then on
-ends every queued and later item with it at once (`_refuse`) until it is stopped.
+server must be restarted) and ends every live request with it (`_fail_live`); then, with
+`_refuse`, the item whose admission raised (if that is what failed) and every queued or later
+item, at once, until it is stopped.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ class EngineThread:
         raise NotImplementedError
 
     def _run(self) -> None:
+        admitting = None
         try:
             while not self._stopped:
-                for item in self._queued():
-                    self._admit(item)
+                for admitting in self._queued():
+                    self._admit(admitting)
+                admitting = None
                 if self.engine.has_unfinished:
                     self._step()
                 else:
@@ -79,6 +82,8 @@ class EngineThread:
                 f"(its state is lost: restart the {self._server} server)"
             )
             self._fail_live(self.failure)
+            if admitting is not None:  # its admission raised: neither queued nor live now
+                self._refuse(admitting, self.failure)
             while not self._stopped:
                 for item in self._queued():
                     self._refuse(item, self.failure)

@@ -26,8 +26,11 @@ def server():
 
 def _bounded(call, timeout_s: float = 30):
     """The call's result, or a TimeoutError where it would hang."""
-    with ThreadPoolExecutor(1) as pool:
+    pool = ThreadPoolExecutor(1)
+    try:
         return pool.submit(call).result(timeout=timeout_s)
+    finally:
+        pool.shutdown(wait=False)  # a hung call must not hold the test up as well
 
 
 def test_an_engine_failure_fails_requests_with_503_and_health_says_so(server):
@@ -65,3 +68,19 @@ def test_a_request_given_up_on_leaves_the_engine_serving(server):
     reply = _bounded(lambda: client.post("/v1/completions", json=body))
     assert reply.status_code == 200, reply.text
     assert server.worker.failure is None
+
+
+def test_a_request_whose_admission_fails_the_engine_gets_503(server):
+    """The engine raising while it takes a request in (not a refusal: a bug, a CUDA error) fails
+    that request too, although it is neither queued nor running by then."""
+    client = TestClient(server.app)
+
+    def failing_add(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory")
+
+    server.engine.add_request = failing_add
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 2, "temperature": 0}
+    reply = _bounded(lambda: client.post("/v1/completions", json=body), timeout_s=15)
+    assert reply.status_code == 503
+    assert "RuntimeError: CUDA error: out of memory" in reply.json()["error"]["message"]
+    assert server.worker.failure is not None
