@@ -175,6 +175,8 @@ class LLMEngine:
             config.max_model_len or model_config.max_position_embeddings,
             num_blocks * config.block_size,
         )
+        # Every position a sequence can reach: its RoPE angles become one gather a step.
+        model.model.rotary_emb.cache(max_model_len, dtype)
         kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, config.device)
         pool = BlockPool(num_blocks)
         sched_config = SchedulerConfig(

@@ -16,15 +16,15 @@ The decode path is CUDA-graph capturable: launch grids and buffer sizes depend o
   tile is read from HBM once. It walks TILE tokens per step, gathering each token's block id from
   the block table (a tile may span several small blocks or part of a large one), with an online
   softmax in fp32. A sequence's tiles are divided over the splits in the kernel, from its
-  length in `seq_lens`, so short sequences leave trailing splits empty; an empty split stores
-  out = 0 and lse = -inf. With one split the kernel writes the final output directly. Called by
+  length in `seq_lens`, so short sequences leave trailing splits empty; an empty split exits at
+  once, storing nothing. With one split the kernel writes the final output directly. Called by
   `attention`, it also gets each sequence's new K/V: split 0 attends to them from registers after
   its tiles of the context before them, and stores them in the cache. Then the context's K/V
   do not depend on the kernel before (the qkv projection), and with several splits (small
-  batches: a split has a tile or two) each program loads its first tile before it waits for
-  that kernel.
-- `_combine_kernel`, grid (sequence, query head): merges the splits' partial outputs by
-  log-sum-exp.
+  batches: a split has a few tiles) each program requests its first tile before it waits for
+  that kernel: into L2 where that is its only tile, else into registers.
+- `_combine_kernel`, grid (sequence, query head): merges the partial outputs of the splits that
+  have tiles (and split 0) by log-sum-exp.
 - `_write_kv_kernel`, grid (token, kv head): copies one head of one token's K and V to its slot.
 
 On CUDA each kernel is launched with programmatic dependent launch (engine.triton_pdl), so its
@@ -219,23 +219,32 @@ def _decode(
         # costs more in registers than it gains (docs/performance.md).
         PRELOAD=new_kv is not None and num_splits > 1,
         PDL=triton_pdl.enabled(q.device),
+        LINE=128 // k_cache.element_size(),
+        LINES_PAD=triton.next_power_of_2(-(-head_dim * k_cache.element_size() // 128)),
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
         launch_pdl=triton_pdl.enabled(q.device),
     )
     if num_splits > 1:
-        _combine(partial, lse, out, head_dim_pad)
+        _combine(partial, lse, out, seq_lens, head_dim_pad, tile, new_kv is not None)
     return out
 
 
 def _combine(
-    partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, head_dim_pad: int
+    partial: torch.Tensor,
+    lse: torch.Tensor,
+    out: torch.Tensor,
+    seq_lens: torch.Tensor,
+    head_dim_pad: int,
+    tile: int,
+    new_kv: bool,
 ) -> None:
     batch, num_heads, num_splits, head_dim = partial.shape
     _combine_kernel[(batch, num_heads)](
         partial,
         lse,
         out,
+        seq_lens,
         num_splits,
         *partial.stride()[:3],
         *lse.stride()[:2],
@@ -244,6 +253,8 @@ def _combine(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         CHUNK=min(_MAX_COMBINE_CHUNK, triton.next_power_of_2(num_splits)),
+        NEW_KV=new_kv,
+        TILE=tile,
         PDL=triton_pdl.enabled(out.device),
         num_warps=_NUM_WARPS,
         launch_pdl=triton_pdl.enabled(out.device),
@@ -299,6 +310,40 @@ def _load_tile(
 
 
 @triton.jit
+def _prefetch_tile(
+    k_head, v_head, table, tile, context_len,
+    stride_kb, stride_kt, stride_vb, stride_vt,
+    LINE: tl.constexpr, LINES_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """Asks L2 for the K and V lines (LINE elements each) of one tile of the context, one
+    `prefetch.global.L2` a line, so that its loads after the wait hit L2 without holding
+    registers before it."""
+    pos = tile * TILE + tl.arange(0, TILE)
+    valid = pos < context_len
+    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    offset = pos % BLOCK_SIZE
+    lines = tl.arange(0, LINES_PAD) * LINE
+    wanted = (valid[:, None] & (lines < HEAD_DIM)[None, :]).to(tl.int32)
+    k_lines = k_head + (block * stride_kb + offset * stride_kt)[:, None] + lines[None, :]
+    v_lines = v_head + (block * stride_vb + offset * stride_vt)[:, None] + lines[None, :]
+    _prefetch_l2(k_lines, wanted)
+    _prefetch_l2(v_lines, wanted)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, wanted):
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, wanted],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def _attend_tile(q, k, v, valid, m, sum_exp, acc, scale_log2, PRECISION: tl.constexpr):
     """One online-softmax step over a tile holding at least one valid token."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
@@ -311,6 +356,16 @@ def _attend_tile(q, k, v, valid, m, sum_exp, acc, scale_log2, PRECISION: tl.cons
     p = p.to(v.dtype)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return m_new, sum_exp, acc
+
+
+@triton.jit
+def _split_tiles(seq_len, num_splits, NEW_KV: tl.constexpr, TILE: tl.constexpr):
+    """A sequence's context length in the tiles, its tiles, and the tiles of each split (the
+    last splits with tiles may have fewer; those after them none)."""
+    # NEW_KV: the last token's K/V come in registers; the tiles hold the tokens before it.
+    context_len = seq_len - 1 if NEW_KV else seq_len
+    num_tiles = tl.cdiv(context_len, TILE)
+    return context_len, num_tiles, tl.cdiv(num_tiles, num_splits)
 
 
 @triton.jit
@@ -354,17 +409,16 @@ def _split_kernel(
     PRECISION: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     NEW_KV: tl.constexpr,
-    PRELOAD: tl.constexpr,  # the first tile is loaded before the wait (NEW_KV only)
+    PRELOAD: tl.constexpr,  # the first tile is requested before the wait (NEW_KV only)
     PDL: tl.constexpr,
+    LINE: tl.constexpr,  # elements of a 128-byte line
+    LINES_PAD: tl.constexpr,  # lines of a head's row of K or V, to a power of two
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # NEW_KV: the last token's K/V come in registers; the tiles hold the tokens before it.
-    context_len = seq_len - 1 if NEW_KV else seq_len
-    num_tiles = tl.cdiv(context_len, TILE)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    context_len, num_tiles, tiles_per_split = _split_tiles(seq_len, num_splits, NEW_KV, TILE)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
@@ -372,15 +426,31 @@ def _split_kernel(
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM_PAD)
     row_dim_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    if split > 0 and tile_begin >= tile_end:
+        # An empty split (a short sequence's trailing ones) stores nothing and frees its slot
+        # at once: the combine reads only the splits with tiles, counted as here. Split 0
+        # always stores, for the new token or a zero-length row's zeros.
+        return
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     table = block_tables_ptr + seq * stride_table
     if PRELOAD:
         # Before the wait: the step's inputs (lengths, block tables) and the context's K/V were
         # all written before this step's first kernel; only q and the new token come from the
-        # kernel before. So the split's first tile streams while that kernel ends.
+        # kernel before. So the split's first tile streams while that kernel ends: into L2
+        # where it is the split's only tile (a short context), else into registers. Held in
+        # registers, a load keeps the program from reaching the wait until it lands (its
+        # operands are laid out for the dot first), which costs more than it saves where the
+        # split has nothing else to load; the next tiles' loads hide it where it has.
+        first_only = tiles_per_split == 1
+        if first_only and PDL:  # (Triton's interpreter has no inline assembly, nor PDL)
+            _prefetch_tile(
+                k_head, v_head, table, tile_begin, context_len,
+                stride_kb, stride_kt, stride_vb, stride_vt,
+                LINE, LINES_PAD, HEAD_DIM, BLOCK_SIZE, TILE,
+            )  # fmt: skip
         k0, v0, valid0 = _load_tile(
-            k_head, v_head, table, tile_begin, context_len, dims,
+            k_head, v_head, table, tile_begin, tl.where(first_only, 0, context_len), dims,
             stride_kb, stride_kt, stride_vb, stride_vt, HEAD_DIM, BLOCK_SIZE, TILE,
         )  # fmt: skip
     triton_pdl.await_previous_kernel(PDL)
@@ -409,12 +479,13 @@ def _split_kernel(
         tl.store(
             v_head + block_of_slot * stride_vb + offset_of_slot * stride_vt + dims, new_v, write
         )
-    if PRELOAD:
-        if tile_begin < tile_end:  # else the split is empty (and valid0 all False)
-            m, sum_exp, acc = _attend_tile(
-                q, k0, v0, valid0, m, sum_exp, acc, scale_log2, PRECISION
-            )
-        tile_begin += 1
+    if PRELOAD:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if not first_only:  # the tile in registers; else the loop loads it, from L2
+            if tile_begin < tile_end:  # else the sequence has no context (valid0 all False)
+                m, sum_exp, acc = _attend_tile(
+                    q, k0, v0, valid0, m, sum_exp, acc, scale_log2, PRECISION
+                )
+            tile_begin += 1
     for t in range(tile_begin, tile_end):
         k, v, valid = _load_tile(
             k_head, v_head, table, t, context_len, dims,
@@ -450,6 +521,7 @@ def _combine_kernel(
     partial_ptr,  # [B, heads, splits, dim] fp32
     lse_ptr,  # [B, heads, splits] fp32, log2 domain
     out_ptr,  # [B, heads, dim]
+    seq_lens_ptr,
     num_splits,
     stride_pb,
     stride_ph,
@@ -461,10 +533,17 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
+    NEW_KV: tl.constexpr,  # as the split kernel's
+    TILE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    _, num_tiles, tiles_per_split = _split_tiles(
+        tl.load(seq_lens_ptr + seq), num_splits, NEW_KV, TILE
+    )
+    # The splits with tiles, and split 0 always: the others stored nothing.
+    used_splits = tl.maximum(1, tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1)))
     triton_pdl.await_previous_kernel(PDL)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
@@ -474,15 +553,15 @@ def _combine_kernel(
     m = tl.full([], float("-inf"), tl.float32)
     denom = tl.zeros([], tl.float32)
     acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    for first in range(0, num_splits, CHUNK):
+    for first in range(0, used_splits, CHUNK):
         splits = first + chunk
-        in_range = splits < num_splits
+        in_range = splits < used_splits
         lse = tl.load(lses + splits, mask=in_range, other=float("-inf"))
         m_new = tl.maximum(m, tl.max(lse, 0))
         # Until a non-empty split is seen m_new is -inf; shifting by 0 keeps exp2 free of NaN.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - shift)
-        weight = tl.exp2(lse - shift)  # 0 for empty splits, whose partial output is 0
+        weight = tl.exp2(lse - shift)  # 0 for a zero-length row's split 0, whose output is 0
         part = tl.load(
             partial + splits[:, None] * stride_ps + dims[None, :],
             mask=in_range[:, None] & dim_mask[None, :],

@@ -97,3 +97,26 @@ def test_llama3_rope_scaling_changes_only_low_frequencies():
     middle = ~high & ~low
     assert middle.any()
     assert bool(((scaled[middle] < plain[middle]) & (scaled[middle] > plain[middle] / 8)).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_table_gives_the_computed_angles_bit_for_bit(dtype):
+    config = ModelConfig.preset("llama3-8b")
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model.model.rotary_emb.to_empty(device="cpu")
+    model.init_buffers()
+    rotary = model.model.rotary_emb
+    positions = torch.tensor([0, 1, 7, 1023, 8191, 20000, 3])
+    computed = rotary(positions, dtype)
+    rotary.cache(20001, dtype)
+    assert rotary.table.shape == (2, 20001, config.head_dim // 2)
+    tabulated = rotary(positions, dtype)
+    for got, want in zip(tabulated, computed, strict=True):
+        assert got.is_contiguous() and got.dtype == dtype
+        assert torch.equal(got, want)
+    assert torch.equal(
+        rotary(positions, torch.float16)[0], rotary._compute(positions, torch.float16)[0]
+    )
+    model.init_buffers()  # new frequencies: the table of the old ones goes
+    assert rotary.table is None

@@ -306,6 +306,33 @@ def test_attention_writes_the_new_tokens_and_attends_to_them(num_splits, dtype, 
         assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
 
 
+@pytest.mark.parametrize("new_kv", [False, True], ids=["paged_attention", "attention"])
+def test_combine_reads_only_the_splits_with_tiles(monkeypatch, new_kv):
+    """Splits past a sequence's tiles exit without storing: the combine must count them as the
+    split kernel does. The split buffers start out NaN here, so a read of one shows."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    # 4 tiles of 64 tokens at most (contexts 1 to 256): 2 splits of 2 tiles, then empty ones.
+    contexts = [1, 2, 65, 256]
+    q, k_cache, v_cache, meta, ks, vs = _decode_case(
+        contexts, 8, 2, 64, 16, torch.float32, seed=5, write_new=not new_kv
+    )
+    new_k = torch.stack([k[-1] for k in ks]).to(DEVICE)
+    new_v = torch.stack([v[-1] for v in vs]).to(DEVICE)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    if new_kv:
+        out = triton_attention.attention(
+            q, new_k, new_v, k_cache, v_cache, meta, 0.125, num_splits=6
+        )
+    else:
+        out = triton_attention.paged_attention(q, k_cache, v_cache, meta, 0.125, num_splits=6)
+    _assert_matches(out, _reference(q, ks, vs, 0.125), torch.float32)
+
+
 @cuda
 @pytest.mark.parametrize("fused", [False, True], ids=["write_kv_then_attend", "attention"])
 @pytest.mark.parametrize("num_splits", [None, 1])
