@@ -16,13 +16,14 @@ The decode path is CUDA-graph capturable: launch grids and buffer sizes depend o
   tile is read from HBM once. It walks TILE tokens per step, gathering each token's block id from
   the block table (a tile may span several small blocks or part of a large one), with an online
   softmax in fp32. A sequence's tiles are divided over the splits in the kernel, from its
-  length in `seq_lens`, so short sequences leave trailing splits empty; an empty split exits at
-  once, storing nothing. With one split the kernel writes the final output directly. Called by
-  `attention`, it also gets each sequence's new K/V: split 0 attends to them from registers after
-  its tiles of the context before them, and stores them in the cache. Then the context's K/V
-  do not depend on the kernel before (the qkv projection), and with several splits (small
-  batches: a split has a few tiles) each program requests its first tile before it waits for
-  that kernel: into L2 where that is its only tile, else into registers.
+  length in `seq_lens`, so short sequences leave trailing splits empty: such a split stores
+  out = 0 and lse = -inf, or with many splits (FEW_TILES) exits at once, storing nothing. With
+  one split the kernel writes the final output directly. Called by `attention`, it also gets
+  each sequence's new K/V: split 0 attends to them from registers after its tiles of the context
+  before them, and stores them in the cache. Then the context's K/V do not depend on the kernel
+  before (the qkv projection), and with several splits (small batches: a split has a few tiles)
+  each program requests its first tile before it waits for that kernel: into registers, or
+  (FEW_TILES) into L2 where that is its only tile.
 - `_combine_kernel`, grid (sequence, query head): merges the partial outputs of the splits that
   have tiles (and split 0) by log-sum-exp.
 - `_write_kv_kernel`, grid (token, kv head): copies one head of one token's K and V to its slot.
@@ -53,6 +54,11 @@ _NUM_WARPS = 4
 # is a dependent round trip to memory), up to this many.
 _MAX_COMBINE_CHUNK = 64
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
+# Above this many splits (batches of 1 and 2 on an H200: 33 and 17), a context of up to one
+# tile a split is short enough to be common: empty splits exit at once and a split's only tile
+# is requested into L2. With fewer splits those branches, even untaken, made the step slower
+# (bs=4, 9 splits: -0.35% tok/s; bs=8, 5 splits: +0.5-0.9% a graph replay; docs/performance.md).
+_FEW_TILES_SPLITS = 9
 
 
 def paged_attention(
@@ -218,6 +224,7 @@ def _decode(
         # Where a split has a tile or two (small batches): at bs=64, one split a sequence, it
         # costs more in registers than it gains (docs/performance.md).
         PRELOAD=new_kv is not None and num_splits > 1,
+        FEW_TILES=num_splits > _FEW_TILES_SPLITS,
         PDL=triton_pdl.enabled(q.device),
         LINE=128 // k_cache.element_size(),
         LINES_PAD=triton.next_power_of_2(-(-head_dim * k_cache.element_size() // 128)),
@@ -410,6 +417,7 @@ def _split_kernel(
     WRITE_LSE: tl.constexpr,
     NEW_KV: tl.constexpr,
     PRELOAD: tl.constexpr,  # the first tile is requested before the wait (NEW_KV only)
+    FEW_TILES: tl.constexpr,  # so many splits that short contexts leave splits empty
     PDL: tl.constexpr,
     LINE: tl.constexpr,  # elements of a 128-byte line
     LINES_PAD: tl.constexpr,  # lines of a head's row of K or V, to a power of two
@@ -426,31 +434,36 @@ def _split_kernel(
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM_PAD)
     row_dim_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
-    if split > 0 and tile_begin >= tile_end:
-        # An empty split (a short sequence's trailing ones) stores nothing and frees its slot
-        # at once: the combine reads only the splits with tiles, counted as here. Split 0
-        # always stores, for the new token or a zero-length row's zeros.
-        return
+    if FEW_TILES:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if split > 0 and tile_begin >= tile_end:
+            # An empty split (a short sequence's trailing ones) stores nothing and frees its
+            # slot at once: the combine reads only the splits with tiles, counted as here.
+            # Split 0 always stores, for the new token or a zero-length row's zeros.
+            return
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     table = block_tables_ptr + seq * stride_table
     if PRELOAD:
         # Before the wait: the step's inputs (lengths, block tables) and the context's K/V were
         # all written before this step's first kernel; only q and the new token come from the
-        # kernel before. So the split's first tile streams while that kernel ends: into L2
-        # where it is the split's only tile (a short context), else into registers. Held in
+        # kernel before. So the split's first tile streams while that kernel ends: into
+        # registers, or (FEW_TILES) into L2 where it is the split's only tile. Held in
         # registers, a load keeps the program from reaching the wait until it lands (its
         # operands are laid out for the dot first), which costs more than it saves where the
         # split has nothing else to load; the next tiles' loads hide it where it has.
-        first_only = tiles_per_split == 1
-        if first_only and PDL:  # (Triton's interpreter has no inline assembly, nor PDL)
-            _prefetch_tile(
-                k_head, v_head, table, tile_begin, context_len,
-                stride_kb, stride_kt, stride_vb, stride_vt,
-                LINE, LINES_PAD, HEAD_DIM, BLOCK_SIZE, TILE,
-            )  # fmt: skip
+        first_only = False
+        preload_len = context_len
+        if FEW_TILES:
+            first_only = tiles_per_split == 1
+            preload_len = tl.where(first_only, 0, context_len)  # 0: loads nothing
+            if first_only and PDL:  # (Triton's interpreter has no inline assembly, nor PDL)
+                _prefetch_tile(
+                    k_head, v_head, table, tile_begin, context_len,
+                    stride_kb, stride_kt, stride_vb, stride_vt,
+                    LINE, LINES_PAD, HEAD_DIM, BLOCK_SIZE, TILE,
+                )  # fmt: skip
         k0, v0, valid0 = _load_tile(
-            k_head, v_head, table, tile_begin, tl.where(first_only, 0, context_len), dims,
+            k_head, v_head, table, tile_begin, preload_len, dims,
             stride_kb, stride_kt, stride_vb, stride_vt, HEAD_DIM, BLOCK_SIZE, TILE,
         )  # fmt: skip
     triton_pdl.await_previous_kernel(PDL)

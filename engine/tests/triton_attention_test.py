@@ -200,7 +200,7 @@ def test_split_count_changes_nothing(dtype):
     _assert_matches(one, _reference(q, ks, vs, 0.125), dtype)
     # Each split rounds p to bf16/fp16 against its own running max: agreement to rounding only.
     tol = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
-    for num_splits in [2, 7]:
+    for num_splits in [2, 7, 12]:  # 12: more than _FEW_TILES_SPLITS
         many = triton_attention.paged_attention(
             q, k_cache, v_cache, meta, 0.125, num_splits=num_splits
         )
@@ -277,7 +277,7 @@ def test_choose_num_splits(batch, num_kv_heads, max_tiles, sm_count, expected):
     assert triton_attention.choose_num_splits(batch, num_kv_heads, max_tiles, sm_count) == expected
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, 12])  # 12: more than _FEW_TILES_SPLITS
 @pytest.mark.parametrize(
     ("dtype", "head_dim"), [(torch.bfloat16, 32), (torch.float32, 24)]
 )  # 24: padded dims
@@ -306,17 +306,20 @@ def test_attention_writes_the_new_tokens_and_attends_to_them(num_splits, dtype, 
         assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
 
 
+@pytest.mark.parametrize("num_splits", [6, 12])
 @pytest.mark.parametrize("new_kv", [False, True], ids=["paged_attention", "attention"])
-def test_combine_reads_only_the_splits_with_tiles(monkeypatch, new_kv):
-    """Splits past a sequence's tiles exit without storing: the combine must count them as the
-    split kernel does. The split buffers start out NaN here, so a read of one shows."""
+def test_combine_reads_only_the_splits_with_tiles(monkeypatch, new_kv, num_splits):
+    """With more than _FEW_TILES_SPLITS splits, those past a sequence's tiles exit without
+    storing: the combine must count them as the split kernel does. The split buffers start out
+    NaN here, so a read of one shows."""
+    assert (num_splits > triton_attention._FEW_TILES_SPLITS) == (num_splits == 12)
     empty = torch.empty
 
     def nan_empty(*args, **kwargs):
         out = empty(*args, **kwargs)
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
-    # 4 tiles of 64 tokens at most (contexts 1 to 256): 2 splits of 2 tiles, then empty ones.
+    # 4 tiles of 64 tokens at most (contexts 1 to 256): most splits are empty.
     contexts = [1, 2, 65, 256]
     q, k_cache, v_cache, meta, ks, vs = _decode_case(
         contexts, 8, 2, 64, 16, torch.float32, seed=5, write_new=not new_kv
@@ -326,10 +329,12 @@ def test_combine_reads_only_the_splits_with_tiles(monkeypatch, new_kv):
     monkeypatch.setattr(torch, "empty", nan_empty)
     if new_kv:
         out = triton_attention.attention(
-            q, new_k, new_v, k_cache, v_cache, meta, 0.125, num_splits=6
+            q, new_k, new_v, k_cache, v_cache, meta, 0.125, num_splits=num_splits
         )
     else:
-        out = triton_attention.paged_attention(q, k_cache, v_cache, meta, 0.125, num_splits=6)
+        out = triton_attention.paged_attention(
+            q, k_cache, v_cache, meta, 0.125, num_splits=num_splits
+        )
     _assert_matches(out, _reference(q, ks, vs, 0.125), torch.float32)
 
 
