@@ -9,7 +9,8 @@ the writes go per (head, run of tokens that stays inside one block on both sides
 A sender whose cache has no token rows to copy from (vLLM's CPU cache stores K transposed, the
 GPU FlashAttention cache interleaves heads per token) first gathers the request's tokens into
 a staging buffer laid out as the destination's blocks (`gather_blocks`, from any strided view
-[block, head, token, head_dim]); the writes then go from staging, whole blocks at a time.
+[block, head, token, head_dim], or a tiled one: see `token_rows`); the writes then go from
+staging, whole blocks at a time.
 """
 
 from __future__ import annotations
@@ -89,19 +90,40 @@ def gather_blocks(
     """Copies tokens [start, end) of every head from `view` into `out`, the destination's
     blocks laid out "HND", token `start` at out[0, :, 0].
 
-    view: one layer's K (or V) on the sender, [num_blocks, num_heads, block_size, head_dim],
-      any strides (a transposed or interleaved cache is a strided view of its memory).
+    view: one layer's K (or V) on the sender, as `token_rows` takes it.
     src_blocks: the sequence's blocks in `view`, in token order.
     out: [n, num_heads, out_block_size, head_dim] with n * out_block_size >= end - start; rows
       past end - start are left as they are.
     """
-    block_size = view.shape[2]
+    block_size = view_block_size(view)
     tokens = torch.arange(start, end, device=view.device)
     blocks = torch.as_tensor(src_blocks, device=view.device)[tokens // block_size]
     rows = tokens - start
     out_block_size = out.shape[2]
-    # [T, heads, head_dim]: advanced indices around a slice put the token dimension first.
-    out[rows // out_block_size, :, rows % out_block_size] = view[blocks, :, tokens % block_size]
+    out[rows // out_block_size, :, rows % out_block_size] = token_rows(
+        view, blocks, tokens % block_size
+    )
+
+
+def token_rows(view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[T, num_heads, head_dim]: token `offsets[i]` of block `blocks[i]`, every head.
+
+    view: [num_blocks, num_heads, block_size, head_dim], any strides (a transposed or
+    interleaved cache is a strided view of its memory); or tiled, [num_blocks, num_heads,
+    block_size / t, t, head_dim / d, d], token and dimension each split in two, with any strides
+    (AMX tiles pack pairs of tokens or of dimensions together, so no 4-d view reads them).
+    """
+    # Advanced indices around a slice put the token dimension first.
+    if view.dim() == 4:
+        return view[blocks, :, offsets]
+    tile = view.shape[3]
+    rows = view[blocks, :, offsets // tile, offsets % tile]  # [T, heads, head_dim / d, d]
+    return rows.reshape(*rows.shape[:2], -1)
+
+
+def view_block_size(view: torch.Tensor) -> int:
+    """Tokens a block of `view` (as `token_rows` takes it) holds."""
+    return view.shape[2] * (view.shape[3] if view.dim() == 6 else 1)
 
 
 def valid_bytes(num_tokens: int, num_heads: int, token_stride: int, num_layers: int) -> int:

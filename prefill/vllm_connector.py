@@ -83,15 +83,16 @@ class TandemConnector(KVConnectorBase_V1):
         context = self._vllm_config.compilation_config.static_forward_context
         attention = context[layers[0][0]]
         backend = attention.attn_backend.get_name()
+        cpu_layout = "vllm-cpu"
         if backend == "CPU_ATTN":
-            from prefill.vllm_layouts import verify_views
+            from prefill.vllm_layouts import detect_cpu_layout
 
             def write(key, value, cache, slots) -> None:
                 attention.impl.do_kv_cache_update(attention, key, value, cache, slots)
 
             facts = self._worker.facts
-            verify_views(backend, layers[0][1], len(facts.heads), facts.head_dim, write)
-        self._worker.register(layers, backend)
+            cpu_layout = detect_cpu_layout(layers[0][1], len(facts.heads), facts.head_dim, write)
+        self._worker.register(layers, backend, cpu_layout)
 
     def bind_connector_metadata(self, connector_metadata: TandemMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

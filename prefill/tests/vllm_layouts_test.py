@@ -7,30 +7,55 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefill.vllm_layouts import cache_views, verify_views
+from prefill.vllm_layouts import cache_views, detect_cpu_layout
 
 HEADS, DIM, BLOCK = 3, 64, 128  # SmolLM2's KV heads and head_dim, vLLM's CPU block size
 
 
-def _vllm_cpu_write(key, value, cache, slots) -> None:
-    """What vLLM's CPU attention backend runs to store a step's K and V (do_kv_cache_update)."""
-    from vllm import _custom_ops as ops
+def _vllm_cpu_write(isa):
+    """What vLLM's CPU attention backend runs to store a step's K and V (do_kv_cache_update),
+    with the kernels of one ISA."""
+
+    def write(key, value, cache, slots) -> None:
+        from vllm import _custom_ops as ops
+
+        blocks, heads, block_size, _ = cache.shape
+        key_cache, value_cache = cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(
+            key, value, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
+            kv_cache_dtype="auto",
+        )  # fmt: skip
+
+    return write
+
+
+def _isa_vllm_picks(dtype, block_size, head_dim):
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    blocks, heads, block_size, _ = cache.shape
-    key_cache, value_cache = cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
-    isa = _get_attn_isa(cache.dtype, block_size, DIM)
-    ops.cpu_attn_reshape_and_cache(
-        key, value, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
-        kv_cache_dtype="auto",
-    )  # fmt: skip
+    return _get_attn_isa(dtype, block_size, head_dim)
 
 
+# (block size, head_dim): vLLM's default CPU block; small blocks and wide heads; a head_dim
+# that is no multiple of 32 (vLLM's vec16 kernels).
+SHAPES = [(BLOCK, DIM), (32, 128), (16, 80)]
+
+
+@pytest.mark.parametrize(("block_size", "head_dim"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_views_read_what_vllms_cpu_kernel_wrote(dtype):
-    like = torch.empty(4, HEADS, BLOCK, 2 * DIM, dtype=dtype)
-    verify_views("CPU_ATTN", like, HEADS, DIM, _vllm_cpu_write)
-    assert cache_views("CPU_ATTN", like, HEADS, DIM).layout == "vllm-cpu"
+def test_the_layout_detected_reads_what_vllms_cpu_kernel_wrote(dtype, block_size, head_dim):
+    """The kernel vLLM picks on this machine (AMX tiles for bf16 where the CPU has AMX)."""
+    isa = _isa_vllm_picks(dtype, block_size, head_dim)
+    like = torch.empty(4, HEADS, block_size, 2 * head_dim, dtype=dtype)
+    layout = detect_cpu_layout(like, HEADS, head_dim, _vllm_cpu_write(isa))
+    assert layout == ("vllm-cpu-amx" if isa == "amx" else "vllm-cpu")
+    assert cache_views("CPU_ATTN", like, HEADS, head_dim, layout).block_size == block_size
+
+
+def test_the_plain_kernels_are_read_as_vllm_cpu_on_every_machine():
+    """vLLM's portable kernels (the "vec" ISA), bf16 included, whatever this CPU also has."""
+    for dtype in (torch.float32, torch.bfloat16):
+        like = torch.empty(2, HEADS, BLOCK, 2 * DIM, dtype=dtype)
+        assert detect_cpu_layout(like, HEADS, DIM, _vllm_cpu_write("vec")) == "vllm-cpu"
 
 
 def test_a_cpu_kernel_storing_k_as_rows_is_refused():
@@ -42,8 +67,8 @@ def test_a_cpu_kernel_storing_k_as_rows_is_refused():
             flat[block * heads : (block + 1) * heads, row] = key[i]
             flat[block * heads : (block + 1) * heads, block_size + row] = value[i]
 
-    with pytest.raises(ValueError, match=r"CPU_ATTN .* does not store KV as the vllm-cpu layout"):
-        verify_views("CPU_ATTN", torch.empty(2, HEADS, BLOCK, 2 * DIM), HEADS, DIM, rows)
+    with pytest.raises(ValueError, match=r"CPU_ATTN .* stores KV in none of the layouts"):
+        detect_cpu_layout(torch.empty(2, HEADS, BLOCK, 2 * DIM), HEADS, DIM, rows)
 
 
 @pytest.mark.parametrize(
