@@ -494,7 +494,7 @@ def _split_kernel(
         )
     if PRELOAD:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if not first_only:  # the tile in registers; else the loop loads it, from L2
-            if tile_begin < tile_end:  # else the sequence has no context (valid0 all False)
+            if tile_begin < tile_end:  # else the split is empty (and valid0 all False)
                 m, sum_exp, acc = _attend_tile(
                     q, k0, v0, valid0, m, sum_exp, acc, scale_log2, PRECISION
                 )
@@ -555,7 +555,8 @@ def _combine_kernel(
     _, num_tiles, tiles_per_split = _split_tiles(
         tl.load(seq_lens_ptr + seq), num_splits, NEW_KV, TILE
     )
-    # The splits with tiles, and split 0 always: the others stored nothing.
+    # The splits with tiles, and split 0 always: the others stored nothing (FEW_TILES) or
+    # out = 0 and lse = -inf.
     used_splits = tl.maximum(1, tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1)))
     triton_pdl.await_previous_kernel(PDL)
     dims = tl.arange(0, HEAD_DIM_PAD)
