@@ -287,18 +287,24 @@ def _sm_count(device: torch.device) -> int:
 
 
 @triton.jit
+def _tile_slots(table, tile, context_len, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
+    """Block id and offset in it of each token of one tile of the context, and which tokens are
+    in the context. Block ids come from the block table: a tile may span several small blocks
+    or part of a large one."""
+    pos = tile * TILE + tl.arange(0, TILE)
+    valid = pos < context_len
+    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return block, pos % BLOCK_SIZE, valid
+
+
+@triton.jit
 def _load_tile(
     k_head, v_head, table, tile, context_len, dims,
     stride_kb, stride_kt, stride_vb, stride_vt,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
-    """K, V [TILE, HEAD_DIM_PAD] of one tile of the context, and which of its tokens are in it.
-    Each token's block id comes from the block table: a tile may span several small blocks or
-    part of a large one."""
-    pos = tile * TILE + tl.arange(0, TILE)
-    valid = pos < context_len
-    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    offset = pos % BLOCK_SIZE
+    """K, V [TILE, HEAD_DIM_PAD] of one tile of the context, and which of its tokens are in it."""
+    block, offset, valid = _tile_slots(table, tile, context_len, BLOCK_SIZE, TILE)
     # NOTE: slots past the context may hold NaN bit patterns (a remote sender writes whole
     # blocks; the new token's may not be written yet), and 0 * NaN is NaN: both K and V loads
     # must be masked, not just scores.
@@ -326,10 +332,7 @@ def _prefetch_tile(
     """Asks L2 for the K and V lines (LINE elements each) of one tile of the context, one
     `prefetch.global.L2` a line, so that its loads after the wait hit L2 without holding
     registers before it."""
-    pos = tile * TILE + tl.arange(0, TILE)
-    valid = pos < context_len
-    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    offset = pos % BLOCK_SIZE
+    block, offset, valid = _tile_slots(table, tile, context_len, BLOCK_SIZE, TILE)
     lines = tl.arange(0, LINES_PAD) * LINE
     wanted = (valid[:, None] & (lines < HEAD_DIM)[None, :]).to(tl.int32)
     k_lines = k_head + (block * stride_kb + offset * stride_kt)[:, None] + lines[None, :]
