@@ -124,6 +124,14 @@ def detect_cpu_layout(
     `like` must read back through its views. A kernel that stores KV otherwise (another CPU
     ISA, a new vLLM) stops start-up instead of sending wrong KV."""
     scratch = torch.zeros((2, *like.shape[1:]), dtype=like.dtype, device=like.device)
+    candidates = []  # the layouts this shape can have, before the kernel touches it
+    for layout in CPU_LAYOUTS:
+        try:
+            candidates.append(cache_views("CPU_ATTN", scratch, num_kv_heads, head_dim, layout))
+        except ValueError:
+            if layout == CPU_LAYOUTS[0]:
+                raise  # no CPU cache's shape at all: its own message says why
+            # else a shape AMX tiles cannot hold
     block_size = like.shape[2]
     slots = torch.tensor([block_size + 3, 1, block_size * 2 - 1, 0], device=like.device)
     count = num_kv_heads * head_dim
@@ -132,14 +140,10 @@ def detect_cpu_layout(
     value = -key - 1
     write(key, value, scratch, slots)
     blocks, rows = slots // block_size, slots % block_size
-    for layout in CPU_LAYOUTS:
-        try:
-            views = cache_views("CPU_ATTN", scratch, num_kv_heads, head_dim, layout)
-        except ValueError:
-            continue  # a shape this layout cannot have
+    for views in candidates:
         got_k, got_v = token_rows(views.k, blocks, rows), token_rows(views.v, blocks, rows)
         if torch.equal(got_k, key) and torch.equal(got_v, value):
-            return layout
+            return views.layout
     raise ValueError(
         f"vLLM attention backend CPU_ATTN ({like.dtype}, block size {block_size}, head_dim "
         f"{head_dim}) stores KV in none of the layouts tandem reads ({', '.join(CPU_LAYOUTS)}): "

@@ -83,3 +83,11 @@ def test_an_unknown_layout_is_refused_by_name(backend, shape, named):
     with pytest.raises(ValueError) as error:
         cache_views(backend, torch.empty(shape), HEADS, DIM)
     assert named in str(error.value)
+
+
+def test_detection_names_a_shape_no_cpu_layout_has():
+    def never(key, value, cache, slots) -> None:
+        raise AssertionError("a cache of the wrong shape is refused before any write")
+
+    with pytest.raises(ValueError, match=r"expected \[blocks, 3, block_size, 128\]"):
+        detect_cpu_layout(torch.empty(2, HEADS, BLOCK, DIM), HEADS, DIM, never)
