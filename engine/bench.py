@@ -4,8 +4,11 @@ For each (batch size, context length): `batch` random prompts of `context` token
 then `decode_tokens` decode steps are timed through the engine's real step loop (scheduler,
 CUDA graphs, sampling, host sync). The roofline of a decode step is the bytes it must read,
 weights (all but the embedding table, of which it reads one row per token) plus every
-sequence's KV, over the HBM read bandwidth measured in the same run. `--peer hf` times
-Hugging Face transformers `generate` on the very same weights in the same run.
+sequence's KV, over the HBM read bandwidth measured in the same run. MBU (model bandwidth
+utilization) is the usual looser count: every parameter's bytes, the embedding table whole,
+plus the KV, over that same measured bandwidth (the published MBU figures divide by the
+datasheet's bandwidth instead, which reads lower). `--peer hf` times Hugging Face
+transformers `generate` on the very same weights in the same run.
 
     python -m engine.bench --model random:llama3-8b --device cuda --batch-sizes 1,64 \
         --context-lens 1024 --peer hf --out bench.json
@@ -37,6 +40,7 @@ class Result:
     prefill_tok_s: float | None
     roofline_tok_s: float | None
     roofline_ratio: float | None
+    mbu: float | None  # (all parameter bytes + KV bytes) per step / measured bandwidth / step
     peak_memory_gb: float | None
 
 
@@ -62,34 +66,45 @@ def read_bandwidth(device: str) -> float:
     return 4 * 2**30 / min(times)
 
 
-def weight_bytes_per_step(engine: LLMEngine, batch: int) -> float:
+def parameter_bytes(engine: LLMEngine) -> int:
+    """Every parameter's bytes, each tied tensor once: the model's size."""
+    itemsize = DTYPES[engine.config.dtype].itemsize
+    return sum(p.numel() for p in engine.runner.model.parameters()) * itemsize
+
+
+def weight_bytes_per_step(engine: LLMEngine, batch: int) -> int:
+    """The weight bytes a decode step of `batch` sequences reads."""
     model: CausalLM = engine.runner.model
     itemsize = DTYPES[engine.config.dtype].itemsize
-    total = sum(p.numel() for p in model.parameters()) * itemsize
     embed = model.model.embed_tokens.weight
     table = embed.numel() * itemsize
     # Untied: the table is only gathered (one row per token). Tied: the lm_head reads it all.
-    return total - (0 if model.lm_head is None else table) + batch * embed.shape[1] * itemsize
+    untouched = 0 if model.lm_head is None else table
+    return parameter_bytes(engine) - untouched + batch * embed.shape[1] * itemsize
 
 
 def bench_engine(
     engine: LLMEngine, batch: int, context: int, decode_tokens: int, bandwidth: float
 ) -> Result:
-    """Prefills `batch` prompts, then times `decode_tokens` steps in which all of them decode."""
+    """Prefills `batch` prompts, then times `decode_tokens` steps in which all of them decode.
+    The same prefill runs once untimed first: the first batches of a shape compile kernels."""
     rng = random.Random(batch * 1_000_003 + context)
     vocab = engine.model_config.vocab_size
     # Room for the decodes that run while later prompts are still prefilling, and the timed ones.
     prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
     stop = StopConditions(max_tokens=prefill_steps + decode_tokens + 2, ignore_eos=True)
-    for i in range(batch):
-        prompt = [rng.randrange(vocab) for _ in range(context)]
-        engine.add_request(f"b{batch}-c{context}-{i}", prompt, SamplingParams(), stop)
-    _sync(engine)
-    start = time.perf_counter()
-    while any(seq.num_output_tokens == 0 for seq in engine.sequences.values()):
-        engine.step()
-    _sync(engine)
-    prefill_s = time.perf_counter() - start
+    prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
+    for run in ("warm-up", "timed"):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{run}-b{batch}-c{context}-{i}", prompt, SamplingParams(), stop)
+        _sync(engine)
+        start = time.perf_counter()
+        while any(seq.num_output_tokens == 0 for seq in engine.sequences.values()):
+            engine.step()
+        _sync(engine)
+        prefill_s = time.perf_counter() - start
+        if run == "warm-up":
+            _abort_all(engine)
     # One step first: with async scheduling the step after each returned one is already
     # running, so the timing runs from one returned step to another, in that steady state.
     engine.step()
@@ -101,11 +116,10 @@ def bench_engine(
         generated += len(engine.step())
     decode_s = time.perf_counter() - start
     assert generated == batch * decode_tokens, "a sequence left the batch during timing"
-    for seq_id in list(engine.sequences):
-        engine.abort(seq_id)
-    assert engine.pool.num_free == engine.pool.num_total
+    _abort_all(engine)
     kv_bytes = kv_tokens * engine.model_config.kv_bytes_per_token(DTYPES[engine.config.dtype])
     min_s = (weight_bytes_per_step(engine, batch) * decode_tokens + kv_bytes) / bandwidth
+    mbu_s = (parameter_bytes(engine) * decode_tokens + kv_bytes) / bandwidth
     decode_tok_s = generated / decode_s
     cuda = engine.config.device.startswith("cuda")
     return Result(
@@ -115,7 +129,8 @@ def bench_engine(
         decode_tok_s=decode_tok_s,
         prefill_tok_s=batch * context / prefill_s,
         roofline_tok_s=generated / min_s if cuda else None,
-        roofline_ratio=decode_tok_s * min_s / generated if cuda else None,
+        roofline_ratio=min_s / decode_s if cuda else None,
+        mbu=mbu_s / decode_s if cuda else None,
         peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     )
 
@@ -175,7 +190,8 @@ def bench_hf(engine: LLMEngine, batch: int, context: int, decode_tokens: int) ->
     times = run(decode_tokens + 1)
     assert len(times) == decode_tokens + 2, "one put() for the prompt, one per new token"
     decode_s = times[-1] - times[1]
-    return Result("hf", batch, context, batch * decode_tokens / decode_s, None, None, None, None)
+    tok_s = batch * decode_tokens / decode_s
+    return Result("hf", batch, context, tok_s, None, None, None, None, None)
 
 
 _HF_MODEL_TYPES = {
@@ -206,6 +222,12 @@ def _hf_fields(engine: LLMEngine) -> dict:
     return fields
 
 
+def _abort_all(engine: LLMEngine) -> None:
+    for seq_id in list(engine.sequences):
+        engine.abort(seq_id)
+    assert engine.pool.num_free == engine.pool.num_total
+
+
 def _sync(engine: LLMEngine) -> None:
     if engine.config.device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -215,13 +237,14 @@ def _table(results: list[Result], bandwidth: float) -> str:
     lines = [
         f"HBM read bandwidth (measured): {bandwidth / 1e12:.2f} TB/s",
         f"{'system':<7} {'batch':>5} {'context':>7} {'decode tok/s':>12} {'prefill tok/s':>13} "
-        f"{'roofline tok/s':>14} {'of roofline':>11} {'peak GiB':>8}",
+        f"{'roofline tok/s':>14} {'of roofline':>11} {'MBU':>6} {'peak GiB':>8}",
     ]
     for r in results:
         lines.append(
             f"{r.system:<7} {r.batch:>5} {r.context:>7} {r.decode_tok_s:>12.1f} "
             f"{_fmt(r.prefill_tok_s, '.0f'):>13} {_fmt(r.roofline_tok_s, '.1f'):>14} "
-            f"{_fmt(r.roofline_ratio, '.1%'):>11} {_fmt(r.peak_memory_gb, '.1f'):>8}"
+            f"{_fmt(r.roofline_ratio, '.1%'):>11} {_fmt(r.mbu, '.1%'):>6} "
+            f"{_fmt(r.peak_memory_gb, '.1f'):>8}"
         )
     return "\n".join(lines)
 

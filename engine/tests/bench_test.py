@@ -1,8 +1,14 @@
-"""The benchmark tool runs end to end (CPU, tiny model) and writes its JSON: it cannot rot."""
+"""The benchmark tool runs end to end (CPU, tiny model) and writes its JSON: it cannot rot; its
+roofline counts the bytes it says it counts."""
 
 import json
 import subprocess
 import sys
+
+import pytest
+
+from engine import bench
+from engine.llm_engine import EngineConfig, LLMEngine
 
 
 def test_bench_writes_results_for_every_point_and_the_peer(tmp_path):
@@ -17,3 +23,23 @@ def test_bench_writes_results_for_every_point_and_the_peer(tmp_path):
     assert points == [("tandem", 1, 20), ("hf", 1, 20), ("tandem", 3, 20), ("hf", 3, 20)]
     assert all(r["decode_tok_s"] > 0 for r in results)
     assert "decode tok/s" in done.stdout
+
+
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m"])  # untied, tied
+def test_roofline_counts_the_bytes_of_the_model_and_of_a_step(preset):
+    engine = LLMEngine.build(
+        EngineConfig(model=f"random:{preset}", dtype="float32", kv_cache_gb=0.01, max_model_len=64)
+    )
+    c = engine.model_config
+    assert not c.attention_bias and not c.qk_norm  # the count below has neither
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    attention = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
+    mlp = 3 * c.intermediate_size * c.hidden_size
+    layer = attention + mlp + 2 * c.hidden_size  # and the two norms
+    table = c.vocab_size * c.hidden_size
+    lm_head = 0 if c.tie_word_embeddings else table
+    params = c.num_layers * layer + table + lm_head + c.hidden_size
+    assert bench.parameter_bytes(engine) == 4 * params
+    # A step gathers one embedding row per sequence; a tied lm_head reads the whole table.
+    read = params - (0 if c.tie_word_embeddings else table) + 3 * c.hidden_size
+    assert bench.weight_bytes_per_step(engine, batch=3) == 4 * read
