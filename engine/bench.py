@@ -79,8 +79,8 @@ def weight_bytes_per_step(engine: LLMEngine, batch: int) -> int:
     embed = model.model.embed_tokens.weight
     table = embed.numel() * itemsize
     # Untied: the table is only gathered (one row per token). Tied: the lm_head reads it all.
-    untouched = 0 if model.lm_head is None else table
-    return parameter_bytes(engine) - untouched + batch * embed.shape[1] * itemsize
+    unread = 0 if model.lm_head is None else table
+    return parameter_bytes(engine) - unread + batch * embed.shape[1] * itemsize
 
 
 def bench_engine(
