@@ -94,17 +94,9 @@ def bench_engine(
     prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
     stop = StopConditions(max_tokens=prefill_steps + decode_tokens + 2, ignore_eos=True)
     prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
-    for run in ("warm-up", "timed"):
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"{run}-b{batch}-c{context}-{i}", prompt, SamplingParams(), stop)
-        _sync(engine)
-        start = time.perf_counter()
-        while any(seq.num_output_tokens == 0 for seq in engine.sequences.values()):
-            engine.step()
-        _sync(engine)
-        prefill_s = time.perf_counter() - start
-        if run == "warm-up":
-            _abort_all(engine)
+    _prefill(engine, prompts, stop, f"warm-up-b{batch}-c{context}")
+    _abort_all(engine)
+    prefill_s = _prefill(engine, prompts, stop, f"b{batch}-c{context}")
     # One step first: with async scheduling the step after each returned one is already
     # running, so the timing runs from one returned step to another, in that steady state.
     engine.step()
@@ -220,6 +212,18 @@ def _hf_fields(engine: LLMEngine) -> dict:
     if c.rope_scaling is not None:
         fields["rope_scaling"] = {"rope_type": "llama3", **asdict(c.rope_scaling)}
     return fields
+
+
+def _prefill(engine: LLMEngine, prompts: list[list[int]], stop: StopConditions, name: str) -> float:
+    """Adds the prompts and steps until every sequence has its first token: the seconds taken."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{name}-{i}", prompt, SamplingParams(), stop)
+    _sync(engine)
+    start = time.perf_counter()
+    while any(seq.num_output_tokens == 0 for seq in engine.sequences.values()):
+        engine.step()
+    _sync(engine)
+    return time.perf_counter() - start
 
 
 def _abort_all(engine: LLMEngine) -> None:
