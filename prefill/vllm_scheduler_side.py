@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prefill.ticket import KvTransfer, TicketError, carries_ticket
 from prefill.vllm_metadata import SendPlan, TandemMetadata
-from prefill.worker import TICKET_KEY, KvTransfer, PrefillError
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +57,11 @@ class SchedulerSide:
     def track(self, request) -> None:
         """Starts tracking `request` if it carries a tandem ticket (idempotent)."""
         params = request.kv_transfer_params
-        if request.request_id in self._tracked or not params or TICKET_KEY not in params:
+        if request.request_id in self._tracked or not carries_ticket(params):
             return
         try:
             transfer = KvTransfer.parse(params)
-        except PrefillError as e:
+        except TicketError as e:
             # No ticket to fail on the decode side: the router sees the missing first token.
             logger.error("request %s: %s", request.request_id, e)
             return

@@ -7,8 +7,6 @@ there without Bazel: `PYTHONPATH=.devicepack:. python3 -m pytest tests/disaggreg
 
 from __future__ import annotations
 
-import base64
-
 import grpc
 import httpx
 import pytest
@@ -16,6 +14,7 @@ import pytest
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
+from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.servers import start
 
@@ -59,8 +58,7 @@ def test_tokens_equal_one_engine_on_the_same_gpu(stack):
             request_id=f"g{i}", prompt_token_ids=prompt, num_senders=1,
             max_tokens=NEW_TOKENS), timeout=30).ticket  # fmt: skip
         assert ticket.shards[0].layers[0].k.is_gpu
-        params = {"tandem_ticket": base64.b64encode(ticket.SerializeToString()).decode(),
-                  "decode_address": address}  # fmt: skip
+        params = transfer_params(ticket, address)
         reply = http.post("/v1/completions", timeout=120, json={
             "prompt": prompt, "max_tokens": 1, "kv_transfer_params": params})  # fmt: skip
         assert reply.status_code == 200, reply.text

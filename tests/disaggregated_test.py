@@ -8,7 +8,6 @@ concurrent requests of different lengths, and decode must batch them.
 
 from __future__ import annotations
 
-import base64
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.servers import MODEL, PeakRunning, start_decode, start_prefill
 
@@ -66,10 +66,7 @@ def _request(stub, http, decode_address: str, request_id: str, prompt: list[int]
         ),
         timeout=10,
     ).ticket
-    params = {
-        "tandem_ticket": base64.b64encode(ticket.SerializeToString()).decode(),
-        "decode_address": decode_address,
-    }
+    params = transfer_params(ticket, decode_address)
     reply = http.post(
         "/v1/completions",
         json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": params},

@@ -3,7 +3,6 @@ decode server's KV pool returns to all free."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import os
 import signal
@@ -15,6 +14,7 @@ import grpc
 import httpx
 import pytest
 
+from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.servers import COMMON, decode_pool_free, start_decode, start_prefill
 
@@ -42,8 +42,7 @@ def test_prefill_killed_mid_transfer_fails_generate_by_the_deadline(decode):
         ),
         timeout=10,
     ).ticket  # fmt: skip
-    params = {"tandem_ticket": base64.b64encode(ticket.SerializeToString()).decode(),
-              "decode_address": address}  # fmt: skip
+    params = transfer_params(ticket, address)
     body = {"prompt": LONG_PROMPT, "max_tokens": 1, "kv_transfer_params": params}
     client = httpx.Client(base_url=url, timeout=30)
     with contextlib.suppress(httpx.TimeoutException):  # the prefill is under way; now it dies
@@ -72,8 +71,7 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error(decode):
         ticket = stub.Reserve(decode_pb2.ReserveRequest(
             request_id="d", prompt_token_ids=[5, 6, 7], num_senders=1, max_tokens=2000),
             timeout=10).ticket  # fmt: skip
-        params = {"tandem_ticket": base64.b64encode(ticket.SerializeToString()).decode(),
-                  "decode_address": address}  # fmt: skip
+        params = transfer_params(ticket, address)
         reply = httpx.post(f"{url}/v1/completions", timeout=30, json={
             "prompt": [5, 6, 7], "max_tokens": 1, "kv_transfer_params": params})  # fmt: skip
         first = reply.json()["kv_transfer_params"]["first_token_id"]

@@ -11,7 +11,6 @@ vLLM must answer as vLLM alone does."""
 
 from __future__ import annotations
 
-import base64
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +20,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.servers import MODEL, start_router
 from tests.vllm_servers import MAX_BATCHED_TOKENS, counter, start_decode, start_vllm, stop
@@ -118,8 +118,7 @@ def _prefill(stub, http, address: str, request_id: str, prompt: list[int]):
     ticket = stub.Reserve(decode_pb2.ReserveRequest(
         request_id=request_id, prompt_token_ids=prompt, num_senders=1,
         max_tokens=NEW_TOKENS), timeout=10).ticket  # fmt: skip
-    params = {"tandem_ticket": base64.b64encode(ticket.SerializeToString()).decode(),
-              "decode_address": address}  # fmt: skip
+    params = transfer_params(ticket, address)
     body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": params}
     reply = http.post("/v1/completions", json=body)
     assert reply.status_code == 200, reply.text

@@ -28,7 +28,6 @@ whole forward.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import random
 import statistics
@@ -37,6 +36,7 @@ import time
 import grpc
 import httpx
 
+from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tools.launch import start
 
@@ -53,8 +53,7 @@ def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
     )
     ticket = stub.Reserve(request, timeout=60).ticket
     reserved = time.perf_counter()
-    params = {"tandem_ticket": base64.b64encode(ticket.SerializeToString()).decode(),
-              "decode_address": address}  # fmt: skip
+    params = transfer_params(ticket, address)
     reply = http.post("/v1/completions", json={
         "prompt": prompt, "max_tokens": 1, "kv_transfer_params": params})  # fmt: skip
     reply.raise_for_status()

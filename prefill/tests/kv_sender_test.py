@@ -1,112 +1,158 @@
-"""The send path's write lists, applied with memmove between two real paged caches, must land
-every token of every head where the destination expects it."""
+"""KvSender alone, against a real transport and a stand-in decode service: what a session does
+while its decode server has not answered, and how a refused Hello is remembered and retried."""
 
-import ctypes
+from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
 import pytest
 import torch
 
-from prefill.kv_sender import (
-    BlockLayout,
-    LayerKV,
-    coalesce,
-    gather_blocks,
-    layer_ops,
-    valid_bytes,
-)
-from transport.base import WriteOp
+import transport
+from prefill.kv_sender import KvSender, SessionState
+from prefill.kv_writes import BlockLayout, LayerKV, layer_ops
+from prefill.tests.fake_decode import FakeDecode
+from prefill.ticket import DECODE_LAYOUT, KvTransfer, layout_descriptor
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 
-HEADS, DIM = 4, 8
+LAYERS, HEADS, DIM, BLOCK, TOKENS = 2, 2, 8, 4, 10
 
 
-def _cache(num_blocks: int, block_size: int, fill: float | None = None) -> torch.Tensor:
-    shape = (2, num_blocks, HEADS, block_size, DIM)  # (K|V, block, head, token, dim): HND
-    return torch.full(shape, fill) if fill is not None else torch.randn(shape)
+def _layout(kv_dtype: str = "float32") -> layout_pb2.LayoutDescriptor:
+    return layout_descriptor(
+        model_name="m", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, kv_dtype=kv_dtype,
+        block_size=BLOCK, layout=DECODE_LAYOUT, transport="tcp",
+    )  # fmt: skip
 
 
-def _layout(cache: torch.Tensor) -> BlockLayout:
-    e = cache.element_size()
-    return BlockLayout(
-        cache.shape[3], cache.stride(1) * e, cache.stride(2) * e, cache.stride(3) * e
-    )
+@pytest.fixture
+def decode():
+    """A destination cache [layer, K|V, block, head, token, dim] behind a TCP agent, and the
+    stand-in decode service."""
+    agent = transport.create("tcp")
+    cache = torch.zeros(LAYERS, 2, 4, HEADS, BLOCK, DIM)
+    agent.register(cache.data_ptr(), cache.numel() * 4)
+    service = FakeDecode(_layout())
+    server = grpc.server(ThreadPoolExecutor(4))
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield agent, cache, service, f"127.0.0.1:{port}"
+    service.hello_gate.set()
+    server.stop(None)
+    agent.close()
 
 
-def _kv(cache: torch.Tensor) -> LayerKV:
-    return LayerKV(cache[0].data_ptr(), cache[1].data_ptr())
+class _Clock:
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def _tokens(cache, blocks, block_size, n, heads):
-    """[K|V, n, heads, dim] gathered token by token."""
-    rows = [cache[:, blocks[t // block_size], heads, t % block_size] for t in range(n)]
-    return torch.stack(rows, dim=1)
+@pytest.fixture
+def source():
+    agent = transport.create("tcp")
+    kv = torch.randn(LAYERS, 2, 4, HEADS, BLOCK, DIM)
+    agent.register(kv.data_ptr(), kv.numel() * 4)
+    yield agent, kv
+    agent.close()
 
 
-@pytest.mark.parametrize(
-    ("src_bs", "dst_bs", "heads", "offset"),
-    [
-        (16, 16, range(0, 4), 0),  # same layout: whole blocks, coalesced
-        (16, 8, range(0, 4), 0),  # different block sizes
-        (8, 32, range(0, 4), 0),
-        (16, 16, range(2, 4), 0),  # one TP rank's heads into a full-head destination
-        (16, 16, range(2, 4), 2),  # ... into a destination holding only those heads' slots
-    ],
-)
-def test_writes_land_every_token_where_the_destination_reads_it(src_bs, dst_bs, heads, offset):
-    n = 45
-    src = _cache(8, src_bs)
-    dst = _cache(16, dst_bs, fill=0.0)
-    src_blocks = [5, 2, 7, 0, 3, 1, 6, 4][: -(-n // src_bs)]
-    dst_blocks = [9, 10, 11, 3, 4, 0, 1, 2, 13, 14][: -(-n // dst_bs)]
-    ops = layer_ops(
-        _kv(src), _kv(dst), _layout(src), _layout(dst), src_blocks, dst_blocks, n, heads, offset
-    )
-    for op in ops:
-        ctypes.memmove(op.dst, op.src, op.nbytes)
-    want = _tokens(src, src_blocks, src_bs, n, list(heads))
-    got = _tokens(dst, dst_blocks, dst_bs, n, [h - offset for h in heads])
-    assert torch.equal(got, want)
-
-
-def test_same_layout_adjacent_blocks_coalesce_to_one_run_per_k_and_v():
-    src, dst = _cache(8, 16), _cache(8, 16, fill=0.0)
-    ops = layer_ops(_kv(src), _kv(dst), _layout(src), _layout(dst), [0, 1, 2], [4, 5, 6], 40,
-                    range(HEADS))  # fmt: skip
-    assert len(ops) == 2 and ops[0].nbytes == 3 * HEADS * 16 * DIM * 4
-
-
-def test_coalesce_merges_only_runs_that_continue_on_both_sides():
-    ops = [WriteOp(0, 100, 10), WriteOp(10, 110, 5), WriteOp(15, 200, 5), WriteOp(20, 205, 1)]
-    assert coalesce(ops) == [WriteOp(0, 100, 15), WriteOp(15, 200, 6)]
-
-
-def test_valid_bytes_counts_prompt_tokens_only():
-    assert (
-        valid_bytes(num_tokens=45, num_heads=4, token_stride=32, num_layers=30)
-        == 2 * 30 * 45 * 4 * 32
-    )
-
-
-@pytest.mark.parametrize(("token_tile", "dim_tile"), [(1, 1), (4, 2), (2, 4)])
-def test_gather_blocks_from_strided_and_tiled_views(token_tile, dim_tile):
-    """Tokens [5, 23) of a sequence on scattered blocks, gathered into destination blocks of 8
-    tokens, from a view whose memory is not rows: a transposed one, or one whose tokens and
-    dimensions are split in two and interleaved (as AMX tiles pack them)."""
-    block_size, num_blocks = 16, 4
-    rows = torch.randn(num_blocks, HEADS, block_size, DIM)  # what each token's row holds
-    if token_tile == dim_tile == 1:
-        memory = rows.transpose(2, 3).contiguous()  # [block, head, dim, token]
-        view = memory.transpose(2, 3)
-    else:
-        tiled = rows.view(
-            num_blocks, HEADS, block_size // token_tile, token_tile, DIM // dim_tile, dim_tile
+def _transfer(decode, request_id: str = "t") -> KvTransfer:
+    agent, cache, _, address = decode
+    regions = [
+        layout_pb2.LayerRegions(
+            k=layout_pb2.KvRegion(addr=cache[i, 0].data_ptr(), nbytes=cache[i, 0].numel() * 4),
+            v=layout_pb2.KvRegion(addr=cache[i, 1].data_ptr(), nbytes=cache[i, 1].numel() * 4),
         )
-        # Memory order [block, head, token hi, dim hi, token lo, dim lo]: neither whole.
-        memory = tiled.permute(0, 1, 2, 4, 3, 5).contiguous()
-        view = memory.permute(0, 1, 2, 4, 3, 5)
-    src_blocks = [3, 0, 2]
-    out = torch.full((3, HEADS, 8, DIM), float("nan"))
-    gather_blocks(view, src_blocks, 5, 23, out)
-    want = torch.cat([rows[b] for b in src_blocks], dim=1)[:, 5:23]  # [heads, 18, dim]
-    got = out.permute(1, 0, 2, 3).reshape(HEADS, 24, DIM)
-    assert torch.equal(got[:, :18], want)
-    assert got[:, 18:].isnan().all()  # rows past the end are left as they were
+        for i in range(LAYERS)
+    ]
+    endpoint = layout_pb2.TransportEndpoint(transport="tcp", metadata=agent.endpoint())
+    ticket = decode_pb2.Ticket(
+        request_id=request_id, generation=1, num_tokens=TOKENS, block_ids=[2, 0, 3],
+        block_stride_bytes=cache.stride(2) * 4, head_stride_bytes=cache.stride(3) * 4,
+        shards=[decode_pb2.KvShard(rank=0, heads=layout_pb2.HeadRange(start=0, end=HEADS),
+                                   endpoint=endpoint, layers=regions)],
+        layout=_layout(), num_senders=1, deadline_unix_ms=int((time.time() + 30) * 1000),
+    )  # fmt: skip
+    return KvTransfer(ticket, address)
+
+
+def _sender(source, clock=time.monotonic, kv_dtype: str = "float32") -> KvSender:
+    return KvSender(
+        source[0], _layout(kv_dtype), sender_id="test", rank=0, heads=range(HEADS),
+        token_bytes=DIM * 4, timeout_s=30.0, retry_after_s=5.0, clock=clock,
+    )  # fmt: skip
+
+
+def _layer(source, session, layer: int):
+    kv = source[1]
+    src = BlockLayout(BLOCK, kv.stride(2) * 4, kv.stride(3) * 4, DIM * 4)
+
+    def build(target):
+        dst = target.shard.layers[layer]
+        return layer_ops(
+            LayerKV(kv[layer, 0].data_ptr(), kv[layer, 1].data_ptr()),
+            LayerKV(dst.k.addr, dst.v.addr), src, session.dst_layout, [0, 1, 2],
+            list(session.ticket.block_ids), TOKENS, target.heads,
+        )  # fmt: skip
+
+    return build
+
+
+def test_writes_handed_over_while_connecting_go_once_connected_in_full(decode, source):
+    _, cache, service, _ = decode
+    service.hello_gate.clear()  # the decode server has not answered yet
+    sender = _sender(source)
+    session = sender.open(_transfer(decode))
+    posts = [sender.post(session, _layer(source, session, i), completes_layer=i) for i in (0, 1)]
+    committed = sender.finish(session)
+    time.sleep(0.1)
+    assert session.state is SessionState.CONNECTING and not any(p.done() for p in posts)
+    service.hello_gate.set()
+    stats = committed.result(timeout=10)
+    assert stats.error == "" and stats.layers == LAYERS
+    kv = source[1]
+    for t in range(TOKENS):  # token t: source block t // BLOCK, destination block_ids[...]
+        want = kv[:, :, t // BLOCK, :, t % BLOCK]
+        assert torch.equal(cache[:, :, [2, 0, 3][t // BLOCK], :, t % BLOCK], want), t
+    (commit,) = service.commits
+    assert (
+        commit.layers_written == LAYERS
+        and commit.bytes_written == 2 * LAYERS * TOKENS * HEADS * DIM * 4
+    )
+    sender.close()
+
+
+def test_failing_a_session_still_connecting_lets_its_writes_go_and_commits_why(decode, source):
+    _, cache, service, _ = decode
+    service.hello_gate.clear()
+    sender = _sender(source)
+    session = sender.open(_transfer(decode))
+    post = sender.post(session, _layer(source, session, 0), completes_layer=0)
+    sender.fail(session, "the request ended")
+    assert post.result(timeout=5) == []  # not waiting for the decode server any more
+    committed = sender.finish(session)
+    service.hello_gate.set()
+    assert committed.result(timeout=10).error == "the request ended"
+    assert service.commits[0].error == "the request ended" and not cache.any()
+    sender.close()
+
+
+def test_a_refused_hello_is_remembered_then_retried_after_the_back_off(decode, source):
+    _, _, service, _ = decode
+    clock = _Clock()
+    sender = _sender(source, clock, kv_dtype="bfloat16")
+    first = sender.finish(sender.open(_transfer(decode, "a"))).result(timeout=10)
+    assert "kv_dtype: decode has 'float32', sender has 'bfloat16'" in first.error
+    again = sender.finish(sender.open(_transfer(decode, "b"))).result(timeout=10)
+    assert again.error == first.error and service.hellos == 1  # remembered, not asked again
+    service.layout = _layout("bfloat16")  # the decode server restarted, configured to match
+    clock.now += 5.0
+    retried = sender.finish(sender.open(_transfer(decode, "c"))).result(timeout=10)
+    assert service.hellos == 2 and "kv_dtype" not in retried.error
+    sender.close()

@@ -4,11 +4,11 @@ returns. Every test ends with nothing tracked (the leak check)."""
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass, field
 
 import pytest
 
+from prefill.ticket import DECODE_KEY, TICKET_KEY, transfer_params
 from prefill.vllm_scheduler_side import SchedulerSide
 from proto.tandem.v1 import decode_pb2
 
@@ -31,8 +31,7 @@ def _params(num_tokens: int, request_id: str = "t1", num_senders: int = 1) -> di
         request_id=request_id, generation=3, num_tokens=num_tokens, num_senders=num_senders,
         block_ids=[0], shards=[decode_pb2.KvShard(rank=0)],
     )  # fmt: skip
-    return {"tandem_ticket": base64.b64encode(ticket.SerializeToString()).decode(),
-            "decode_address": "127.0.0.1:5"}  # fmt: skip
+    return transfer_params(ticket, "127.0.0.1:5")
 
 
 def _side(blocks: dict[str, list[int]]) -> SchedulerSide:
@@ -140,7 +139,7 @@ def test_a_ticket_that_does_not_fit_the_request_fails_by_name(params, want):
 
 def test_a_malformed_ticket_is_not_claimed():
     side = _side({})
-    request = FakeRequest("r", 30, {"tandem_ticket": "not base64!", "decode_address": "x"})
+    request = FakeRequest("r", 30, {TICKET_KEY: "not base64!", DECODE_KEY: "x"})
     plans, finished = _step(side, request, 30)
     assert plans == [] and finished == (False, None)
     assert side.num_tracked == 0

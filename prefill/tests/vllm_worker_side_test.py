@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import transport
-from decode.layout import mismatch
-from prefill.kv_sender import valid_bytes
+from prefill.kv_writes import valid_bytes
+from prefill.tests.fake_decode import FakeDecode
 from prefill.vllm_config import TandemConnectorConfig
 from prefill.vllm_metadata import SendPlan, TandemMetadata
 from prefill.vllm_worker_side import WorkerFacts, WorkerSide
@@ -27,24 +27,6 @@ PROMPT = 75
 CHUNKS = [(0, 37), (37, 60), (60, PROMPT)]
 SRC_BLOCKS = (5, 1, 3)  # vLLM block ids of the prompt, in token order
 DST_BLOCKS = [9, 2, 3, 4, 12, 0, 7, 8, 11, 1]
-
-
-class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
-    """Hello as the decode server answers it (decode.layout.mismatch); commits recorded."""
-
-    def __init__(self, layout: layout_pb2.LayoutDescriptor) -> None:
-        self.layout = layout
-        self.commits: list[decode_pb2.CommitRequest] = []
-
-    def Hello(self, request, context):
-        problem = mismatch(self.layout, request.sender_layout)
-        if problem:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot write here: {problem}")
-        return decode_pb2.HelloResponse(decode_layout=self.layout)
-
-    def Commit(self, request, context):
-        self.commits.append(request)
-        return decode_pb2.CommitResponse(committed_senders=1, expected_senders=2)
 
 
 def _flash_kv_first(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,172 @@
+"""What a prefill and a decode server agree on, in one place: the ticket as it travels in
+`kv_transfer_params`, its parsing and checks, and the layout descriptor both sides build.
+
+The router reserves a ticket on a decode server (tandem.v1.Ticket) and hands it to a prefill as
+
+    kv_transfer_params = {"tandem_ticket": base64(Ticket), "decode_address": "host:port"}
+
+(`transfer_params`); the prefill (tandem's own or vLLM's connector) parses it (`KvTransfer`).
+Every side builds its LayoutDescriptor with `layout_descriptor`, and the decode server refuses
+a sender whose descriptor does not fit its own (`mismatch`), naming both values.
+
+Imports nothing but the generated protobuf code: the router and the vLLM plugin use it without
+the engine or the decode server.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass
+
+from proto.tandem.v1 import decode_pb2, layout_pb2
+
+TICKET_KEY = "tandem_ticket"
+"""kv_transfer_params key: base64 of a serialized tandem.v1.Ticket."""
+DECODE_KEY = "decode_address"
+"""kv_transfer_params key: host:port of the decode server's gRPC."""
+
+DECODE_LAYOUT = "HND"
+"""The decode server's cache: per layer, K and V each [blocks, kv_heads, block_size, head_dim]."""
+PREFILL_LAYOUT = "tandem-hnd"
+"""tandem's prefill engine: the same memory layout as the decode server's."""
+LAYOUT_VERSION = 1
+
+
+class TicketError(ValueError):
+    """kv_transfer_params that carry no usable ticket (the client's mistake: a 400)."""
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    """A parsed ticket and where to commit it."""
+
+    ticket: decode_pb2.Ticket
+    decode_address: str
+
+    @classmethod
+    def parse(cls, params: dict) -> KvTransfer:
+        """From kv_transfer_params; raises TicketError naming what is wrong."""
+        try:
+            ticket = decode_pb2.Ticket.FromString(base64.b64decode(params[TICKET_KEY]))
+            address = str(params[DECODE_KEY])
+        except (KeyError, ValueError, TypeError) as e:
+            raise TicketError(f"kv_transfer_params: malformed tandem ticket ({e})") from None
+        if not ticket.request_id or not ticket.shards:
+            raise TicketError("kv_transfer_params: ticket has no request id or shards")
+        return cls(ticket, address)
+
+    def deadline(self, timeout_s: float, clock=time.monotonic, wall=time.time) -> float:
+        """When every write for this ticket must have ended, on `clock`: the sender's own
+        timeout from now, but never past the ticket's deadline. NOTE: the decode server frees
+        a ticket's blocks (to other requests) soon after its deadline, so a write after it
+        could corrupt another request's KV; the local timeout only ever shortens it."""
+        left = self.ticket.deadline_unix_ms / 1000 - wall()
+        return clock() + min(timeout_s, left)
+
+
+def carries_ticket(params: dict | None) -> bool:
+    return bool(params) and TICKET_KEY in params
+
+
+def transfer_params(ticket: decode_pb2.Ticket, decode_address: str) -> dict:
+    """kv_transfer_params handing `ticket` to a prefill (the inverse of KvTransfer.parse)."""
+    return {
+        TICKET_KEY: base64.b64encode(ticket.SerializeToString()).decode(),
+        DECODE_KEY: decode_address,
+    }
+
+
+def ticket_problem(ticket: decode_pb2.Ticket, num_layers: int, token_bytes: int) -> str | None:
+    """Why a sender whose layers hold `token_bytes` per token and head cannot fill `ticket`;
+    None if it can."""
+    block_size = ticket.layout.block_size
+    if ticket.head_stride_bytes != block_size * token_bytes:
+        return (
+            f"ticket {ticket.request_id}: head stride {ticket.head_stride_bytes} bytes is not "
+            f"one HND block ({block_size} tokens x {token_bytes} bytes)"
+        )
+    if len(ticket.block_ids) * block_size < ticket.num_tokens:
+        return (
+            f"ticket {ticket.request_id}: {len(ticket.block_ids)} blocks of {block_size} "
+            f"tokens cannot hold {ticket.num_tokens} tokens"
+        )
+    if any(len(shard.layers) != num_layers for shard in ticket.shards):
+        return f"ticket {ticket.request_id}: not {num_layers} layers in every shard"
+    return None
+
+
+def dtype_name(dtype) -> str:
+    """The name a descriptor carries for a torch dtype (torch's own: "bfloat16")."""
+    return str(dtype).removeprefix("torch.")
+
+
+def layout_descriptor(
+    *,
+    model_name: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_dtype: str,
+    block_size: int,
+    layout: str,
+    transport: str,
+    tp_size: int = 1,
+    layout_version: int = LAYOUT_VERSION,
+) -> layout_pb2.LayoutDescriptor:
+    """An engine's KV layout, its heads split evenly over `tp_size` ranks."""
+    if num_kv_heads % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size: {tp_size} does not divide the model's {num_kv_heads} KV "
+            "heads (replicated heads are not supported)"
+        )
+    per_rank = num_kv_heads // tp_size
+    return layout_pb2.LayoutDescriptor(
+        model=layout_pb2.ModelFingerprint(
+            name=model_name,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            kv_dtype=kv_dtype,
+        ),
+        block_size=block_size,
+        layout=layout,
+        layout_version=layout_version,
+        tp_size=tp_size,
+        head_ranges=[
+            layout_pb2.HeadRange(start=r * per_rank, end=(r + 1) * per_rank) for r in range(tp_size)
+        ],
+        transport=transport,
+    )
+
+
+def mismatch(ours: layout_pb2.LayoutDescriptor, theirs: layout_pb2.LayoutDescriptor) -> str | None:
+    """Why a sender with layout `theirs` cannot write into ours (a decode server's), naming both
+    values; None if it can. Block size, layout name and TP split may differ: converting is the
+    sender's job."""
+    problems = []
+    for field in ("num_layers", "num_kv_heads", "head_dim", "kv_dtype"):
+        a, b = getattr(ours.model, field), getattr(theirs.model, field)
+        if a != b:
+            problems.append(f"{field}: decode has {a!r}, sender has {b!r}")
+    if ours.transport != theirs.transport:
+        problems.append(
+            f"transport: decode uses {ours.transport!r}, sender uses {theirs.transport!r}"
+        )
+    covered = sorted((r.start, r.end) for r in theirs.head_ranges)
+    heads = theirs.model.num_kv_heads
+    if theirs.tp_size != len(covered) or not _tiles(covered, heads):
+        problems.append(
+            f"head_ranges: sender's {covered} (tp_size {theirs.tp_size}) do not split "
+            f"[0, {heads}) into one range per rank"
+        )
+    return "; ".join(problems) or None
+
+
+def _tiles(ranges: list[tuple[int, int]], heads: int) -> bool:
+    position = 0
+    for start, end in ranges:
+        if start != position or end <= start:
+            return False
+        position = end
+    return position == heads
