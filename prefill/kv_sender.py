@@ -204,7 +204,6 @@ class KvSender:
             ticket.layout.block_size, ticket.block_stride_bytes, ticket.head_stride_bytes,
             self.token_bytes,
         )  # fmt: skip
-        error = error or ticket_problem(ticket, self.layout.model.num_layers, self.token_bytes)
         if not error and session.deadline <= self.clock():
             error = DEADLINE_PASSED
         with self._lock:
@@ -284,7 +283,10 @@ class KvSender:
 
     def _connect(self, session: SendSession, decode: _Decode, refusal: str) -> None:
         session._unreachable = bool(refusal) and decode.unreachable
-        targets = refusal or self._targets(session)
+        # NOTE: after Hello: a sender of another layout hears the refusal naming both values
+        # rather than what that makes wrong in the ticket.
+        problem = ticket_problem(session.ticket, self.layout.model.num_layers, self.token_bytes)
+        targets = refusal or problem or self._targets(session)
         with self._lock:
             if session.state is not SessionState.CONNECTING:
                 return  # failed meanwhile: its _Resume is queued already

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 
 import transport
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
-from engine.sampling import SamplingParams
+from engine.sampling import SAMPLING_FIELDS, SamplingParams
 from engine.sequence import StopConditions
 from prefill.kv_sender import KvSender
 from prefill.publisher import KvPublisher
@@ -35,8 +35,7 @@ from prefill.worker import Job, PrefillError, PrefillWorker
 
 # Completion fields accepted and ignored because they change nothing here.
 _IGNORED = {"model", "stream", "n", "echo", "return_token_ids", "user"}
-_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
-             "presence_penalty", "frequency_penalty"}  # fmt: skip
+_ACCEPTED = _IGNORED | set(SAMPLING_FIELDS) | {"prompt", "max_tokens", "kv_transfer_params"}
 
 
 @dataclass(frozen=True)
@@ -172,7 +171,7 @@ class PrefillServer:
             prompt = self.tokenizer(prompt)["input_ids"]
         if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
             raise PrefillError(400, "prompt: must be a non-empty list of token ids or a string")
-        unknown = set(body) - _IGNORED - _SAMPLING - {"prompt", "max_tokens", "kv_transfer_params"}
+        unknown = set(body) - _ACCEPTED
         if unknown:
             raise PrefillError(400, f"unsupported parameter(s): {', '.join(sorted(unknown))}")
         max_tokens = body.get("max_tokens", 16)
@@ -184,7 +183,7 @@ class PrefillServer:
         if transfer is not None and max_tokens != 1:
             raise PrefillError(400, f"max_tokens: {max_tokens}; a KV transfer needs exactly 1")
         try:
-            sampling = SamplingParams.from_dict({k: body[k] for k in _SAMPLING if k in body})
+            sampling = SamplingParams.from_dict({k: body[k] for k in SAMPLING_FIELDS if k in body})
             stop = StopConditions(max_tokens=int(max_tokens))
         except (ValueError, TypeError) as e:
             raise PrefillError(400, str(e)) from None
