@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from router.generation import Finished
+from router.limiter import InFlightLimiter
 from router.orchestrator import Orchestrator
 
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 
 
 class RouterMetrics:
-    def __init__(self, orchestrator: Orchestrator) -> None:
+    def __init__(self, orchestrator: Orchestrator, limiter: InFlightLimiter) -> None:
         self.orchestrator = orchestrator
+        self.limiter = limiter
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "tandem_router_requests", "requests by endpoint and status", ["endpoint", "status"],
@@ -21,8 +26,6 @@ class RouterMetrics:
         )  # fmt: skip
         self.errors = Counter("tandem_router_errors", "errors by kind", ["kind"], registry=r)
         self.in_flight = Gauge("tandem_router_in_flight", "requests being served", registry=r)
-        self.active = 0
-        """The same count as a plain int, for admission decisions."""
         self.ttft = Histogram("tandem_router_ttft_seconds", "time to first token",
                               buckets=_LATENCY, registry=r)  # fmt: skip
         self.itl = Histogram("tandem_router_itl_seconds", "time between streamed tokens",
@@ -38,7 +41,13 @@ class RouterMetrics:
                                   "prefill calls in flight, per prefill instance", ["instance"],
                                   registry=r)  # fmt: skip
 
+    def count_response(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        if status >= 400:
+            self.errors.labels("bad_request" if status < 500 else "backend").inc()
+
     def scrape(self) -> bytes:
+        self.in_flight.set(self.limiter.active)
         for decode in self.orchestrator.decodes:
             self.decode_load.labels(decode.address).set(decode.outstanding_tokens)
         for prefill in self.orchestrator.prefills:
@@ -65,6 +74,20 @@ class RequestTimer:
             self.metrics.itl.observe(now - self.last)
         self.last = now
         self.tokens += count
+
+    async def timed(
+        self, stream: AsyncIterator[list[int] | Finished]
+    ) -> AsyncIterator[list[int] | Finished]:
+        """`stream` passed through, its token lists timed as they arrive; `done` once it ends
+        or is closed (which closes `stream`)."""
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    if not isinstance(item, Finished):
+                        self.tokens_arrived(len(item))
+                    yield item
+        finally:
+            self.done()
 
     def done(self) -> None:
         now = time.monotonic()

@@ -13,9 +13,8 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-import httpx
-
-from router.orchestrator import BackendError, Orchestrator
+from router.errors import BackendError
+from router.orchestrator import Orchestrator
 from router.tokenization import SAMPLE_CONVERSATIONS, SegmentTokenizer
 
 log = logging.getLogger("router.prompts")
@@ -42,7 +41,7 @@ class PromptTokenizer:
         for attempt in range(attempts):
             try:
                 mismatch = await self._first_mismatch()
-            except (BackendError, httpx.HTTPError) as e:
+            except BackendError as e:
                 if attempt + 1 == attempts:
                     log.warning("tokenizer parity check could not reach a prefill: %s", e)
                     return

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
+from router.clients import GrpcDecodeClient, HttpPrefillClient
 from router.openai_api import create_app
 from router.orchestrator import Orchestrator
 from router.prompts import PromptTokenizer
@@ -78,14 +79,15 @@ def main() -> None:
               "tokenization for this tokenizer; tokenizing whole prompts", flush=True)  # fmt: skip
     hf_config = json.loads((Path(config.model) / "config.json").read_text())
     max_model_len = int(hf_config.get("max_position_embeddings", 4096))
-    orchestrator = Orchestrator(config.prefill, config.decode)
+    orchestrator = Orchestrator(
+        config.prefill, config.decode, HttpPrefillClient(), GrpcDecodeClient()
+    )
     prompts = PromptTokenizer(tokenizer, orchestrator)
     app = create_app(orchestrator, prompts, config.served_model_name or config.model,
                      max_model_len, config.api_key, config.max_queue)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        await orchestrator.start()
         await prompts.check_parity()
         probe = asyncio.create_task(orchestrator.probe_forever())
         yield

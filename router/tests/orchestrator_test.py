@@ -1,60 +1,309 @@
-"""Orchestrator.tokenize over prefill instances answering through httpx's in-process transport."""
+"""The Orchestrator over FakePrefill and FakeDecode: placement, the prefill retry, aborts (client
+gone, prefill failed, ticket never delivered), instances marked down and probed back up, and how
+decode RPC failures become HTTP statuses. Every test ends with the leak check: nothing in
+flight, no outstanding tokens, no reservation left on the fake decode server."""
+
+from __future__ import annotations
 
 import asyncio
 
-import httpx
+import grpc
 import pytest
 
-from router.orchestrator import BackendError, Orchestrator, PrefillInstance
+from proto.tandem.v1 import decode_pb2
+from router.errors import BackendError
+from router.generation import Finished, GenerationRequest
+from router.orchestrator import Orchestrator, PrefillFailed
+from router.tests.fakes import FakeDecode, FakePrefill, answer, dropped, ids, refused, rpc_error
+
+P0, P1 = "http://prefill-0", "http://prefill-1"
+D0, D1 = "decode-0:50051", "decode-1:50051"
+REQUEST = GenerationRequest(
+    prompt_ids=[1, 2, 3], max_tokens=8, sampling=decode_pb2.SamplingParams(temperature=0.5)
+)
 
 
-def _prefill(url: str, status: int, asked: list[str]) -> PrefillInstance:
-    def answer(request: httpx.Request) -> httpx.Response:
-        asked.append(url)
-        if status == 200:
-            return httpx.Response(200, json={"tokens": [1, 2, 3], "count": 3})
-        return httpx.Response(status, text=f"{url} says no")
-
-    client = httpx.AsyncClient(base_url=url, transport=httpx.MockTransport(answer))
-    return PrefillInstance(url, client)
+def _stack(prefills=(P0, P1), decodes=(D0,)) -> tuple[Orchestrator, FakePrefill, FakeDecode]:
+    prefill, decode = FakePrefill(), FakeDecode()
+    return Orchestrator(prefills, decodes, prefill, decode), prefill, decode
 
 
-def _tokenize(statuses: list[int]) -> tuple[list[int] | BackendError, list[str], Orchestrator]:
-    asked: list[str] = []
-    orchestrator = Orchestrator([], [])
-    orchestrator.prefills = [
-        _prefill(f"http://prefill-{i}", status, asked) for i, status in enumerate(statuses)
-    ]
+async def _generate(orchestrator: Orchestrator, request: GenerationRequest = REQUEST) -> list:
+    """Every item, then the BackendError that ended the stream, if one did."""
+    items = []
+    try:
+        async for item in orchestrator.generate(request, "req"):
+            items.append(item)
+    except BackendError as e:
+        items.append(e)
+    return items
 
+
+def _assert_idle(orchestrator: Orchestrator, decode: FakeDecode) -> None:
+    assert all(p.in_flight == 0 for p in orchestrator.prefills)
+    assert all(d.outstanding_tokens == 0 for d in orchestrator.decodes)
+    assert decode.live() == set(), "a reservation was neither generated, failed nor aborted"
+
+
+def _health(orchestrator: Orchestrator) -> dict[str, bool]:
+    return {i.url: i.healthy for i in orchestrator.prefills} | {
+        i.address: i.healthy for i in orchestrator.decodes
+    }
+
+
+def test_a_request_is_reserved_prefilled_with_the_ticket_and_generated():
+    orchestrator, prefill, decode = _stack()
+    items = asyncio.run(_generate(orchestrator))
+    assert items == [ids("P"), ids("ar"), ids("is"), Finished("length", 0, 5)]
+    (reserve, generate) = [request for rpc, _, request in decode.calls]
+    (prefilled,) = prefill.prefilled
+    assert prefilled.url == P0 and prefilled.prompt_ids == REQUEST.prompt_ids
+    assert prefilled.transfer.decode_address == D0
+    assert prefilled.transfer.ticket.request_id == reserve.request_id == generate.request_id
+    assert generate.generation == prefilled.transfer.ticket.generation
+    assert generate.first_token_id == prefill.first_token
+    assert generate.sampling == prefilled.sampling == REQUEST.sampling
+    assert reserve.max_tokens == generate.max_tokens == REQUEST.max_tokens
+    _assert_idle(orchestrator, decode)
+
+
+def test_the_decode_with_fewest_outstanding_tokens_is_picked():
+    orchestrator, _, decode = _stack(decodes=(D0, D1))
+    orchestrator.decodes[0].outstanding_tokens = 100
+    asyncio.run(_generate(orchestrator))
+    assert {address for _, address, _ in decode.calls} == {D1}
+    orchestrator.decodes[0].outstanding_tokens = 0
+    _assert_idle(orchestrator, decode)
+
+
+@pytest.mark.parametrize("status", [500, 503])
+def test_a_failed_prefill_is_retried_once_on_the_other(status):
+    orchestrator, prefill, decode = _stack()
+    prefill.script(P0, answer(status))
+    items = asyncio.run(_generate(orchestrator))
+    assert isinstance(items[-1], Finished)
+    assert prefill.calls == [("complete", P0), ("complete", P1)]
+    assert _health(orchestrator)[P0] == (status != 503)  # a 503: its engine failed
+    assert not decode.aborts()
+    _assert_idle(orchestrator, decode)
+
+
+def test_a_prefill_marked_down_is_tried_last():
+    orchestrator, prefill, decode = _stack()
+    orchestrator.prefills[0].healthy = False
+    asyncio.run(_generate(orchestrator))
+    assert prefill.calls == [("complete", P1)]
+    _assert_idle(orchestrator, decode)
+
+
+@pytest.mark.parametrize(
+    ("failures", "undelivered"),
+    [
+        ((refused(), refused()), True),
+        ((refused(), dropped()), False),
+        ((dropped(), answer(502)), False),
+    ],
+    ids=["never-connected", "one-connected", "both-reached"],
+)
+def test_prefill_failing_twice_aborts_the_reservation(failures, undelivered):
+    orchestrator, prefill, decode = _stack()
+    prefill.script(P0, failures[0])
+    prefill.script(P1, failures[1])
+    (error,) = asyncio.run(_generate(orchestrator))
+    assert isinstance(error, PrefillFailed) and error.status == 503
+    assert P1 in str(error)  # the last failure is the one reported
+    (abort,) = decode.aborts()
+    assert abort.reason == "prefill failed" and abort.ticket_undelivered == undelivered
+    assert not any(rpc == "Generate" for rpc, _, _ in decode.calls)
+    _assert_idle(orchestrator, decode)
+
+
+def test_connection_failures_mark_prefills_down_until_their_health_answers():
+    orchestrator, prefill, decode = _stack()
+    prefill.script(P0, refused())
+    prefill.script(P1, dropped())
+    asyncio.run(_generate(orchestrator))
+    assert _health(orchestrator) == {P0: False, P1: False, D0: True}
+    prefill.up[P0] = False
+    asyncio.run(orchestrator.probe())
+    assert _health(orchestrator) == {P0: False, P1: True, D0: True}
+    assert ("health", P0) in prefill.calls
+    _assert_idle(orchestrator, decode)
+
+
+@pytest.mark.parametrize(
+    ("reply", "words"),
+    [
+        (answer(400, {"error": {"message": "prompt too long"}}), "prompt too long"),
+        (answer(200, {"choices": []}), "without a first_token_id"),
+    ],
+    ids=["refused", "no-first-token"],
+)
+def test_a_prefill_answer_at_fault_is_not_retried(reply, words):
+    orchestrator, prefill, decode = _stack()
+    prefill.script(P0, reply)
+    (error,) = asyncio.run(_generate(orchestrator))
+    assert isinstance(error, PrefillFailed) and words in str(error)
+    assert prefill.calls == [("complete", P0)]
+    assert decode.aborts()[0].ticket_undelivered is False
+    _assert_idle(orchestrator, decode)
+
+
+def test_a_consumer_closing_the_stream_aborts_on_the_decode_server():
+    orchestrator, _, decode = _stack()
+
+    async def first_then_close():
+        stream = orchestrator.generate(REQUEST, "req")
+        first = await anext(stream)
+        await stream.aclose()  # as after a stop string
+        return first
+
+    assert asyncio.run(first_then_close()) == ids("P")
+    (abort,) = decode.aborts()
+    assert abort.reason == "client gone" and not abort.ticket_undelivered
+    _assert_idle(orchestrator, decode)
+
+
+def test_a_consumer_closing_the_stream_after_the_finish_aborts_nothing():
+    orchestrator, _, decode = _stack()
+
+    async def until_finished_then_close():
+        stream = orchestrator.generate(REQUEST, "req")
+        async for item in stream:
+            if isinstance(item, Finished):
+                await stream.aclose()  # as text_events does, without reading past the Finished
+                return item
+
+    assert asyncio.run(until_finished_then_close()) == Finished("length", 0, 5)
+    assert not decode.aborts()
+    _assert_idle(orchestrator, decode)
+
+
+def test_a_cancelled_consumer_aborts_on_the_decode_server():
+    orchestrator, _, decode = _stack()
+    decode.stall = True
+
+    async def cancel_while_waiting():
+        task = asyncio.create_task(_generate(orchestrator))
+        await decode.generating.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_while_waiting())
+    (abort,) = decode.aborts()
+    assert abort.reason == "client gone"
+    _assert_idle(orchestrator, decode)
+
+
+def test_an_abort_that_fails_is_not_the_error_reported():
+    orchestrator, prefill, decode = _stack(prefills=(P0,))
+    prefill.script(P0, answer(502))
+    decode.fail("Abort", D0, rpc_error(grpc.StatusCode.UNAVAILABLE, "gone"))
+    (error,) = asyncio.run(_generate(orchestrator))
+    assert isinstance(error, PrefillFailed) and "502" in str(error)
+    decode.ended |= set(decode.reserved)  # the decode server is gone, and its reservations
+    _assert_idle(orchestrator, decode)
+
+
+def test_an_unavailable_decode_is_passed_over_until_stats_answers():
+    orchestrator, _, decode = _stack(decodes=(D0, D1))
+    decode.unavailable.add(D0)
+    (error,) = asyncio.run(_generate(orchestrator))  # D0 first: both have no outstanding tokens
+    assert error.status == 503 and D0 in str(error)
+    assert _health(orchestrator)[D0] is False
+    assert isinstance(asyncio.run(_generate(orchestrator))[-1], Finished)
+    assert {address for rpc, address, _ in decode.calls if rpc == "Generate"} == {D1}
+    asyncio.run(orchestrator.probe())
+    assert _health(orchestrator)[D0] is False  # Stats still fails
+    decode.unavailable.clear()
+    asyncio.run(orchestrator.probe())
+    assert _health(orchestrator)[D0] is True
+    _assert_idle(orchestrator, decode)
+
+
+def test_no_decode_available_is_a_503():
+    orchestrator, prefill, decode = _stack()
+    orchestrator.decodes[0].healthy = False
+    (error,) = asyncio.run(_generate(orchestrator))
+    assert error.status == 503 and "no decode instance" in str(error)
+    assert not decode.calls and not prefill.calls
+    _assert_idle(orchestrator, decode)
+
+
+def test_unavailable_mid_stream_ends_it_with_a_503_and_marks_the_decode_down():
+    orchestrator, _, decode = _stack()
+    decode.stream_error = rpc_error(grpc.StatusCode.UNAVAILABLE, "socket closed")
+    items = asyncio.run(_generate(orchestrator))
+    assert items[:3] == decode.tokens
+    assert items[3].status == 503 and "socket closed" in str(items[3])
+    assert _health(orchestrator)[D0] is False
+    _assert_idle(orchestrator, decode)
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "message"),
+    [
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 503, f"decode server {D0}: slow"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 503, f"decode server {D0} is full: slow"),
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, "slow"),
+        (grpc.StatusCode.INTERNAL, 502, f"decode server {D0}: slow"),
+    ],
+)
+def test_a_reserve_failure_other_than_unavailable_is_an_http_status_and_not_down(
+    code, status, message
+):
+    orchestrator, prefill, decode = _stack()
+    decode.fail("Reserve", D0, rpc_error(code, "slow"))
+    (error,) = asyncio.run(_generate(orchestrator))
+    assert (error.status, str(error)) == (status, message)
+    assert _health(orchestrator)[D0] is True
+    assert not prefill.calls
+    _assert_idle(orchestrator, decode)
+
+
+def test_a_stream_ending_without_a_finish_is_a_502():
+    orchestrator, _, decode = _stack()
+    decode.finish = None
+    items = asyncio.run(_generate(orchestrator))
+    assert items[-1].status == 502 and "ended the stream early" in str(items[-1])
+    _assert_idle(orchestrator, decode)
+
+
+def _tokenize(orchestrator: Orchestrator) -> list[int] | BackendError:
     async def run():
         try:
             return await orchestrator.tokenize({"prompt": "hi"})
         except BackendError as e:
             return e
-        finally:
-            await orchestrator.close()
 
-    return asyncio.run(run()), asked, orchestrator
+    return asyncio.run(run())
 
 
-def test_a_server_error_is_retried_on_the_other_prefill():
-    result, asked, orchestrator = _tokenize([503, 200])
-    assert result == [1, 2, 3]
-    assert asked == ["http://prefill-0", "http://prefill-1"]
-    assert all(p.in_flight == 0 for p in orchestrator.prefills)
+def test_tokenize_retries_a_server_error_on_the_other_prefill():
+    orchestrator, prefill, decode = _stack()
+    prefill.script(P0, answer(503))
+    assert _tokenize(orchestrator) == prefill.tokens
+    assert prefill.calls == [("tokenize", P0), ("tokenize", P1)]
+    _assert_idle(orchestrator, decode)
 
 
-def test_a_refused_request_is_not_retried():
-    result, asked, _ = _tokenize([400, 200])
+def test_tokenize_does_not_retry_a_refused_request():
+    orchestrator, prefill, _ = _stack()
+    prefill.script(P0, answer(400, {"detail": "says no"}))
+    result = _tokenize(orchestrator)
     assert isinstance(result, BackendError) and result.status == 400
-    assert "prefill-0" in str(result) and "says no" in str(result)
-    assert asked == ["http://prefill-0"]
+    assert P0 in str(result) and "says no" in str(result)
+    assert prefill.calls == [("tokenize", P0)]
 
 
-@pytest.mark.parametrize("statuses", [[500, 502], [500]], ids=["two", "one"])
-def test_every_prefill_failing_is_a_503_naming_the_last(statuses):
-    result, asked, orchestrator = _tokenize(statuses)
+@pytest.mark.parametrize("prefills", [(P0, P1), (P0,)], ids=["two", "one"])
+def test_tokenize_with_every_prefill_failing_is_a_503_naming_the_last(prefills):
+    orchestrator, prefill, decode = _stack(prefills=prefills)
+    prefill.script(P0, answer(500))
+    prefill.script(P1, dropped())
+    result = _tokenize(orchestrator)
     assert isinstance(result, BackendError) and result.status == 503
-    assert f"prefill-{len(statuses) - 1}" in str(result)
-    assert len(asked) == len(statuses)
-    assert all(p.in_flight == 0 for p in orchestrator.prefills)
+    assert prefills[-1] in str(result)
+    assert [url for _, url in prefill.calls] == list(prefills)
+    _assert_idle(orchestrator, decode)

@@ -1,0 +1,201 @@
+"""The orchestrator's two collaborators, as interfaces, and the real clients behind them:
+
+  PrefillClient  complete / tokenize / health, per instance URL   HttpPrefillClient (httpx)
+  DecodeClient   Reserve / Generate / Abort / Stats, per address   GrpcDecodeClient (grpc aio)
+
+A prefill call answers a PrefillReply whatever the HTTP status, or raises PrefillCallError when
+no answer came; a decode call raises grpc.aio.AioRpcError with the RPC's status. Interpreting
+either (retry, mark down, which HTTP status to answer) is the orchestrator's job. The one fake
+of each, for tests, is in router/tests/fakes.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+import httpx
+
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
+
+# Idle connections to a prefill server are dropped after 2 s, before the server's own keep-alive
+# timeout (5 s in uvicorn, tandem's prefill server and vLLM's alike) can close one as a request
+# is sent on it: that race surfaced as a ReadError and a 503 under load.
+_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=2.0)
+_PREFILL_TIMEOUT_S = 600
+_HEALTH_TIMEOUT_S = 2
+_RESERVE_TIMEOUT_S = 30
+_STATS_TIMEOUT_S = 2
+
+
+@dataclass(frozen=True)
+class PrefillReply:
+    status: int
+    json: dict | None
+    """The body, if it is a JSON object."""
+    text: str
+
+
+class PrefillCallError(Exception):
+    """A prefill call that got no HTTP answer. `sent`: the request may have reached the server
+    (False only when no connection was made); `down`: the connection failed, so the instance is
+    taken for down."""
+
+    def __init__(self, message: str, *, sent: bool, down: bool) -> None:
+        super().__init__(message)
+        self.sent = sent
+        self.down = down
+
+
+class PrefillClient(Protocol):
+    async def complete(
+        self,
+        url: str,
+        prompt_ids: list[int],
+        transfer_params: dict,
+        sampling: decode_pb2.SamplingParams,
+    ) -> PrefillReply:
+        """Prefills `prompt_ids` on instance `url`, handing it the ticket in `transfer_params`;
+        a 200's JSON carries kv_transfer_params.first_token_id, sampled with `sampling`."""
+        ...
+
+    async def tokenize(self, url: str, body: dict) -> PrefillReply:
+        """POST /tokenize (`prompt` or `messages`); a 200's JSON carries `tokens`."""
+        ...
+
+    async def health(self, url: str) -> bool:
+        """Whether the instance answers its health check with 200."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class DecodeClient(Protocol):
+    async def reserve(
+        self, address: str, request: decode_pb2.ReserveRequest
+    ) -> decode_pb2.ReserveResponse: ...
+
+    def generate(
+        self, address: str, request: decode_pb2.GenerateRequest
+    ) -> AsyncGenerator[decode_pb2.GenerateResponse, None]:
+        """The Generate stream; closing it early (aclose) cancels the RPC."""
+        ...
+
+    async def abort(
+        self, address: str, request: decode_pb2.AbortRequest
+    ) -> decode_pb2.AbortResponse: ...
+
+    async def stats(self, address: str) -> decode_pb2.StatsResponse: ...
+
+    async def close(self) -> None: ...
+
+
+class HttpPrefillClient:
+    """tandem's prefill server, or vLLM with TandemConnector: one connection pool per instance.
+    NOTE: pools are opened at first use, so on the event loop that serves."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.transport = transport
+        """None: the network (tests pass httpx.MockTransport)."""
+        self._clients: dict[str, httpx.AsyncClient] = {}
+
+    async def complete(
+        self,
+        url: str,
+        prompt_ids: list[int],
+        transfer_params: dict,
+        sampling: decode_pb2.SamplingParams,
+    ) -> PrefillReply:
+        body = {"prompt": prompt_ids, "max_tokens": 1, "kv_transfer_params": transfer_params,
+                **_prefill_sampling(sampling)}  # fmt: skip
+        return await self._post(url, "/v1/completions", body)
+
+    async def tokenize(self, url: str, body: dict) -> PrefillReply:
+        return await self._post(url, "/tokenize", body)
+
+    async def health(self, url: str) -> bool:
+        try:
+            reply = await self._client(url).get("/health", timeout=_HEALTH_TIMEOUT_S)
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 200
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+
+    async def _post(self, url: str, path: str, body: dict) -> PrefillReply:
+        try:
+            reply = await self._client(url).post(path, json=body)
+        except httpx.HTTPError as e:
+            sent = not isinstance(e, httpx.ConnectError)
+            down = isinstance(e, httpx.TransportError)
+            raise PrefillCallError(repr(e), sent=sent, down=down) from e
+        try:
+            parsed = reply.json()
+        except ValueError:
+            parsed = None
+        return PrefillReply(reply.status_code, parsed if isinstance(parsed, dict) else None,
+                            reply.text)  # fmt: skip
+
+    def _client(self, url: str) -> httpx.AsyncClient:
+        if url not in self._clients:
+            self._clients[url] = httpx.AsyncClient(
+                base_url=url, timeout=_PREFILL_TIMEOUT_S, limits=_LIMITS, transport=self.transport
+            )
+        return self._clients[url]
+
+
+class GrpcDecodeClient:
+    """tandem's decode servers over gRPC: one channel per address.
+    NOTE: channels are opened at first use: a grpc.aio channel binds to the running event loop,
+    which must be the one that serves."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, decode_pb2_grpc.DecodeServiceStub] = {}
+
+    async def reserve(
+        self, address: str, request: decode_pb2.ReserveRequest
+    ) -> decode_pb2.ReserveResponse:
+        return await self._stub(address).Reserve(request, timeout=_RESERVE_TIMEOUT_S)
+
+    async def generate(
+        self, address: str, request: decode_pb2.GenerateRequest
+    ) -> AsyncIterator[decode_pb2.GenerateResponse]:
+        call = self._stub(address).Generate(request)
+        try:
+            async for message in call:
+                yield message
+        finally:
+            call.cancel()  # a no-op once the stream has ended
+
+    async def abort(
+        self, address: str, request: decode_pb2.AbortRequest
+    ) -> decode_pb2.AbortResponse:
+        return await self._stub(address).Abort(request)
+
+    async def stats(self, address: str) -> decode_pb2.StatsResponse:
+        return await self._stub(address).Stats(decode_pb2.StatsRequest(), timeout=_STATS_TIMEOUT_S)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+    def _stub(self, address: str) -> decode_pb2_grpc.DecodeServiceStub:
+        if address not in self._stubs:
+            channel = grpc.aio.insecure_channel(address)
+            self._channels[address] = channel
+            self._stubs[address] = decode_pb2_grpc.DecodeServiceStub(channel)
+        return self._stubs[address]
+
+
+def _prefill_sampling(sampling: decode_pb2.SamplingParams) -> dict:
+    """The request's sampling fields for the prefill, which samples the first token: the ones
+    the client set, and the temperature always (unset means greedy here, as on the decode
+    server; vLLM's own default would be the model's generation config)."""
+    fields = {f.name: value for f, value in sampling.ListFields()}
+    fields.setdefault("temperature", 0.0)
+    return fields

@@ -1,0 +1,27 @@
+"""The contract between the HTTP side and the orchestrator: a validated GenerationRequest goes
+in; lists of token ids, then one Finished, come out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proto.tandem.v1 import decode_pb2
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    """At least 1; prompt_ids plus max_tokens fit the context."""
+    sampling: decode_pb2.SamplingParams
+    """Only the fields the client set (unset temperature: greedy)."""
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int

@@ -1,0 +1,88 @@
+"""HttpPrefillClient over httpx's in-process transport: the body a prefill receives, answers of
+any status as PrefillReply, and failures without an answer as PrefillCallError saying whether
+the request may have been sent and whether the instance is down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from proto.tandem.v1 import decode_pb2
+from router.clients import HttpPrefillClient, PrefillCallError, PrefillReply
+
+URL = "http://prefill-0"
+
+
+def _call(handler, method: str, *args):
+    client = HttpPrefillClient(httpx.MockTransport(handler))
+
+    async def run():
+        try:
+            return await getattr(client, method)(URL, *args)
+        except PrefillCallError as e:
+            return e
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def test_complete_posts_the_prompt_the_ticket_and_the_sampling_fields_set():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url, json.loads(request.content)))
+        return httpx.Response(200, json={"kv_transfer_params": {"first_token_id": 5}})
+
+    params = {"tandem_ticket": "AAA=", "decode_address": "d:1"}
+    for sampling, expected in [
+        (decode_pb2.SamplingParams(), {"temperature": 0.0}),  # unset: greedy, not vLLM's default
+        (decode_pb2.SamplingParams(temperature=0.5, seed=3), {"temperature": 0.5, "seed": 3}),
+    ]:
+        reply = _call(handler, "complete", [1, 2], params, sampling)
+        assert reply == PrefillReply(200, {"kv_transfer_params": {"first_token_id": 5}},
+                                     '{"kv_transfer_params":{"first_token_id":5}}')  # fmt: skip
+        url, body = seen.pop()
+        assert str(url) == f"{URL}/v1/completions"
+        assert body == {"prompt": [1, 2], "max_tokens": 1, "kv_transfer_params": params,
+                        **expected}  # fmt: skip
+
+
+def test_any_status_is_an_answer_and_a_body_that_is_no_json_object_has_no_json():
+    reply = _call(lambda r: httpx.Response(503, text="engine failed"), "tokenize", {"prompt": "x"})
+    assert reply == PrefillReply(503, None, "engine failed")
+    reply = _call(lambda r: httpx.Response(200, json=[1, 2]), "tokenize", {"prompt": "x"})
+    assert reply.json is None
+
+
+def _raise(error: httpx.HTTPError):
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise error
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    ("error", "sent", "down"),
+    [
+        (httpx.ConnectError("refused"), False, True),
+        (httpx.ConnectTimeout("slow"), True, True),
+        (httpx.ReadError("reset"), True, True),
+        (httpx.DecodingError("bad gzip"), True, False),
+    ],
+)
+def test_no_answer_says_whether_the_request_may_have_been_sent_and_the_instance_is_down(
+    error, sent, down
+):
+    failure = _call(_raise(error), "tokenize", {"prompt": "x"})
+    assert isinstance(failure, PrefillCallError)
+    assert (failure.sent, failure.down, str(failure)) == (sent, down, repr(error))
+
+
+def test_health_is_a_200():
+    assert _call(lambda r: httpx.Response(200, json={"status": "ok"}), "health") is True
+    assert _call(lambda r: httpx.Response(503), "health") is False
+    assert _call(_raise(httpx.ConnectError("refused")), "health") is False

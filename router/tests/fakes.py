@@ -1,0 +1,196 @@
+"""The one fake of each interface the router's tests need: FakePrefill (a PrefillClient),
+FakeDecode (a DecodeClient) and CharTokenizer (the slice of a Hugging Face tokenizer the router
+uses). Each records what it was asked and answers as scripted; unscripted calls succeed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass
+
+import grpc
+
+from prefill.ticket import KvTransfer
+from proto.tandem.v1 import decode_pb2
+from router.clients import PrefillCallError, PrefillReply
+
+
+def ids(text: str) -> list[int]:
+    """CharTokenizer's token ids of `text` (one per character: its code point)."""
+    return [ord(c) for c in text]
+
+
+class CharTokenizer:
+    """One token per character, its code point; no special tokens. Chat: "role: content" lines,
+    then "assistant: " as the generation prompt."""
+
+    all_special_tokens = ()
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": ids(text)}
+
+    def decode(self, token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(map(chr, token_ids))
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True) -> str:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
+
+
+def answer(status: int, json: dict | None = None) -> PrefillReply:
+    """An HTTP answer from a prefill instance."""
+    return PrefillReply(status, json, str(json) if json is not None else f"status {status}")
+
+
+def refused() -> PrefillCallError:
+    """A prefill instance that cannot be connected to (nothing was sent)."""
+    return PrefillCallError("ConnectError('connection refused')", sent=False, down=True)
+
+
+def dropped() -> PrefillCallError:
+    """A prefill instance whose connection broke after the request was sent."""
+    return PrefillCallError("ReadError('connection reset')", sent=True, down=True)
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    url: str
+    prompt_ids: list[int]
+    transfer: KvTransfer
+    """The ticket as the prefill parses it from kv_transfer_params."""
+    sampling: decode_pb2.SamplingParams
+
+
+class FakePrefill:
+    """A PrefillClient. `script(url, ...)` queues the answers (PrefillReply) and failures
+    (PrefillCallError, raised) of that instance's next calls; unscripted, `complete` answers
+    200 with `first_token`, `tokenize` 200 with `tokens`, `health` with `up[url]` (True)."""
+
+    def __init__(self) -> None:
+        self.first_token = 7
+        self.tokens = [1, 2, 3]
+        self.up: dict[str, bool] = defaultdict(lambda: True)
+        self.calls: list[tuple[str, str]] = []
+        """(method, url) of every call, in order."""
+        self.prefilled: list[Prefilled] = []
+        self._script: dict[str, list[PrefillReply | PrefillCallError]] = defaultdict(list)
+
+    def script(self, url: str, *outcomes: PrefillReply | PrefillCallError) -> None:
+        self._script[url].extend(outcomes)
+
+    async def complete(self, url, prompt_ids, transfer_params, sampling) -> PrefillReply:
+        self.calls.append(("complete", url))
+        prefilled = Prefilled(url, prompt_ids, KvTransfer.parse(transfer_params), sampling)
+        self.prefilled.append(prefilled)
+        params = {"first_token_id": self.first_token}
+        return self._next(url) or answer(200, {"kv_transfer_params": params})
+
+    async def tokenize(self, url: str, body: dict) -> PrefillReply:
+        self.calls.append(("tokenize", url))
+        return self._next(url) or answer(200, {"tokens": self.tokens, "count": len(self.tokens)})
+
+    async def health(self, url: str) -> bool:
+        self.calls.append(("health", url))
+        return self.up[url]
+
+    async def close(self) -> None:
+        pass
+
+    def _next(self, url: str) -> PrefillReply | None:
+        if not self._script[url]:
+            return None
+        outcome = self._script[url].pop(0)
+        if isinstance(outcome, PrefillCallError):
+            raise outcome
+        return outcome
+
+
+def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class FakeDecode:
+    """A DecodeClient. Reserve hands out a ticket; Generate streams `tokens` (one message per
+    list), then, in this order of precedence: waits until cancelled if `stall`, raises
+    `stream_error` if set, finishes with `finish` if set, else just ends. `fail(rpc, address,
+    error)` makes that RPC's next call on that address raise; addresses in `unavailable` answer
+    every RPC with UNAVAILABLE.
+
+    `live()` is the leak check: reservations the fake's server side still holds (neither
+    generated to the end of the stream, failed, nor aborted)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[list[int]] = [ids("P"), ids("ar"), ids("is")]
+        self.finish: int | None = decode_pb2.FINISH_REASON_LENGTH
+        self.stall = False
+        self.stream_error: grpc.aio.AioRpcError | None = None
+        self.unavailable: set[str] = set()
+        self.generating = asyncio.Event()
+        """Set once a Generate stream has sent its tokens."""
+        self.calls: list[tuple[str, str, object]] = []
+        """(rpc, address, request) of every call, in order."""
+        self.reserved: dict[str, str] = {}
+        """request id -> address of every reservation."""
+        self.ended: set[str] = set()
+        self._errors: dict[tuple[str, str], list[grpc.aio.AioRpcError]] = defaultdict(list)
+        self._generation = 0
+
+    def fail(self, rpc: str, address: str, error: grpc.aio.AioRpcError) -> None:
+        self._errors[rpc, address].append(error)
+
+    def live(self) -> set[str]:
+        return set(self.reserved) - self.ended
+
+    def aborts(self) -> list[decode_pb2.AbortRequest]:
+        return [request for rpc, _, request in self.calls if rpc == "Abort"]
+
+    async def reserve(self, address, request) -> decode_pb2.ReserveResponse:
+        self._call("Reserve", address, request)
+        self._generation += 1
+        self.reserved[request.request_id] = address
+        ticket = decode_pb2.Ticket(
+            request_id=request.request_id,
+            generation=self._generation,
+            num_tokens=len(request.prompt_token_ids),
+            shards=[decode_pb2.KvShard(rank=0)],
+            num_senders=request.num_senders,
+        )
+        return decode_pb2.ReserveResponse(ticket=ticket)
+
+    async def generate(self, address, request):
+        try:
+            self._call("Generate", address, request)
+        except grpc.aio.AioRpcError:
+            self.ended.add(request.request_id)
+            raise
+        for token_ids in self.tokens:
+            yield decode_pb2.GenerateResponse(token_ids=token_ids)
+        self.generating.set()
+        if self.stall:
+            await asyncio.Event().wait()
+        self.ended.add(request.request_id)  # however the stream ends now, the server is done
+        if self.stream_error is not None:
+            raise self.stream_error
+        if self.finish is not None:
+            completion = sum(map(len, self.tokens))
+            usage = decode_pb2.Usage(prompt_tokens=0, completion_tokens=completion)
+            yield decode_pb2.GenerateResponse(finish_reason=self.finish, usage=usage)
+
+    async def abort(self, address, request) -> decode_pb2.AbortResponse:
+        self._call("Abort", address, request)
+        self.ended.add(request.request_id)
+        return decode_pb2.AbortResponse(aborted=True)
+
+    async def stats(self, address) -> decode_pb2.StatsResponse:
+        self._call("Stats", address, decode_pb2.StatsRequest())
+        return decode_pb2.StatsResponse()
+
+    async def close(self) -> None:
+        pass
+
+    def _call(self, rpc: str, address: str, request) -> None:
+        self.calls.append((rpc, address, request))
+        if address in self.unavailable:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"{address} is down")
+        if self._errors[rpc, address]:
+            raise self._errors[rpc, address].pop(0)

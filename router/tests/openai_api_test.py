@@ -1,0 +1,198 @@
+"""The HTTP API in-process (httpx's ASGI transport) over FakePrefill, FakeDecode and a
+one-token-per-character tokenizer: what a client sees for success, bad input, backend failures
+before and during a stream, the 429 limit, the API key, and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import httpx
+
+from router.openai_api import create_app
+from router.orchestrator import Orchestrator
+from router.prompts import PromptTokenizer
+from router.tests.fakes import CharTokenizer, FakeDecode, FakePrefill, answer, rpc_error
+from router.tokenization import SegmentTokenizer
+
+MODEL = "tiny"
+P0, D0 = "http://prefill-0", "decode-0:50051"
+COMPLETION = {"model": MODEL, "prompt": "Capital?", "max_tokens": 8}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Capital?"}], "max_tokens": 8}
+
+
+class Router:
+    """An app over the fakes, and an HTTP client for it."""
+
+    def __init__(self, api_key: str | None = None, max_queue: int = 0) -> None:
+        self.prefill, self.decode = FakePrefill(), FakeDecode()
+        self.orchestrator = Orchestrator([P0], [D0], self.prefill, self.decode)
+        self.prompts = PromptTokenizer(SegmentTokenizer(CharTokenizer()), self.orchestrator)
+        app = create_app(self.orchestrator, self.prompts, MODEL, 64, api_key, max_queue)
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://r")
+
+    async def post(self, path: str, body: dict, **kwargs) -> httpx.Response:
+        return await self.client.post(path, json=body, **kwargs)
+
+
+def _run(test, **router_args) -> Router:
+    router = Router(**router_args)
+    asyncio.run(test(router))
+    assert router.decode.live() == set()
+    assert all(d.outstanding_tokens == 0 for d in router.orchestrator.decodes)
+    return router
+
+
+def _sse(reply: httpx.Response) -> list:
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in reply.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
+
+
+def test_a_completion_with_the_request_id_echoed():
+    async def test(router: Router):
+        reply = await router.post("/v1/completions", COMPLETION, headers={"X-Request-Id": "t-1"})
+        assert reply.status_code == 200 and reply.headers["x-request-id"] == "t-1"
+        body = reply.json()
+        assert body["id"] == "cmpl-t-1" and body["object"] == "text_completion"
+        assert body["choices"][0]["text"] == "Paris"
+        assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 5, "total_tokens": 13}
+
+    _run(test)
+
+
+def test_a_streamed_chat_with_usage():
+    async def test(router: Router):
+        body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+        chunks = _sse(await router.post("/v1/chat/completions", body))
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert deltas[0]["role"] == "assistant"
+        assert "".join(d["content"] for d in deltas) == "Paris"
+        assert chunks[-1]["usage"]["completion_tokens"] == 5
+        assert {c["id"] for c in chunks} == {chunks[0]["id"]} and chunks[0]["id"][:9] == "chatcmpl-"
+
+    _run(test)
+
+
+def test_a_stop_string_ends_the_text_and_aborts_the_decode():
+    async def test(router: Router):
+        reply = await router.post("/v1/completions", {**COMPLETION, "stop": "ri"})
+        assert reply.json()["choices"][0] | {"index": 0} == {
+            "index": 0, "text": "Pa", "logprobs": None, "finish_reason": "stop"
+        }  # fmt: skip
+        assert [a.reason for a in router.decode.aborts()] == ["client gone"]
+
+    _run(test)
+
+
+def test_bad_input_gets_an_openai_error_body():
+    async def test(router: Router):
+        reply = await router.post("/v1/completions", {**COMPLETION, "temperature": "hot"})
+        assert reply.status_code == 400
+        assert reply.json() == {"error": {"message": "temperature: 'hot' is not a number",
+                                          "type": "invalid_request_error",
+                                          "param": "temperature", "code": 400}}  # fmt: skip
+        reply = await router.post("/v1/completions", {**COMPLETION, "max_tokens": 60})
+        assert reply.status_code == 400 and "context length 64" in reply.json()["error"]["message"]
+        assert not router.decode.calls
+
+    _run(test)
+
+
+def test_a_prefill_refusing_to_tokenize_passes_its_status_on():
+    async def test(router: Router):
+        router.prompts.source = "prefill"
+        router.prefill.script(P0, answer(400, {"detail": "bad prompt"}))
+        reply = await router.post("/v1/completions", COMPLETION)
+        assert reply.status_code == 400 and "bad prompt" in reply.json()["error"]["message"]
+
+    _run(test)
+
+
+def test_a_failure_before_the_first_token_is_an_http_status_even_when_streaming():
+    async def test(router: Router):
+        for stream in (False, True):
+            router.decode.fail("Reserve", D0, rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "no"))
+            reply = await router.post("/v1/completions", {**COMPLETION, "stream": stream})
+            assert reply.status_code == 503
+            assert reply.json()["error"]["type"] == "server_error"
+
+    _run(test)
+
+
+def test_a_failure_mid_stream_ends_it_with_an_error_event():
+    async def test(router: Router):
+        router.decode.stream_error = rpc_error(grpc.StatusCode.UNAVAILABLE, "socket closed")
+        reply = await router.post("/v1/completions", {**COMPLETION, "stream": True})
+        assert reply.status_code == 200
+        chunks = _sse(reply)
+        assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "Paris"
+        assert chunks[-1]["error"]["code"] == 503 and "socket closed" in str(chunks[-1])
+        health = (await router.client.get("/health")).json()
+        assert health["decode"] == {D0: "down"}
+
+    _run(test)
+
+
+def test_past_the_queue_limit_a_429_with_retry_after_until_the_slot_is_given_back():
+    async def test(router: Router):
+        router.decode.stall = True
+        first = asyncio.create_task(router.post("/v1/completions", {**COMPLETION, "stream": True}))
+        await router.decode.generating.wait()
+        refused = await router.post("/v1/chat/completions", CHAT)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"] == {"message": "1 requests in flight, the limit",
+                                           "type": "invalid_request_error", "param": None,
+                                           "code": 429}  # fmt: skip
+        first.cancel()  # the client goes away
+        await asyncio.gather(first, return_exceptions=True)
+        assert [a.reason for a in router.decode.aborts()] == ["client gone"]
+        router.decode.stall = False
+        assert (await router.post("/v1/chat/completions", CHAT)).status_code == 200
+        metrics = (await router.client.get("/metrics")).text
+        assert "tandem_router_in_flight 0.0" in metrics
+
+    _run(test, max_queue=1)
+
+
+def test_the_api_key_guards_v1_only():
+    async def test(router: Router):
+        refused = await router.post("/v1/completions", COMPLETION)
+        assert refused.status_code == 401 and "API key" in refused.json()["error"]["message"]
+        assert (await router.client.get("/v1/models")).status_code == 401
+        assert (await router.client.get("/health")).status_code == 200
+        ok = await router.post("/v1/completions", COMPLETION,
+                               headers={"Authorization": "Bearer s3cret"})  # fmt: skip
+        assert ok.status_code == 200
+
+    _run(test, api_key="s3cret")
+
+
+def test_models_health_and_metrics():
+    async def test(router: Router):
+        card = {"id": MODEL, "object": "model", "owned_by": "tandem", "max_model_len": 64}
+        assert (await router.client.get("/v1/models")).json() == {"object": "list", "data": [card]}
+        assert (await router.client.get("/health")).json() == {
+            "status": "ok",
+            "tokenizer": {"source": "router", "parity": "unchecked", "segmented": False},
+            "decode": {D0: "up"},
+            "prefill": {P0: "up"},
+        }
+        await router.post("/v1/completions", COMPLETION)
+        await router.post("/v1/completions", {**COMPLETION, "n": 2})
+        metrics = (await router.client.get("/metrics")).text
+        for line in (
+            'tandem_router_requests_total{endpoint="/v1/completions",status="200"} 1.0',
+            'tandem_router_requests_total{endpoint="/v1/completions",status="400"} 1.0',
+            'tandem_router_errors_total{kind="bad_request"} 1.0',
+            "tandem_router_ttft_seconds_count 1.0",
+            "tandem_router_e2e_seconds_count 1.0",
+            f'tandem_router_decode_outstanding_tokens{{instance="{D0}"}} 0.0',
+            f'tandem_router_prefill_in_flight{{instance="{P0}"}} 0.0',
+            "tandem_router_in_flight 0.0",
+        ):
+            assert line in metrics.splitlines(), line
+
+    _run(test)
