@@ -17,10 +17,12 @@ before any byte moves. The transport moves bytes and knows nothing of models or 
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
+import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -145,6 +147,8 @@ class Transport(abc.ABC):
     one_sided: bool
     """True when writes complete without the peer's CPU (RDMA, cross-memory attach): a stopped
     peer cannot stall them. False when the peer's process receives the bytes (TCP)."""
+    _closed: bool
+    """True once close() has begun: write() then fails every transfer at once."""
 
     @abc.abstractmethod
     def register(self, addr: int, nbytes: int, device: str = "cpu") -> Region:
@@ -162,7 +166,6 @@ class Transport(abc.ABC):
     def connect(self, endpoint: bytes, deadline: float) -> Peer:
         """Connects to the agent that published `endpoint`; raises HandshakeError."""
 
-    @abc.abstractmethod
     def write(
         self,
         peer: Peer,
@@ -171,7 +174,35 @@ class Transport(abc.ABC):
         notify: bytes | None = None,
     ) -> Transfer:
         """Starts one-sided writes; `notify` is delivered to the peer's notifications() once
-        every byte has landed. `deadline` is absolute, in time.monotonic() seconds."""
+        every byte has landed. `deadline` is absolute, in time.monotonic() seconds.
+
+        The same for every backend, before any I/O: an op outside the peer's regions, or whose
+        source is not registered here, raises TransferError (as does a notify the backend cannot
+        carry); then a closed transport fails the transfer, a write with nothing to move and
+        nothing to notify is DONE, and one whose deadline has passed fails (DeadlineExceeded).
+        Zero-length ops move nothing: the backend never sees them."""
+        notify = notify or b""
+        peer.check(ops)
+        ops = [op for op in ops if op.nbytes]
+        self._check_local(ops, notify)
+        if self._closed:
+            return SettledTransfer(TransferError(f"{self.name}: transport closed"))
+        if not ops and not notify:
+            return SettledTransfer(None)
+        if time.monotonic() >= deadline:
+            error = DeadlineExceeded(f"{self.name}: the deadline passed before the write started")
+            return SettledTransfer(error)
+        return self._write(peer, ops, deadline, notify)
+
+    @abc.abstractmethod
+    def _check_local(self, ops: Sequence[WriteOp], notify: bytes) -> None:
+        """Raises TransferError for what this agent cannot send: an op whose source it has not
+        registered, a notify payload the backend cannot carry."""
+
+    @abc.abstractmethod
+    def _write(self, peer: Peer, ops: list[WriteOp], deadline: float, notify: bytes) -> Transfer:
+        """write() once its checks passed: a peer of this backend, at least one op or a notify,
+        every op non-empty and inside registered regions on both sides, time left."""
 
     @abc.abstractmethod
     def notifications(self) -> list[bytes]:
@@ -224,11 +255,48 @@ class RegionTable:
                 )
 
 
-def host_region(backend: str, addr: int, nbytes: int, device: str) -> Region:
-    """A Region for a backend that moves host memory only; GPU memory is refused by name."""
-    if device != "cpu":
-        raise ValueError(f"{backend}: cannot register {device} memory (host memory only; use nixl)")
-    return Region(addr, nbytes, device)
+class HostTransport(Transport):
+    """A backend that reaches host memory itself (tcp, shm): registering a region only records
+    it, for the endpoint to advertise and for write() to check sources against. GPU memory is
+    refused by name."""
+
+    def __init__(self) -> None:
+        self._regions = RegionTable(self.name)
+        self._closed = False
+
+    def register(self, addr: int, nbytes: int, device: str = "cpu") -> Region:
+        if device != "cpu":
+            raise ValueError(
+                f"{self.name}: cannot register {device} memory (host memory only; use nixl)"
+            )
+        return self._regions.add(Region(addr, nbytes, device))
+
+    def deregister(self, region: Region) -> None:
+        self._regions.remove(region)
+
+    def _check_local(self, ops: Sequence[WriteOp], notify: bytes) -> None:
+        self._regions.check_sources(ops)
+
+
+def endpoint_bytes(backend: str, regions: list[list], **fields: object) -> bytes:
+    """An endpoint as every backend publishes it: a JSON object naming the backend first and
+    listing the registered regions last ([addr, nbytes] or [addr, nbytes, device] each)."""
+    return json.dumps({"transport": backend, **fields, "regions": regions}).encode()
+
+
+@contextlib.contextmanager
+def reading_endpoint(backend: str, endpoint: bytes) -> Iterator[dict]:
+    """Yields the endpoint's JSON object once it names `backend`. A malformed endpoint raises
+    HandshakeError, and so does a field that the with-block finds missing or of the wrong type
+    (a KeyError, ValueError, TypeError or IndexError raised inside it)."""
+    try:
+        info = json.loads(endpoint)
+        kind = info.get("transport") if isinstance(info, dict) else None
+        if kind != backend:
+            raise HandshakeError(f"{backend}: endpoint is for {kind!r}")
+        yield info
+    except (ValueError, KeyError, TypeError, IndexError) as e:  # JSON errors are ValueErrors
+        raise HandshakeError(f"{backend}: malformed endpoint: {e}") from None
 
 
 def remaining(deadline: float) -> float:

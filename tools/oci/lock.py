@@ -14,13 +14,12 @@ run what CI tests; `unconstrained` names the packages a target's torch build pin
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tools.lock import lock_lines, requirement_lines, resolve_with_pip
 from tools.oci.build import MANYLINUX
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,43 +59,24 @@ TARGETS = {
 def _pip_report(
     target: Target, requirements: list[str], constraints: Path | None, no_deps: bool
 ) -> dict:
-    """{name: (version, sha256)} that pip would install for the target's platform."""
-    if not requirements:
-        return {}
+    """{name: (version, sha256)} that pip would install for the target's platform, names
+    normalized (`_` as `-`)."""
     major, minor = target.python.split(".")
     with tempfile.TemporaryDirectory() as tmp:
-        report, reqs = Path(tmp) / "report.json", Path(tmp) / "requirements.txt"
-        reqs.write_text("\n".join(requirements) + "\n")
-        cmd = [sys.executable, "-m", "pip"]
-        if not target.machine_index:
-            cmd.append("--isolated")
-        cmd += ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report)]
-        cmd += ["--only-binary=:all:", "--target", str(Path(tmp) / "t")]
-        cmd += ["--python-version", target.python, "--implementation", "cp"]
-        cmd += ["--abi", f"cp{major}{minor}", *(f"--platform={p}" for p in MANYLINUX)]
-        cmd += ["-c", str(constraints)] if constraints else ["--require-hashes"]
-        cmd += ["-r", str(reqs)]
+        args = [] if target.machine_index else ["--isolated"]
+        args += ["--only-binary=:all:", "--target", str(Path(tmp) / "t")]
+        args += ["--python-version", target.python, "--implementation", "cp"]
+        args += ["--abi", f"cp{major}{minor}", *(f"--platform={p}" for p in MANYLINUX)]
+        args += ["-c", str(constraints)] if constraints else ["--require-hashes"]
         if target.extra_index:
-            cmd += ["--extra-index-url", target.extra_index]
-        if no_deps:
-            cmd.append("--no-deps")
-        subprocess.run(cmd, check=True)
-        items = json.loads(report.read_text())["install"]
-    resolved = {}
-    for item in items:
-        name = item["metadata"]["name"].lower().replace("_", "-")
-        hashes = item["download_info"].get("archive_info", {}).get("hashes", {})
-        if "sha256" not in hashes:
-            raise SystemExit(f"lock: pip reported no sha256 for {name}")
-        resolved[name] = (item["metadata"]["version"], hashes["sha256"])
-    return resolved
+            args += ["--extra-index-url", target.extra_index]
+        resolved = resolve_with_pip(requirements, no_deps, args)
+    return {name.replace("_", "-"): pin for name, pin in resolved.items()}
 
 
 def _requirements(path: Path) -> list[str]:
-    if not path.exists():
-        return []
-    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
-    return [line for line in lines if line]
+    """An optional requirements file's lines: none where the target has no such file."""
+    return requirement_lines(path) if path.exists() else []
 
 
 def _dev_constraints(target: Target, out: Path) -> Path:
@@ -156,10 +136,7 @@ def render(name: str, packages: dict, layer: str) -> str:
     ]
     if target.unresolvable and layer == "engine":
         lines.append(f"# unresolved: {target.unresolvable}")
-    for pkg in sorted(packages):
-        version, sha256 = packages[pkg]
-        lines.append(f"{pkg}=={version} \\\n    --hash=sha256:{sha256}")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *lock_lines(packages)]) + "\n"
 
 
 def main() -> None:

@@ -61,7 +61,6 @@ which live as long as it does. None of them are Python threads.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import socket
 import threading
@@ -82,6 +81,8 @@ from transport.base import (
     Transport,
     TransportError,
     WriteOp,
+    endpoint_bytes,
+    reading_endpoint,
 )
 from transport.mooncake.side_channel import (
     MAX_NOTIFY,
@@ -90,8 +91,8 @@ from transport.mooncake.side_channel import (
     REQUEST,
     NotifyListener,
     hello,
-    shutdown,
 )
+from transport.sockets import shutdown
 
 _PROTOCOLS = ("tcp", "rdma")
 _RDMA_SYSFS = "/sys/class/infiniband"
@@ -173,29 +174,21 @@ class MooncakeTransport(Transport):
                 raise TransportError(f"mooncake: unregister_memory({region.addr:#x}) -> {rc}")
 
     def endpoint(self) -> bytes:
-        regions = self._regions.pairs()
-        return json.dumps(
-            {
-                "transport": "mooncake",
-                "protocol": self._protocol,
-                "session": self._session,
-                "notify": list(self._listener.address),
-                "regions": regions,
-            }
-        ).encode()
+        return endpoint_bytes(
+            "mooncake",
+            self._regions.pairs(),
+            protocol=self._protocol,
+            session=self._session,
+            notify=list(self._listener.address),
+        )
 
     # -- sending -------------------------------------------------------------------------------
 
     def connect(self, endpoint: bytes, deadline: float) -> Peer:
-        try:
-            info = json.loads(endpoint)
-            if info.get("transport") != "mooncake":
-                raise HandshakeError(f"mooncake: endpoint is for {info.get('transport')!r}")
+        with reading_endpoint("mooncake", endpoint) as info:
             session, protocol = str(info["session"]), str(info["protocol"])
             address = (str(info["notify"][0]), int(info["notify"][1]))
             regions = [Region(int(a), int(n)) for a, n in info["regions"]]
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-            raise HandshakeError(f"mooncake: malformed endpoint: {e}") from None
         if protocol != self._protocol:
             raise HandshakeError(f"mooncake: peer {session} speaks {protocol}, we {self._protocol}")
         peer = _MooncakePeer(session, regions, hello(address, session, deadline))
@@ -212,15 +205,14 @@ class MooncakeTransport(Transport):
             self._peers.append(peer)
         return peer
 
-    def write(
-        self, peer: Peer, ops: Sequence[WriteOp], deadline: float, notify: bytes | None = None
-    ) -> Transfer:
-        assert isinstance(peer, _MooncakePeer)
-        peer.check(ops)
+    def _check_local(self, ops: Sequence[WriteOp], notify: bytes) -> None:
         self._regions.check_sources(ops)
-        if notify and len(notify) > MAX_NOTIFY:
+        if len(notify) > MAX_NOTIFY:
             raise TransferError(f"mooncake: notify of {len(notify)} bytes (at most {MAX_NOTIFY})")
-        transfer = _MooncakeTransfer(self, peer, [op for op in ops if op.nbytes], deadline, notify)
+
+    def _write(self, peer: Peer, ops: list[WriteOp], deadline: float, notify: bytes) -> Transfer:
+        assert isinstance(peer, _MooncakePeer)
+        transfer = _MooncakeTransfer(self, peer, ops, deadline, notify)
         transfer.poll()  # starts the I/O now
         return transfer
 
@@ -281,7 +273,7 @@ class _MooncakeTransfer(Transfer):
         peer: _MooncakePeer,
         ops: list[WriteOp],
         deadline: float,
-        notify: bytes | None,
+        notify: bytes,
     ) -> None:
         self.deadline = deadline
         self._owner = owner

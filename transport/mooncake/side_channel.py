@@ -13,6 +13,7 @@ import struct
 import threading
 
 from transport.base import DeadlineExceeded, HandshakeError, remaining
+from transport.sockets import dial, shutdown
 
 MAX_NOTIFY = 1024 * 1024
 REQUEST = struct.Struct("!BQI")  # kind, id, payload length; then the payload
@@ -22,14 +23,8 @@ HELLO, NOTIFY = 1, 2
 
 def hello(address: tuple[str, int], session: str, deadline: float) -> socket.socket:
     """A side-channel connection to the peer, once it confirmed it is `session`."""
+    sock = dial("mooncake", address, deadline)
     try:
-        sock = socket.create_connection(address, timeout=max(remaining(deadline), 0.001))
-    except TimeoutError:
-        raise DeadlineExceeded(f"mooncake: connect to {address} timed out") from None
-    except OSError as e:
-        raise HandshakeError(f"mooncake: cannot connect to {address}: {e}") from None
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(max(remaining(deadline), 0.001))
         name = session.encode()
         sock.sendall(REQUEST.pack(HELLO, 0, len(name)) + name)
@@ -150,9 +145,3 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("peer closed the connection")
         buf += data
     return bytes(buf)
-
-
-def shutdown(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()

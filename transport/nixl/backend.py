@@ -47,7 +47,6 @@ import contextlib
 import ctypes
 import functools
 import ipaddress
-import json
 import os
 import socket
 import threading
@@ -70,6 +69,8 @@ from transport.base import (
     Transport,
     TransportError,
     WriteOp,
+    endpoint_bytes,
+    reading_endpoint,
 )
 
 _PROGRESS_POLL_US = 10_000  # the progress thread wakes on UCX events, and at least this often
@@ -173,30 +174,18 @@ class NixlTransport(Transport):
         metadata = self._live().getLocalMD()
         with self._lock:
             regions = [[r.addr, r.nbytes, r.device] for r in self._regions]
-        return json.dumps(
-            {
-                "transport": "nixl",
-                "agent": self._name,
-                "metadata": base64.b64encode(metadata).decode(),
-                "regions": regions,
-            }
-        ).encode()
+        metadata = base64.b64encode(metadata).decode()
+        return endpoint_bytes("nixl", regions, agent=self._name, metadata=metadata)
 
     # -- sending -------------------------------------------------------------------------------
 
     def connect(self, endpoint: bytes, deadline: float) -> Peer:
-        try:
-            info = json.loads(endpoint)
-            kind = info.get("transport") if isinstance(info, dict) else None
-            if kind != "nixl":
-                raise HandshakeError(f"nixl: endpoint is for {kind!r}")
+        with reading_endpoint("nixl", endpoint) as info:  # base64 errors are ValueErrors
             name = str(info["agent"])
             metadata = base64.b64decode(info["metadata"], validate=True)
             regions = [Region(int(a), int(n), str(d)) for a, n, d in info["regions"]]
             for region in regions:
                 _memory(region.device)
-        except (ValueError, KeyError, TypeError) as e:  # JSON and base64 errors are ValueErrors
-            raise HandshakeError(f"nixl: malformed endpoint: {e}") from None
         if time.monotonic() >= deadline:
             raise DeadlineExceeded(f"nixl: deadline passed before connecting to {name!r}")
         # Loading an agent again (its endpoint now lists more regions) merges the new metadata.
@@ -212,21 +201,16 @@ class NixlTransport(Transport):
         self._probe_peer(peer, deadline)
         return peer
 
-    def write(
-        self, peer: Peer, ops: Sequence[WriteOp], deadline: float, notify: bytes | None = None
-    ) -> Transfer:
+    def _check_local(self, ops: Sequence[WriteOp], notify: bytes) -> None:
+        _source_regions(ops, self._table)
+
+    def _write(self, peer: Peer, ops: list[WriteOp], deadline: float, notify: bytes) -> Transfer:
         assert isinstance(peer, _NixlPeer)
-        peer.check(ops)
-        ops = [op for op in ops if op.nbytes]
-        descs = _descriptors(ops, self._table, peer.table) if ops else None
-        if descs is None and not notify:
-            return SettledTransfer(None)
-        if time.monotonic() >= deadline:
-            return SettledTransfer(
-                DeadlineExceeded("nixl: the deadline passed before the write started")
-            )
-        if descs is not None:
-            return self._start(nixl.NIXL_WRITE, *descs, peer.name, notify or b"", deadline)
+        if ops:
+            local, remote = _descriptors(ops, self._table, peer.table)
+            transfer = _NixlTransfer(self, deadline)
+            transfer.start(nixl.NIXL_WRITE, local, remote, peer.name, notify)
+            return transfer
         try:
             self._live().genNotif(peer.name, notify, [])
         except _NIXL_ERRORS as e:
@@ -275,22 +259,11 @@ class NixlTransport(Transport):
             raise TransportError("nixl: transport is closed")
         return agent
 
-    def _start(
-        self,
-        op: nixl.nixl_xfer_op_t,
-        local: nixl.nixlXferDList,
-        remote: nixl.nixlXferDList,
-        peer: str,
-        notify: bytes,
-        deadline: float,
-    ) -> _NixlTransfer:
-        transfer = _NixlTransfer(self, deadline)
+    def _track(self, transfer: _NixlTransfer) -> None:
         with self._lock:
             if self._closed:
                 raise TransportError("nixl: transport is closed")
             self._transfers.add(transfer)
-        transfer.start(op, local, remote, peer, notify)
-        return transfer
 
     def _forget(self, transfer: _NixlTransfer) -> None:
         with self._lock:
@@ -306,7 +279,8 @@ class NixlTransport(Transport):
         memory, device_id = _memory(target.device)
         local = nixl.nixlXferDList(nixl.DRAM_SEG, [(self._probe_addr, 1, 0)])
         remote = nixl.nixlXferDList(memory, [(target.addr, 1, device_id)])
-        probe = self._start(nixl.NIXL_READ, local, remote, peer.name, b"", deadline)
+        probe = _NixlTransfer(self, deadline)
+        probe.start(nixl.NIXL_READ, local, remote, peer.name, b"")
         try:
             probe.wait()
         except DeadlineExceeded:
@@ -342,6 +316,8 @@ class _NixlTransfer(Transfer):
         peer: str,
         notify: bytes,
     ) -> None:
+        """Posts the request; raises TransportError if the transport has closed."""
+        self._owner._track(self)
         with self._lock:
             if self._state is not TransferState.PENDING:
                 return  # the transport closed before the transfer started
@@ -415,13 +391,8 @@ def _descriptors(
     """NIXL descriptor lists for non-empty ops (which the peer has already checked). A run that
     continues the previous one on both sides, within the same regions, is merged into it: the
     number of descriptors, not bytes, bounds NIXL's rate."""
-    src = np.fromiter((op.src for op in ops), np.int64, len(ops))
+    src, size, src_region = _source_regions(ops, local)
     dst = np.fromiter((op.dst for op in ops), np.int64, len(ops))
-    size = np.fromiter((op.nbytes for op in ops), np.int64, len(ops))
-    src_region = local.locate(src, size)
-    if (missing := np.flatnonzero(src_region < 0)).size:
-        op = ops[missing[0]]
-        raise TransferError(f"nixl: source {op.src:#x}+{op.nbytes} is not registered here")
     dst_region = remote.locate(dst, size)
     assert (dst_region >= 0).all(), "ops outside the peer's regions passed Peer.check"
     head = np.ones(len(ops), dtype=bool)
@@ -437,6 +408,20 @@ def _descriptors(
         _dlist(local, src_region[first], src[first], lengths),
         _dlist(remote, dst_region[first], dst[first], lengths),
     )
+
+
+def _source_regions(
+    ops: Sequence[WriteOp], local: _RegionTable
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ops' sources, sizes and source regions' indices; raises TransferError for a source
+    outside `local` (checked by write() and again here: a region may go in between)."""
+    src = np.fromiter((op.src for op in ops), np.int64, len(ops))
+    size = np.fromiter((op.nbytes for op in ops), np.int64, len(ops))
+    region = local.locate(src, size)
+    if (missing := np.flatnonzero(region < 0)).size:
+        op = ops[missing[0]]
+        raise TransferError(f"nixl: source {op.src:#x}+{op.nbytes} is not registered here")
+    return src, size, region
 
 
 def _dlist(

@@ -13,7 +13,6 @@ needs nothing of it: only its notification waits for it to run again.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import socket
 import time
@@ -22,16 +21,16 @@ from collections.abc import Iterator, Sequence
 from transport.base import (
     DeadlineExceeded,
     HandshakeError,
+    HostTransport,
     Peer,
     Region,
-    RegionTable,
     SettledTransfer,
     Transfer,
     TransferError,
-    Transport,
     TransportError,
     WriteOp,
-    host_region,
+    endpoint_bytes,
+    reading_endpoint,
     remaining,
 )
 
@@ -47,61 +46,37 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.process_vm_writev.restype = ctypes.c_ssize_t
 
 
-class ShmTransport(Transport):
+class ShmTransport(HostTransport):
     name = "shm"
     one_sided = True
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         del host  # same host only: nothing to bind
-        self._regions = RegionTable("shm")
+        super().__init__()
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._address = f"\0tandem-shm-{os.getpid()}-{id(self):x}"
         self._socket.bind(self._address)
         self._socket.setblocking(False)
-        self._closed = False
-
-    def register(self, addr: int, nbytes: int, device: str = "cpu") -> Region:
-        return self._regions.add(host_region("shm", addr, nbytes, device))
-
-    def deregister(self, region: Region) -> None:
-        self._regions.remove(region)
 
     def endpoint(self) -> bytes:
         regions = self._regions.pairs()
-        return json.dumps(
-            {
-                "transport": "shm",
-                "pid": os.getpid(),
-                "socket": self._address[1:],
-                "regions": regions,
-            }
-        ).encode()
+        return endpoint_bytes("shm", regions, pid=os.getpid(), socket=self._address[1:])
 
     def connect(self, endpoint: bytes, deadline: float) -> Peer:
-        try:
-            info = json.loads(endpoint)
-            if info.get("transport") != "shm":
-                raise HandshakeError(f"shm: endpoint is for {info.get('transport')!r}")
-            peer = _ShmPeer(
-                int(info["pid"]), "\0" + info["socket"], [Region(a, n) for a, n in info["regions"]]
-            )
-        except (ValueError, KeyError, TypeError) as e:
-            raise HandshakeError(f"shm: malformed endpoint: {e}") from None
+        with reading_endpoint("shm", endpoint) as info:
+            regions = [Region(a, n) for a, n in info["regions"]]
+            peer = _ShmPeer(int(info["pid"]), "\0" + info["socket"], regions)
         try:
             os.kill(peer.pid, 0)
         except ProcessLookupError:
             raise HandshakeError(f"shm: no process {peer.pid} on this host") from None
         return peer
 
-    def write(
-        self, peer: Peer, ops: Sequence[WriteOp], deadline: float, notify: bytes | None = None
-    ) -> Transfer:
+    def _write(self, peer: Peer, ops: list[WriteOp], deadline: float, notify: bytes) -> Transfer:
         assert isinstance(peer, _ShmPeer)
-        peer.check(ops)
-        self._regions.check_sources(ops)
         # The copy is synchronous (a kernel memcpy); the transfer is done or failed on return.
         try:
-            _copy(peer.pid, [op for op in ops if op.nbytes], deadline)
+            _copy(peer.pid, ops, deadline)
             if notify:
                 peer.notify(notify, deadline)
         except TransportError as e:

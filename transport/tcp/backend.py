@@ -13,9 +13,7 @@ the receiver runs one thread per accepted connection. Host memory only.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import queue
 import socket
 import struct
@@ -25,20 +23,20 @@ from collections.abc import Sequence
 
 from transport.base import (
     DeadlineExceeded,
-    HandshakeError,
+    HostTransport,
     Peer,
     Region,
-    RegionTable,
     Transfer,
     TransferError,
     TransferState,
-    Transport,
     TransportError,
     WriteOp,
-    host_region,
+    endpoint_bytes,
+    reading_endpoint,
     remaining,
 )
 from transport.memory import view
+from transport.sockets import dial, shutdown
 
 _HEADER = struct.Struct("!BQQQ")
 _ACK = struct.Struct("!QBI")
@@ -48,12 +46,12 @@ _CHUNK = (
 )  # bytes per sendall/recv_into call: bounds the time between deadline checks
 
 
-class TcpTransport(Transport):
+class TcpTransport(HostTransport):
     name = "tcp"
     one_sided = False
 
     def __init__(self, host: str = "127.0.0.1") -> None:
-        self._regions = RegionTable("tcp")
+        super().__init__()
         self._lock = threading.Lock()
         self._notifications: list[bytes] = []
         self._listener = socket.create_server((host, 0))
@@ -61,53 +59,25 @@ class TcpTransport(Transport):
         self._connections: set[socket.socket] = set()
         self._peers: list[_TcpPeer] = []
         self._threads: list[threading.Thread] = []
-        self._closed = False
         self._spawn(self._accept_loop, "tcp-accept")
 
-    # -- local memory --------------------------------------------------------------------------
-
-    def register(self, addr: int, nbytes: int, device: str = "cpu") -> Region:
-        return self._regions.add(host_region("tcp", addr, nbytes, device))
-
-    def deregister(self, region: Region) -> None:
-        self._regions.remove(region)
-
     def endpoint(self) -> bytes:
-        regions = self._regions.pairs()
-        return json.dumps(
-            {"transport": "tcp", "host": self._host, "port": self._port, "regions": regions}
-        ).encode()
+        return endpoint_bytes("tcp", self._regions.pairs(), host=self._host, port=self._port)
 
     # -- sending -------------------------------------------------------------------------------
 
     def connect(self, endpoint: bytes, deadline: float) -> Peer:
-        try:
-            info = json.loads(endpoint)
-            if info.get("transport") != "tcp":
-                raise HandshakeError(f"tcp: endpoint is for {info.get('transport')!r}")
+        with reading_endpoint("tcp", endpoint) as info:
             address = (info["host"], int(info["port"]))
             regions = [Region(int(a), int(n)) for a, n in info["regions"]]
-        except (ValueError, KeyError, TypeError) as e:
-            raise HandshakeError(f"tcp: malformed endpoint: {e}") from None
-        try:
-            sock = socket.create_connection(address, timeout=max(remaining(deadline), 0.001))
-        except TimeoutError:
-            raise DeadlineExceeded(f"tcp: connect to {address} timed out") from None
-        except OSError as e:
-            raise HandshakeError(f"tcp: cannot connect to {address}: {e}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = _TcpPeer(sock, regions, self)
+        peer = _TcpPeer(dial("tcp", address, deadline), regions, self)
         with self._lock:
             self._peers.append(peer)
         return peer
 
-    def write(
-        self, peer: Peer, ops: Sequence[WriteOp], deadline: float, notify: bytes | None = None
-    ) -> Transfer:
+    def _write(self, peer: Peer, ops: list[WriteOp], deadline: float, notify: bytes) -> Transfer:
         assert isinstance(peer, _TcpPeer)
-        peer.check(ops)
-        self._regions.check_sources(ops)
-        return peer.submit(ops, deadline, notify or b"")
+        return peer.submit(ops, deadline, notify)
 
     # -- receiving -----------------------------------------------------------------------------
 
@@ -125,8 +95,8 @@ class TcpTransport(Transport):
         with self._lock:
             connections = list(self._connections)
         for conn in connections:
-            _shutdown(conn)
-        _shutdown(self._listener)
+            shutdown(conn)
+        shutdown(self._listener)
         for thread in self._threads:
             thread.join(timeout=5)
 
@@ -240,9 +210,8 @@ class _TcpPeer(Peer):
                 continue  # aborted or expired while queued
             try:
                 for op in ops:
-                    if op.nbytes:
-                        self._send(_HEADER.pack(_DATA, xfer, op.dst, op.nbytes), transfer)
-                        self._send(view(op.src, op.nbytes), transfer)
+                    self._send(_HEADER.pack(_DATA, xfer, op.dst, op.nbytes), transfer)
+                    self._send(view(op.src, op.nbytes), transfer)
                 self._send(_HEADER.pack(_END, xfer, 0, len(notify)) + notify, transfer)
             except TransportError as e:
                 self._fail_all(e)  # a half-sent frame leaves the stream unusable
@@ -280,7 +249,7 @@ class _TcpPeer(Peer):
             inflight, self._inflight = self._inflight, {}
         for transfer in inflight.values():
             transfer.finish(error)
-        _shutdown(self._sock)
+        shutdown(self._sock)
 
 
 def _ack(xfer: int, error: str | None) -> bytes:
@@ -306,9 +275,3 @@ def _recv_into(sock: socket.socket, target: memoryview) -> None:
         if n == 0:
             raise ConnectionError("peer closed the connection")
         got += n
-
-
-def _shutdown(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()

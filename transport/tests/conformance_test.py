@@ -159,6 +159,24 @@ def test_zero_length_writes_complete_and_change_nothing(sender, peer):
     assert peer.crc(0, 4096) == zlib.crc32(bytes(4096))
 
 
+def test_writes_that_cannot_start_settle_before_any_io(sender, peer):
+    agent, buffer = sender
+    remote = agent.connect(peer.endpoint, _deadline())
+    op = WriteOp(buffer.addr, peer.addr, 4096)
+    past = time.monotonic() - 1
+    assert agent.write(remote, [], past).poll() is TransferState.DONE  # nothing to do
+    late = agent.write(remote, [op], past)
+    assert late.poll() is TransferState.FAILED
+    assert isinstance(late.error(), DeadlineExceeded)
+    with pytest.raises(TransferError, match="not registered here"):
+        agent.write(remote, [WriteOp(buffer.addr + PEER_BYTES, peer.addr, 4096)], _deadline())
+    agent.close()
+    closed = agent.write(remote, [op], _deadline())
+    assert closed.poll() is TransferState.FAILED
+    assert isinstance(closed.error(), TransferError)
+    assert peer.crc(0, 4096) == zlib.crc32(bytes(4096))
+
+
 def test_notification_arrives_after_the_bytes(sender, peer):
     agent, buffer = sender
     remote = agent.connect(peer.endpoint, _deadline())
@@ -217,8 +235,9 @@ def test_stopped_peer_gives_deadline_exceeded_at_the_deadline_not_a_hang(sender,
 
 def test_bad_endpoints_fail_the_handshake(sender, backend):
     agent, _ = sender
-    with pytest.raises(HandshakeError):
-        agent.connect(b"not json", _deadline())
+    for malformed in (b"not json", b"[1]", b'{"transport": "%s"}' % backend.encode()):
+        with pytest.raises(HandshakeError):
+            agent.connect(malformed, _deadline())
     other = "shm" if backend != "shm" else "tcp"
     with pytest.raises(HandshakeError):
         agent.connect(json.dumps({"transport": other}).encode(), _deadline())
