@@ -1,20 +1,24 @@
-"""Admission of remotely prefilled KV: the blocks of each ticket, from reservation to decoding.
+"""Admission of remotely prefilled KV, and the state of every request on the decode server.
 
-Life cycle of a ticket (TicketState), with a generation number per request id:
+Life of a request (RequestState), with a generation number per request id:
 
-  reserve()                commit() by every sender        take()
-  ---------> RESERVED ---------------------------------> READY ------> handed to the engine
-                 |                                          |            (blocks owned by it)
-                 | deadline passed / abort / bad commit     | abort
-                 v                                          v
-              FAILED: blocks QUARANTINED until every       FAILED: blocks freed at once
-              sender committed or the deadline (+ grace)   (no writer is left)
-              passed, since a remote writer may still
-              be writing into them; then freed.
+  reserve()           commit() by every sender        take()             its stream ends
+  --------> RESERVED ------------------------> READY --------> RUNNING ----------------> FINISHED
+               |                                 |              the engine owns its blocks and
+               | deadline / abort / bad commit   | abort        its tokens; an abort stops the
+               v                                 v              engine, which ends the stream
+            FAILED: blocks QUARANTINED until    FAILED: blocks freed at once (no writer is left)
+            every sender committed or the
+            deadline (+ grace) passed, since a
+            remote writer may still be writing
+            into them; then freed.
 
-Commits of an older generation (a retried request id) are refused and change nothing. Every
-waiter gets an explicit outcome by the deadline. After any storm of failures, once the
-deadlines have passed, the pool's free count is back to its baseline.
+A failed ticket remembers why (a FailureKind and a message): a late Generate or Commit of it is
+refused with the status its kind maps to. Commits of an older generation (a retried request id)
+are refused and change nothing. Every waiter gets an explicit outcome by the deadline. After any
+storm of failures, once the deadlines have passed, the pool's free count is back to its
+baseline. A request id is live from reserve() until FINISHED or FAILED; a second reserve() of a
+live id is refused.
 """
 
 from __future__ import annotations
@@ -26,31 +30,66 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
+
 from engine.kv_cache import BlockPool
 
 # Writers stop at the ticket's deadline (their transports enforce it); this much longer, a DMA
 # already issued may still land, so quarantined blocks wait for it too.
 QUARANTINE_GRACE_S = 1.0
-DEADLINE_MISSED = "not every sender committed by the deadline"
 REMEMBERED_REQUESTS = 65536
 """Request ids whose latest generation (and, if it failed, why) is remembered after they leave:
 enough to refuse stale commits and to tell a late Generate why its ticket failed, bounded so a
 long-running server does not grow with every request it ever saw."""
 
 
-class AdmissionError(Exception):
-    """A request refused; `code` names the gRPC status to return."""
+class RequestState(enum.Enum):
+    RESERVED = "reserved"  # blocks allocated; waiting for every sender's commit
+    READY = "ready"  # every sender committed; waiting for Generate to take it
+    RUNNING = "running"  # the engine loop's (blocks and all) until its token stream ends
+    FINISHED = "finished"  # its stream ended (stop, length, abort, engine failed): forgotten
+    FAILED = "failed"  # failed before it ran (its Failure says why): blocks freed or quarantined
 
-    def __init__(self, code: str, message: str) -> None:
+
+class FailureKind(enum.Enum):
+    """Why a ticket failed; `status` is what a late Generate of it is answered with."""
+
+    DEADLINE_MISSED = "deadline missed"  # not every sender committed by the ticket's deadline
+    ABORTED = "aborted"  # by the router, a client, or the Generate's client going away
+    SENDER_FAILED = "sender failed"  # a sender committed with an error
+    BAD_COMMIT = "bad commit"  # a commit whose layers or bytes do not fit the ticket
+    BAD_REQUEST = "bad request"  # Generate's parameters were refused
+
+    @property
+    def status(self) -> grpc.StatusCode:
+        if self is FailureKind.DEADLINE_MISSED:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.ABORTED
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: FailureKind
+    message: str
+
+
+DEADLINE_MISSED = Failure(FailureKind.DEADLINE_MISSED, "not every sender committed by the deadline")
+
+
+class AdmissionError(Exception):
+    """A request refused: `code` is the gRPC status to answer with; `kind` says why the ticket
+    failed, when it did (None for a refusal that left the ticket as it was)."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, kind: FailureKind | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
+        self.kind = kind
 
-
-class TicketState(enum.Enum):
-    RESERVED = "reserved"
-    READY = "ready"
-    TAKEN = "taken"
-    FAILED = "failed"
+    @classmethod
+    def failed(cls, failure: Failure) -> AdmissionError:
+        return cls(failure.kind.status, failure.message, failure.kind)
 
 
 @dataclass
@@ -67,8 +106,9 @@ class Reservation:
     """KV bytes of the prompt, all layers, K and V, summed over every sender."""
     committed: dict[int, int] = field(default_factory=dict)
     """sender rank -> bytes it reported."""
-    state: TicketState = TicketState.RESERVED
-    error: str | None = None
+    state: RequestState = RequestState.RESERVED
+    failure: Failure | None = None
+    """Why it FAILED."""
     quarantined_until: float | None = None
 
 
@@ -91,9 +131,10 @@ class Admission:
         self.default_timeout_s = default_timeout_s
         self.clock = clock
         self._live: dict[str, Reservation] = {}
+        """RESERVED, READY and RUNNING requests."""
         self._quarantine: list[Reservation] = []
         self._generations: OrderedDict[str, int] = OrderedDict()
-        self._failures: OrderedDict[tuple[str, int], str] = OrderedDict()
+        self._failures: OrderedDict[tuple[str, int], Failure] = OrderedDict()
         """(request id, generation) -> why that ticket failed."""
         self._cond = threading.Condition()
 
@@ -107,27 +148,30 @@ class Admission:
         max_tokens: int,
         timeout_s: float = 0.0,
     ) -> Reservation:
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
         if not request_id:
-            raise AdmissionError("INVALID_ARGUMENT", "request_id: must not be empty")
+            raise AdmissionError(invalid, "request_id: must not be empty")
         if not prompt_ids:
-            raise AdmissionError("INVALID_ARGUMENT", "prompt_token_ids: must not be empty")
+            raise AdmissionError(invalid, "prompt_token_ids: must not be empty")
         if num_senders < 1:
-            raise AdmissionError("INVALID_ARGUMENT", f"num_senders: {num_senders} must be >= 1")
+            raise AdmissionError(invalid, f"num_senders: {num_senders} must be >= 1")
         if len(prompt_ids) + max_tokens > self.max_model_len:
             raise AdmissionError(
-                "INVALID_ARGUMENT",
+                invalid,
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the "
                 f"context length {self.max_model_len}",
             )
         with self._cond:
             self._expire_locked()
             if request_id in self._live:
-                raise AdmissionError("ALREADY_EXISTS", f"request {request_id!r} is already live")
+                raise AdmissionError(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already live"
+                )
             need = -(-len(prompt_ids) // self.block_size)
             blocks = self.pool.allocate(need)
             if blocks is None:
                 raise AdmissionError(
-                    "RESOURCE_EXHAUSTED",
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{need} KV blocks needed for {len(prompt_ids)} tokens, "
                     f"{self.pool.num_free} free of {self.pool.num_total}",
                 )
@@ -160,37 +204,33 @@ class Admission:
             self._expire_locked()
             self._release_quarantine_on_commit_locked(request_id, generation, rank)
             res = self._find_locked(request_id, generation)
-            if res.state is TicketState.READY and rank in res.committed:
+            done = (RequestState.READY, RequestState.RUNNING)
+            if res.state in done and rank in res.committed:
                 return len(res.committed), res.num_senders  # a repeated commit: idempotent
-            if res.state is not TicketState.RESERVED:
+            if res.state is not RequestState.RESERVED:
                 raise AdmissionError(
-                    "FAILED_PRECONDITION",
-                    f"request {request_id!r} is {res.state.value}: {res.error or 'no commit due'}",
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"request {request_id!r} is {res.state.value}: no commit due",
                 )
             if not 0 <= rank < res.num_senders:
                 raise AdmissionError(
-                    "INVALID_ARGUMENT",
+                    grpc.StatusCode.INVALID_ARGUMENT,
                     f"sender_rank: {rank} not in [0, {res.num_senders})",
                 )
             res.committed[rank] = nbytes  # a repeated commit of a rank replaces its own
             # Whatever it says, a sender that commits has stopped writing.
             if error:
-                self._fail_locked(res, f"sender {rank} failed: {error}")
+                failure = Failure(FailureKind.SENDER_FAILED, f"sender {rank} failed: {error}")
+                self._fail_locked(res, failure)
                 return len(res.committed), res.num_senders
-            if layers != self.num_layers:
-                reason = f"sender {rank} wrote {layers} layers, the model has {self.num_layers}"
-                self._fail_locked(res, reason)
-                raise AdmissionError("INVALID_ARGUMENT", reason)
+            problem = self._commit_problem_locked(res, rank, layers)
+            if problem is not None:
+                self._fail_locked(res, Failure(FailureKind.BAD_COMMIT, problem))
+                raise AdmissionError(
+                    grpc.StatusCode.INVALID_ARGUMENT, problem, FailureKind.BAD_COMMIT
+                )
             if len(res.committed) == res.num_senders:
-                total = sum(res.committed.values())
-                if total != res.expected_bytes:
-                    reason = (
-                        f"senders wrote {total} bytes of KV, the prompt's {len(res.prompt_ids)} "
-                        f"tokens need {res.expected_bytes}"
-                    )
-                    self._fail_locked(res, reason)
-                    raise AdmissionError("INVALID_ARGUMENT", reason)
-                res.state = TicketState.READY
+                res.state = RequestState.READY
                 self._cond.notify_all()
             return len(res.committed), res.num_senders
 
@@ -199,26 +239,41 @@ class Admission:
         ticket's deadline at the latest)."""
         with self._cond:
             res = self._find_locked(request_id, generation)
-            while res.state is TicketState.RESERVED:
+            while res.state is RequestState.RESERVED:
                 left = res.deadline - self.clock()
                 if left <= 0:
                     self._fail_locked(res, DEADLINE_MISSED)
                     break
                 self._cond.wait(timeout=left)
-            if res.state is TicketState.FAILED:
-                raise AdmissionError(_failure_code(res.error), res.error)
-            if res.state is TicketState.TAKEN:
-                raise AdmissionError("FAILED_PRECONDITION", f"{request_id!r} already generating")
+            if res.state is RequestState.FAILED:
+                raise AdmissionError.failed(res.failure)
+            if res.state is not RequestState.READY:
+                raise AdmissionError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"request {request_id!r} is {res.state.value}: already generating",
+                )
             return res
 
     def take(self, res: Reservation) -> list[int]:
-        """READY -> TAKEN: the blocks now belong to the caller (the engine)."""
+        """READY -> RUNNING: the blocks now belong to the caller (the engine)."""
         with self._cond:
-            if res.state is not TicketState.READY:
-                raise AdmissionError("ABORTED", res.error or f"request is {res.state.value}")
-            res.state = TicketState.TAKEN
-            del self._live[res.request_id]
+            if res.state is RequestState.FAILED:
+                raise AdmissionError.failed(res.failure)
+            if res.state is not RequestState.READY:
+                raise AdmissionError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"request {res.request_id!r} is {res.state.value}, not ready",
+                )
+            res.state = RequestState.RUNNING
             return res.block_ids
+
+    def finish(self, res: Reservation) -> None:
+        """RUNNING -> FINISHED: its token stream has ended (the engine loop calls this as it
+        ends it); the request id is free again."""
+        with self._cond:
+            assert res.state is RequestState.RUNNING, res.state
+            res.state = RequestState.FINISHED
+            del self._live[res.request_id]
 
     def abort(
         self,
@@ -226,15 +281,20 @@ class Admission:
         generation: int = 0,
         reason: str = "aborted",
         writers_possible: bool = True,
-    ) -> bool:
-        """Fails a reserved or ready ticket; False if none matched. `writers_possible=False`
+        kind: FailureKind = FailureKind.ABORTED,
+    ) -> RequestState | None:
+        """Fails a RESERVED or READY ticket (any generation if `generation` is 0). Returns the
+        state it found the request in: RESERVED or READY (FAILED now), RUNNING (unchanged: the
+        caller stops the engine), or None when no live request matched. `writers_possible=False`
         (the ticket never reached a sender) frees reserved blocks without quarantine."""
         with self._cond:
             res = self._live.get(request_id)
             if res is None or (generation and generation != res.generation):
-                return False
-            self._fail_locked(res, reason, writers_possible)
-            return True
+                return None
+            found = res.state
+            if found is not RequestState.RUNNING:
+                self._fail_locked(res, Failure(kind, reason), writers_possible)
+            return found
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -246,7 +306,13 @@ class Admission:
     @property
     def num_reserved(self) -> int:
         with self._cond:
-            return sum(r.state is TicketState.RESERVED for r in self._live.values())
+            return sum(r.state is RequestState.RESERVED for r in self._live.values())
+
+    @property
+    def num_live(self) -> int:
+        """RESERVED, READY and RUNNING requests."""
+        with self._cond:
+            return len(self._live)
 
     @property
     def num_quarantined_blocks(self) -> int:
@@ -259,19 +325,31 @@ class Admission:
             latest = self._generations.get(request_id)
             if latest is not None and generation < latest:
                 raise AdmissionError(
-                    "FAILED_PRECONDITION",
+                    grpc.StatusCode.FAILED_PRECONDITION,
                     f"stale generation {generation} of {request_id!r} (latest: {latest})",
                 )
-            reason = self._failures.get((request_id, generation))
-            if reason is not None:
-                raise AdmissionError(_failure_code(reason), reason)
-            raise AdmissionError("NOT_FOUND", f"no live request {request_id!r}")
+            failure = self._failures.get((request_id, generation))
+            if failure is not None:
+                raise AdmissionError.failed(failure)
+            raise AdmissionError(grpc.StatusCode.NOT_FOUND, f"no live request {request_id!r}")
         if generation != res.generation:
             raise AdmissionError(
-                "FAILED_PRECONDITION",
+                grpc.StatusCode.FAILED_PRECONDITION,
                 f"stale generation {generation} of {request_id!r} (live: {res.generation})",
             )
         return res
+
+    def _commit_problem_locked(self, res: Reservation, rank: int, layers: int) -> str | None:
+        """Why the commit just recorded does not fit the ticket; None if it does."""
+        if layers != self.num_layers:
+            return f"sender {rank} wrote {layers} layers, the model has {self.num_layers}"
+        total = sum(res.committed.values())
+        if len(res.committed) == res.num_senders and total != res.expected_bytes:
+            return (
+                f"senders wrote {total} bytes of KV, the prompt's {len(res.prompt_ids)} tokens "
+                f"need {res.expected_bytes}"
+            )
+        return None
 
     def _release_quarantine_on_commit_locked(
         self, request_id: str, generation: int, rank: int
@@ -285,16 +363,23 @@ class Admission:
                 if len(res.committed) >= res.num_senders:
                     self._quarantine.remove(res)
                     self.pool.free(res.block_ids)
-                raise AdmissionError("FAILED_PRECONDITION", f"request {request_id!r}: {res.error}")
+                raise AdmissionError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"request {request_id!r}: {res.failure.message}",
+                    res.failure.kind,
+                )
 
-    def _fail_locked(self, res: Reservation, reason: str, writers_possible: bool = True) -> None:
-        if res.state is TicketState.FAILED:
+    def _fail_locked(
+        self, res: Reservation, failure: Failure, writers_possible: bool = True
+    ) -> None:
+        if res.state is RequestState.FAILED:
             return
-        was_reserved = res.state is TicketState.RESERVED
-        res.state = TicketState.FAILED
-        res.error = reason
+        assert res.state in (RequestState.RESERVED, RequestState.READY), res.state
+        was_reserved = res.state is RequestState.RESERVED
+        res.state = RequestState.FAILED
+        res.failure = failure
         self._live.pop(res.request_id, None)
-        _remember(self._failures, (res.request_id, res.generation), reason)
+        _remember(self._failures, (res.request_id, res.generation), failure)
         if writers_possible and was_reserved and len(res.committed) < res.num_senders:
             # A sender that has not committed may still be writing into these blocks.
             res.quarantined_until = res.deadline + QUARANTINE_GRACE_S
@@ -306,7 +391,7 @@ class Admission:
     def _expire_locked(self) -> None:
         now = self.clock()
         for res in list(self._live.values()):
-            if res.state is TicketState.RESERVED and now >= res.deadline:
+            if res.state is RequestState.RESERVED and now >= res.deadline:
                 self._fail_locked(res, DEADLINE_MISSED)
         keep = []
         for res in self._quarantine:
@@ -322,7 +407,3 @@ def _remember(recent: OrderedDict, key, value) -> None:
     recent.move_to_end(key)
     if len(recent) > REMEMBERED_REQUESTS:
         recent.popitem(last=False)
-
-
-def _failure_code(reason: str) -> str:
-    return "DEADLINE_EXCEEDED" if reason == DEADLINE_MISSED else "ABORTED"

@@ -1,11 +1,18 @@
-"""The decode server's engine thread (engine.engine_thread): it alone steps the LLMEngine; RPC
-threads talk to it through a command queue and read tokens from one stream per request.
+"""The decode server's engine thread (engine.engine_thread): it alone steps the LLMEngine. RPC
+threads talk to it with commands on its queue, read tokens from one stream per sequence, and
+read what it publishes (`snapshot`), never the engine itself.
 
-  submit(seq, blocks, first_token) -> TokenStream   (the sequence joins the running batch)
-  abort(seq_id)                                     (client gone: the sequence is dropped)
+  submit(seq, blocks, first_token) -> TokenStream   AddSequence: the sequence joins the batch
+  abort(seq_id)                                     AbortSequence: the sequence is dropped
 
-A stream yields lists of new token ids (everything generated since the reader last looked, so
-a slow reader gets several per message) and ends with the finish reason.
+Commands are handled in the order they were put, so an abort put after the submit of its
+sequence finds it (or finds it finished), whether or not the thread had admitted it yet.
+
+After each admit and each step the thread publishes a new EngineSnapshot, and only then hands
+out that admit's or step's tokens and outcomes: whoever reads a token sees a snapshot at least as
+new. A stream yields lists of new token ids (everything generated since the reader last looked,
+so a slow reader gets several per message) and ends with exactly one Finished or EngineFailed;
+its `on_end` runs on the engine thread just before that last item is put.
 
 If the engine raises (a CUDA error, a bug), its state is lost: every open stream ends with
 EngineFailed at once, and so does every later submit, instead of waiting on a stream that no
@@ -15,7 +22,7 @@ step will feed. `failure` then says what happened; the server must be restarted.
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from engine.engine_thread import EngineThread
@@ -36,11 +43,24 @@ class EngineFailed:
 
 
 class TokenStream:
-    def __init__(self) -> None:
+    def __init__(self, on_end: Callable[[], None] | None = None) -> None:
         self._queue: queue.SimpleQueue[int | Finished | EngineFailed] = queue.SimpleQueue()
+        self._on_end = on_end
+        self._ended = False
 
-    def put(self, item: int | Finished | EngineFailed) -> None:
-        self._queue.put(item)
+    def put(self, token_id: int) -> None:
+        self._queue.put(token_id)
+
+    def end(self, outcome: Finished | EngineFailed) -> None:
+        """The stream's last item; later ends are ignored (a command whose admission raised is
+        both live and refused). `on_end` runs first, so whoever reads the outcome sees what
+        on_end did."""
+        if self._ended:
+            return
+        self._ended = True
+        if self._on_end is not None:
+            self._on_end()
+        self._queue.put(outcome)
 
     def __iter__(self) -> Iterator[list[int] | Finished | EngineFailed]:
         """Batches of token ids as they come, then one Finished or EngineFailed."""
@@ -61,52 +81,125 @@ class TokenStream:
             yield batch
 
 
+@dataclass(frozen=True)
+class AddSequence:
+    """Join `seq`, whose prompt KV is in `block_ids`, to the running batch."""
+
+    seq: Sequence
+    block_ids: list[int]
+    """Owned by the engine from here on: it frees them when the sequence ends."""
+    first_token: int
+    """The prefill's token: the sequence's first output, the first item of its stream."""
+    stream: TokenStream
+
+
+@dataclass(frozen=True)
+class AbortSequence:
+    """Drop the sequence (its stream ends with ABORT); nothing if it has finished already."""
+
+    seq_id: str
+
+
+Command = AddSequence | AbortSequence
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine as its thread last saw it, after an admit or a step."""
+
+    running: int = 0
+    """Sequences in the running batch."""
+    waiting: int = 0
+    """Sequences admitted and waiting for blocks or a batch slot."""
+    outstanding_tokens: int = 0
+    """Tokens the live sequences may still generate (max_tokens less those generated)."""
+
+
 class EngineLoop(EngineThread):
     def __init__(self, engine: LLMEngine) -> None:
         self._live: dict[str, tuple[Sequence, TokenStream]] = {}
+        self.snapshot = EngineSnapshot()
+        """Replaced, never changed, by the engine thread: other threads read it as it is."""
         super().__init__(engine, server="decode", thread_name="engine-loop")
 
-    def submit(self, seq: Sequence, block_ids: list[int], first_token: int) -> TokenStream:
-        stream = TokenStream()
-        self._put(("add", seq, block_ids, first_token, stream))
+    def submit(
+        self,
+        seq: Sequence,
+        block_ids: list[int],
+        first_token: int,
+        on_end: Callable[[], None] | None = None,
+    ) -> TokenStream:
+        stream = TokenStream(on_end)
+        self._put(AddSequence(seq, block_ids, first_token, stream))
         return stream
 
     def abort(self, seq_id: str) -> None:
-        self._put(("abort", seq_id))
+        self._put(AbortSequence(seq_id))
 
-    @property
-    def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting)
-
-    def _admit(self, command: tuple) -> None:
-        if command[0] == "add":
-            _, seq, block_ids, first_token, stream = command
-            self._live[seq.seq_id] = (seq, stream)
-            stream.put(first_token)
-            if not self.engine.add_prefilled(seq, block_ids, first_token):
-                self._finish(seq.seq_id, seq.finish_reason)
-        elif self.engine.abort(command[1]):
-            self._finish(command[1], FinishReason.ABORT)
+    def _admit(self, command: Command) -> None:
+        delivered = []
+        match command:
+            case AddSequence(seq, block_ids, first_token, stream):
+                self._live[seq.seq_id] = (seq, stream)
+                admitted = self.engine.add_prefilled(seq, block_ids, first_token)
+                reason = None if admitted else seq.finish_reason  # the first token finished it
+                delivered.append(self._delivery(seq.seq_id, first_token, reason))
+            case AbortSequence(seq_id):
+                if self.engine.abort(seq_id):
+                    delivered.append(self._delivery(seq_id, None, FinishReason.ABORT))
+        self._publish(delivered)
 
     def _step(self) -> None:
-        for out in self.engine.step():
-            if out.seq_id in self._live:
-                self._live[out.seq_id][1].put(out.token_id)
-                if out.finish_reason is not None:
-                    self._finish(out.seq_id, out.finish_reason)
+        self._publish(
+            [
+                self._delivery(out.seq_id, out.token_id, out.finish_reason)
+                for out in self.engine.step()
+                if out.seq_id in self._live
+            ]
+        )
 
     def _fail_live(self, failure: str) -> None:
+        self.snapshot = EngineSnapshot()  # the engine's state is lost: nothing runs
         for seq_id in list(self._live):
-            self._live.pop(seq_id)[1].put(EngineFailed(failure))
+            self._live.pop(seq_id)[1].end(EngineFailed(failure))
 
-    def _refuse(self, command: tuple, failure: str) -> None:
-        if command[0] == "add":
-            command[-1].put(EngineFailed(failure))
+    def _refuse(self, command: Command, failure: str) -> None:
+        if isinstance(command, AddSequence):
+            command.stream.end(EngineFailed(failure))
 
-    def _finish(self, seq_id: str, reason: FinishReason) -> None:
-        seq, stream = self._live.pop(seq_id)
-        stream.put(Finished(reason, seq.num_prompt_tokens, seq.num_output_tokens))
+    def _delivery(
+        self, seq_id: str, token_id: int | None, reason: FinishReason | None
+    ) -> _Delivery:
+        """A token for the sequence's stream, and its end if `reason` finished it (it leaves)."""
+        seq, stream = self._live[seq_id]
+        if reason is None:
+            return _Delivery(stream, token_id)
+        del self._live[seq_id]
+        finished = Finished(reason, seq.num_prompt_tokens, seq.num_output_tokens)
+        return _Delivery(stream, token_id, finished)
+
+    def _publish(self, delivered: list[_Delivery]) -> None:
+        """A new snapshot, then what the admit or step gave each stream: whoever reads a token
+        or an outcome sees a snapshot at least as new as it."""
+        scheduler = self.engine.scheduler
+        self.snapshot = EngineSnapshot(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            outstanding_tokens=sum(
+                seq.stop.max_tokens - seq.num_output_tokens for seq, _ in self._live.values()
+            ),
+        )
+        for delivery in delivered:
+            if delivery.token_id is not None:
+                delivery.stream.put(delivery.token_id)
+            if delivery.finished is not None:
+                delivery.stream.end(delivery.finished)
+
+
+@dataclass(frozen=True)
+class _Delivery:
+    """What one admit or step gives one stream, once the snapshot is published."""
+
+    stream: TokenStream
+    token_id: int | None = None
+    finished: Finished | None = None

@@ -22,10 +22,10 @@ from prometheus_client import start_http_server
 import transport
 from decode.admission import Admission
 from decode.engine_loop import EngineLoop
-from decode.layout import decode_layout
 from decode.metrics import DecodeMetrics
 from decode.service import DecodeServicer
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+from prefill.ticket import DECODE_LAYOUT, dtype_name, layout_descriptor
 from proto.tandem.v1 import decode_pb2_grpc, layout_pb2
 
 
@@ -94,12 +94,16 @@ class DecodeServer:
             default_timeout_s=config.transfer_timeout_s,
         )
         self.loop = EngineLoop(self.engine)
-        layout = decode_layout(
-            self.engine.model_config,
-            config.model_name or config.engine.model,
-            config.engine.block_size,
-            DTYPES[config.engine.dtype],
-            config.transport,
+        model = self.engine.model_config
+        layout = layout_descriptor(
+            model_name=config.model_name or config.engine.model,
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            kv_dtype=dtype_name(DTYPES[config.engine.dtype]),
+            block_size=config.engine.block_size,
+            layout=DECODE_LAYOUT,
+            transport=config.transport,
         )
         endpoint = layout_pb2.TransportEndpoint(
             transport=config.transport, metadata=self.transport.endpoint()
@@ -110,8 +114,8 @@ class DecodeServer:
                 "kv_blocks_total": lambda: pool.num_total,
                 "kv_blocks_free": lambda: pool.num_free,
                 "kv_blocks_quarantined": lambda: self.admission.num_quarantined_blocks,
-                "running": lambda: self.loop.num_running,
-                "waiting": lambda: self.loop.num_waiting,
+                "running": lambda: self.loop.snapshot.running,
+                "waiting": lambda: self.loop.snapshot.waiting,
                 "reserved": lambda: self.admission.num_reserved,
                 "engine_up": lambda: float(self.loop.failure is None),
             }

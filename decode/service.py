@@ -1,21 +1,30 @@
-"""tandem.v1.DecodeService: the gRPC face of admission (decode/admission.py) and the engine
-loop (decode/engine_loop.py). Every refusal is a gRPC status whose message names the values.
-Once the engine has failed, Reserve, Generate and Stats answer UNAVAILABLE with its failure (the
-router then marks the instance down, and its Stats probe keeps it down until a restart)."""
+"""tandem.v1.DecodeService: the gRPC face of admission (decode/admission.py, which owns each
+request's state) and the engine loop (decode/engine_loop.py). Every refusal is a gRPC status
+whose message names the values. Once the engine has failed, Reserve, Generate and Stats answer
+UNAVAILABLE with its failure (the router then marks the instance down, and its Stats probe keeps
+it down until a restart).
+
+An Abort (or the Generate's client going away) takes effect in every state: a RESERVED or READY
+ticket fails in admission; a RUNNING one is dropped by the engine loop, whose stream then ends
+with ABORT. Generate's hand-over (take, then submit) and Abort's look-up are one critical
+section, so an Abort never falls between admission letting a request go and the engine loop
+having it queued.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
 
-from decode.admission import Admission, AdmissionError
-from decode.engine_loop import EngineFailed, EngineLoop, Finished
-from decode.layout import mismatch
+from decode.admission import Admission, AdmissionError, FailureKind, RequestState, Reservation
+from decode.engine_loop import EngineFailed, EngineLoop, Finished, TokenStream
 from decode.metrics import DecodeMetrics
 from engine.kv_cache import KVCache
-from engine.sampling import SamplingParams
-from engine.sequence import FinishReason, StopConditions
+from engine.sampling import SAMPLING_FIELDS, SamplingParams
+from engine.sequence import FinishReason, Sequence, StopConditions
+from prefill.ticket import mismatch
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 
 _FINISH = {
@@ -23,16 +32,6 @@ _FINISH = {
     FinishReason.LENGTH: decode_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: decode_pb2.FINISH_REASON_ABORT,
 }
-_SAMPLING_FIELDS = [
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-]
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -52,6 +51,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.endpoint = endpoint
         self.metrics = metrics
         self._tokens_generated = 0
+        self._handover = threading.Lock()
+        """Held by Generate from take() to submit() and by an abort's look-up (see the
+        module's docstring)."""
 
     def Hello(self, request, context):
         problem = mismatch(self.layout, request.sender_layout)
@@ -117,27 +119,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         started = time.monotonic()
         res = self._call(context, self.admission.wait_ready, request.request_id, request.generation)
         self._check_engine(context)
-        try:
-            sampling = SamplingParams(
-                **{
-                    f: getattr(request.sampling, f)
-                    for f in _SAMPLING_FIELDS
-                    if request.sampling.HasField(f)
-                }
-            )
-            stop = StopConditions(
-                max_tokens=request.max_tokens or res.max_tokens or 1,
-                min_tokens=request.min_tokens,
-                stop_token_ids=tuple(request.stop_token_ids),
-                ignore_eos=request.ignore_eos,
-            )
-            seq = self.loop.engine.new_sequence(res.request_id, res.prompt_ids, sampling, stop)
-        except ValueError as e:
-            self.admission.abort(res.request_id, res.generation, f"bad request: {e}")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        blocks = self._call(context, self.admission.take, res)
-        stream = self.loop.submit(seq, blocks, request.first_token_id)
-        context.add_callback(lambda: self.loop.abort(seq.seq_id))  # client gone: stop decoding
+        seq = self._new_sequence(res, request, context)
+        stream = self._hand_over(res, seq, request.first_token_id, context)
+
+        def client_gone() -> None:  # the RPC has ended: a no-op unless the request is live
+            self._abort(res.request_id, res.generation, "client gone")
+
+        if not context.add_callback(client_gone):  # gone already
+            client_gone()
         first = True
         for item in stream:
             if isinstance(item, EngineFailed):
@@ -159,36 +148,76 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             yield decode_pb2.GenerateResponse(token_ids=item)
 
     def Abort(self, request, context):
-        aborted = self.admission.abort(
+        aborted = self._abort(
             request.request_id,
             request.generation,
             request.reason or "aborted by client",
             writers_possible=not request.ticket_undelivered,
         )
-        if not aborted and request.request_id in self.loop.engine.sequences:
-            self.loop.abort(request.request_id)
-            aborted = True
         return decode_pb2.AbortResponse(aborted=aborted)
 
     def Stats(self, request, context):
         self._check_engine(context)
         self.admission.expire()
         pool = self.admission.pool
-        engine = self.loop.engine
-        outstanding = sum(
-            s.stop.max_tokens - s.num_output_tokens for s in list(engine.sequences.values())
-        )
+        engine = self.loop.snapshot
         return decode_pb2.StatsResponse(
             kv_blocks_total=pool.num_total,
             kv_blocks_free=pool.num_free,
             kv_blocks_quarantined=self.admission.num_quarantined_blocks,
-            running=self.loop.num_running,
-            waiting=self.loop.num_waiting,
+            running=engine.running,
+            waiting=engine.waiting,
             reserved=self.admission.num_reserved,
-            outstanding_tokens=outstanding,
+            outstanding_tokens=engine.outstanding_tokens,
             tokens_generated=self._tokens_generated,
             layout=self.layout,
         )
+
+    def _new_sequence(self, res: Reservation, request, context) -> Sequence:
+        """The engine's sequence for a READY ticket; a refused parameter fails the ticket."""
+        sampling = request.sampling
+        try:
+            # NOTE: on this RPC thread, new_sequence reads only the engine's config, and
+            # engine.sequences to refuse a live id, which never holds one here: admission keeps
+            # an id live until its stream has ended, after the engine dropped it.
+            return self.loop.engine.new_sequence(
+                res.request_id,
+                res.prompt_ids,
+                SamplingParams(
+                    **{f: getattr(sampling, f) for f in SAMPLING_FIELDS if sampling.HasField(f)}
+                ),
+                StopConditions(
+                    max_tokens=request.max_tokens or res.max_tokens or 1,
+                    min_tokens=request.min_tokens,
+                    stop_token_ids=tuple(request.stop_token_ids),
+                    ignore_eos=request.ignore_eos,
+                ),
+            )
+        except ValueError as e:
+            self.admission.abort(
+                res.request_id, res.generation, f"bad request: {e}", kind=FailureKind.BAD_REQUEST
+            )
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _hand_over(self, res: Reservation, seq: Sequence, first_token: int, context) -> TokenStream:
+        """READY -> RUNNING: the ticket's blocks go to the engine loop with its sequence."""
+        with self._handover:
+            blocks = self._call(context, self.admission.take, res)
+            return self.loop.submit(
+                seq, blocks, first_token, on_end=lambda: self.admission.finish(res)
+            )
+
+    def _abort(
+        self, request_id: str, generation: int, reason: str, writers_possible: bool = True
+    ) -> bool:
+        """Stops a live request in whatever state it is; False if none matched."""
+        with self._handover:
+            found = self.admission.abort(request_id, generation, reason, writers_possible)
+            if found is RequestState.RUNNING:
+                # NOTE: put after the submit (take and submit share the lock), so the engine
+                # loop has the sequence by the time it handles this, or has finished it.
+                self.loop.abort(request_id)
+        return found is not None
 
     def _device(self) -> dict:
         device = self.kv_cache.storage.device
@@ -203,4 +232,4 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             return fn(*args)
         except AdmissionError as e:
-            context.abort(getattr(grpc.StatusCode, e.code), str(e))
+            context.abort(e.code, str(e))

@@ -75,6 +75,12 @@ class SamplingParams:
         )
 
 
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
+"""SamplingParams' field names, in order; tandem.v1.SamplingParams has one optional field of
+each name (decode/tests/service_test.py checks that), so a server copies the fields a request
+set by these names."""
+
+
 @dataclass(frozen=True)
 class SamplingRow:
     """One row of a sampling batch: the request's params and what penalties need to see."""

@@ -1,5 +1,6 @@
 """The Bazel-free path used on the GPU machine: tools/devicepack generates the tandem.v1 modules
-into a folder, and the gRPC round-trip suite passes importing them from there (not from Bazel)."""
+into a folder, and the decode service's gRPC suite passes importing them from there (not from
+Bazel)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_generated_modules_serve_the_round_trip_suite(tmp_path):
             "-q",
             "-p",
             "no:cacheprovider",
-            "proto/tests/decode_service_test.py",
+            "decode/tests/service_test.py",
         ],
         cwd=devicepack.ROOT,
         env=env,

@@ -1,11 +1,18 @@
-"""Ticket states, generations, deadlines and quarantine, on a fake clock; every test ends with
-the pool back to all free."""
+"""Request states, failure kinds, generations, deadlines and quarantine, on a fake clock; every
+test ends with the pool back to all free and no request live."""
 
 import threading
 
+import grpc
 import pytest
 
-from decode.admission import QUARANTINE_GRACE_S, Admission, AdmissionError, TicketState
+from decode.admission import (
+    QUARANTINE_GRACE_S,
+    Admission,
+    AdmissionError,
+    FailureKind,
+    RequestState,
+)
 from engine.kv_cache import BlockPool
 
 LAYERS, PER_TOKEN = 4, 100  # 4 layers, 100 KV bytes per token
@@ -31,24 +38,58 @@ def admission(clock):
     clock.now += 1000  # every deadline and quarantine behind us
     adm.expire()
     assert adm.pool.num_free == adm.pool.num_total
-    assert adm.num_reserved == 0 and adm.num_quarantined_blocks == 0
+    assert adm.num_reserved == 0 and adm.num_quarantined_blocks == 0 and adm.num_live == 0
 
 
-def _code(call) -> str:
+def _code(call) -> grpc.StatusCode:
     with pytest.raises(AdmissionError) as err:
         call()
     return err.value.code
 
 
-def test_reserve_commit_take(admission):
+def _failure(call) -> tuple[grpc.StatusCode, FailureKind | None, str]:
+    with pytest.raises(AdmissionError) as err:
+        call()
+    return err.value.code, err.value.kind, str(err.value)
+
+
+def test_reserve_commit_take_finish(admission):
     res = admission.reserve("a", list(range(40)), num_senders=2, max_tokens=8)
     assert (res.generation, res.block_ids, res.expected_bytes) == (1, [0, 1, 2], 4000)
     assert admission.commit("a", 1, rank=1, nbytes=1500, layers=LAYERS) == (1, 2)
-    assert res.state is TicketState.RESERVED
+    assert res.state is RequestState.RESERVED
     assert admission.commit("a", 1, rank=0, nbytes=2500, layers=LAYERS) == (2, 2)
     assert admission.wait_ready("a", 1) is res
     assert admission.take(res) == [0, 1, 2]
-    admission.pool.free(res.block_ids)  # as the engine would when the sequence ends
+    assert res.state is RequestState.RUNNING and admission.num_live == 1
+    assert admission.commit("a", 1, rank=0, nbytes=2500, layers=LAYERS) == (2, 2)  # a retry
+    assert _code(lambda: admission.wait_ready("a", 1)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert _code(lambda: admission.reserve("a", [1], 1, 1)) == grpc.StatusCode.ALREADY_EXISTS
+    admission.pool.free(res.block_ids)  # as the engine does when the sequence ends
+    admission.finish(res)
+    assert res.state is RequestState.FINISHED
+    assert _code(lambda: admission.wait_ready("a", 1)) == grpc.StatusCode.NOT_FOUND
+
+
+def test_abort_reports_the_state_it_found(admission):
+    """RESERVED and READY tickets fail; a RUNNING one is the engine's to stop; anything else
+    (finished, failed, another generation, unknown) matches nothing."""
+    reserved = admission.reserve("r", [1] * 20, num_senders=1, max_tokens=1)
+    admission.reserve("ready", [1] * 20, num_senders=1, max_tokens=1)
+    admission.commit("ready", 1, 0, 2000, LAYERS)
+    running = admission.reserve("run", [1] * 20, num_senders=1, max_tokens=1)
+    admission.commit("run", 1, 0, 2000, LAYERS)
+    admission.take(running)
+    assert admission.abort("r", generation=2) is None  # not its generation
+    assert admission.abort("r") is RequestState.RESERVED
+    assert admission.abort("ready", generation=1) is RequestState.READY
+    assert admission.abort("run") is RequestState.RUNNING
+    assert running.state is RequestState.RUNNING  # unchanged: the engine loop stops it
+    assert admission.abort("r") is None and reserved.state is RequestState.FAILED
+    assert admission.abort("nobody") is None
+    admission.pool.free(running.block_ids)
+    admission.finish(running)
+    assert admission.abort("run") is None
 
 
 def test_wait_ready_wakes_when_the_last_sender_commits(admission):
@@ -58,15 +99,20 @@ def test_wait_ready_wakes_when_the_last_sender_commits(admission):
     waiter.start()
     admission.commit("a", 1, 0, 1000, LAYERS)
     waiter.join(timeout=5)
-    assert ready and ready[0].state is TicketState.READY
+    assert ready and ready[0].state is RequestState.READY
     admission.pool.free(admission.take(ready[0]))
+    admission.finish(ready[0])
 
 
 def test_missing_commit_fails_at_the_deadline_and_quarantines_until_grace(admission, clock):
     res = admission.reserve("a", [1] * 20, num_senders=2, max_tokens=1)
     admission.commit("a", 1, 0, 1000, LAYERS)
     clock.now = res.deadline
-    assert _code(lambda: admission.wait_ready("a", 1)) == "DEADLINE_EXCEEDED"
+    assert _failure(lambda: admission.wait_ready("a", 1)) == (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        FailureKind.DEADLINE_MISSED,
+        "not every sender committed by the deadline",
+    )
     # Sender 1 may still be writing: its blocks stay out of the pool until the grace is over.
     assert admission.num_quarantined_blocks == 2 and admission.pool.num_free == 8
     clock.now = res.deadline + QUARANTINE_GRACE_S
@@ -78,7 +124,11 @@ def test_late_commit_of_a_failed_ticket_releases_its_quarantine_at_once(admissio
     admission.reserve("a", [1] * 20, num_senders=1, max_tokens=1)
     assert admission.abort("a", reason="client gone")
     assert admission.num_quarantined_blocks == 2
-    assert _code(lambda: admission.commit("a", 1, 0, 2000, LAYERS)) == "FAILED_PRECONDITION"
+    assert _failure(lambda: admission.commit("a", 1, 0, 2000, LAYERS)) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        FailureKind.ABORTED,
+        "request 'a': client gone",
+    )
     assert admission.num_quarantined_blocks == 0 and admission.pool.num_free == 10
 
 
@@ -93,9 +143,12 @@ def test_abort_of_a_ready_ticket_frees_at_once(admission):
     admission.commit("a", 1, 0, 2000, LAYERS)
     assert admission.abort("a")
     assert admission.pool.num_free == 10
-    with pytest.raises(AdmissionError) as err:  # a late Generate learns why
-        admission.wait_ready("a", 1)
-    assert (err.value.code, str(err.value)) == ("ABORTED", "aborted")
+    # A late Generate learns why.
+    assert _failure(lambda: admission.wait_ready("a", 1)) == (
+        grpc.StatusCode.ABORTED,
+        FailureKind.ABORTED,
+        "aborted",
+    )
 
 
 def test_stale_generation_is_refused_and_changes_nothing(admission):
@@ -104,35 +157,56 @@ def test_stale_generation_is_refused_and_changes_nothing(admission):
     res = admission.reserve("a", [1] * 20, num_senders=1, max_tokens=1)
     assert res.generation == 2
     code = _code(lambda: admission.commit("a", 1, 0, 2000, LAYERS))
-    assert code == "FAILED_PRECONDITION"  # generation 1's quarantine: released, refused
-    assert res.state is TicketState.RESERVED and res.committed == {}
-    assert _code(lambda: admission.commit("a", 7, 0, 2000, LAYERS)) == "FAILED_PRECONDITION"
+    assert code == grpc.StatusCode.FAILED_PRECONDITION  # generation 1's quarantine: released
+    assert res.state is RequestState.RESERVED and res.committed == {}
+    stale = _code(lambda: admission.commit("a", 7, 0, 2000, LAYERS))
+    assert stale == grpc.StatusCode.FAILED_PRECONDITION
     admission.abort("a")
 
 
 def test_wrong_byte_count_or_layers_fail_the_ticket(admission):
     admission.reserve("a", [1] * 20, num_senders=1, max_tokens=1)
-    assert _code(lambda: admission.commit("a", 1, 0, 1999, LAYERS)) == "INVALID_ARGUMENT"
+    short = "senders wrote 1999 bytes of KV, the prompt's 20 tokens need 2000"
+    assert _failure(lambda: admission.commit("a", 1, 0, 1999, LAYERS)) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        FailureKind.BAD_COMMIT,
+        short,
+    )
     assert admission.pool.num_free == 10  # its only sender committed: nothing can still write
+    assert _failure(lambda: admission.wait_ready("a", 1)) == (
+        grpc.StatusCode.ABORTED,
+        FailureKind.BAD_COMMIT,
+        short,
+    )
     admission.reserve("b", [1] * 20, num_senders=1, max_tokens=1)
-    assert _code(lambda: admission.commit("b", 1, 0, 2000, LAYERS - 1)) == "INVALID_ARGUMENT"
-    assert _code(lambda: admission.wait_ready("b", 1)) == "ABORTED"
-    assert _code(lambda: admission.wait_ready("b", 2)) == "NOT_FOUND"  # no such generation
+    code = _code(lambda: admission.commit("b", 1, 0, 2000, LAYERS - 1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert _failure(lambda: admission.wait_ready("b", 1))[:2] == (
+        grpc.StatusCode.ABORTED,
+        FailureKind.BAD_COMMIT,
+    )
+    assert _code(lambda: admission.wait_ready("b", 2)) == grpc.StatusCode.NOT_FOUND
 
 
 def test_sender_error_fails_the_ticket_with_its_reason(admission):
     admission.reserve("a", [1] * 20, num_senders=2, max_tokens=1)
     admission.commit("a", 1, 1, 0, 0, error="CUDA out of memory")
     assert admission.num_quarantined_blocks == 2  # rank 0 has not committed: may be writing
+    assert _failure(lambda: admission.wait_ready("a", 1)) == (
+        grpc.StatusCode.ABORTED,
+        FailureKind.SENDER_FAILED,
+        "sender 1 failed: CUDA out of memory",
+    )
 
 
 def test_capacity_and_argument_checks(admission):
-    assert _code(lambda: admission.reserve("a", [1] * 200, 1, 1)) == "RESOURCE_EXHAUSTED"
-    assert _code(lambda: admission.reserve("a", [1] * 990, 1, 20)) == "INVALID_ARGUMENT"
-    assert _code(lambda: admission.reserve("a", [], 1, 1)) == "INVALID_ARGUMENT"
-    assert _code(lambda: admission.reserve("", [1], 1, 1)) == "INVALID_ARGUMENT"
+    code = grpc.StatusCode
+    assert _code(lambda: admission.reserve("a", [1] * 200, 1, 1)) == code.RESOURCE_EXHAUSTED
+    assert _code(lambda: admission.reserve("a", [1] * 990, 1, 20)) == code.INVALID_ARGUMENT
+    assert _code(lambda: admission.reserve("a", [], 1, 1)) == code.INVALID_ARGUMENT
+    assert _code(lambda: admission.reserve("", [1], 1, 1)) == code.INVALID_ARGUMENT
     admission.reserve("a", [1], 1, 1)
-    assert _code(lambda: admission.reserve("a", [1], 1, 1)) == "ALREADY_EXISTS"
-    assert _code(lambda: admission.commit("a", 1, 5, 100, LAYERS)) == "INVALID_ARGUMENT"
-    assert _code(lambda: admission.commit("zz", 1, 0, 100, LAYERS)) == "NOT_FOUND"
+    assert _code(lambda: admission.reserve("a", [1], 1, 1)) == code.ALREADY_EXISTS
+    assert _code(lambda: admission.commit("a", 1, 5, 100, LAYERS)) == code.INVALID_ARGUMENT
+    assert _code(lambda: admission.commit("zz", 1, 0, 100, LAYERS)) == code.NOT_FOUND
     admission.abort("a")

@@ -1,9 +1,9 @@
 """The decode server end to end over gRPC and a real transport, on the bundled SmolLM2.
 
 A sender in this process plays the prefill engine: it prefills the prompt with its own engine,
-writes the KV into the ticket's blocks with the shared send path (prefill/kv_sender.py), and
-commits. The decoded tokens must equal one engine doing the whole request. Fault cases end with
-an explicit status in bounded time and the pool back to all free.
+writes the KV into the ticket's blocks with the send path's write descriptors
+(prefill/kv_writes.py), and commits. The decoded tokens must equal one engine doing the whole
+request. Fault cases end with an explicit status in bounded time and the pool back to all free.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import pytest
 
 import transport
 from decode.engine_loop import EngineFailed
-from decode.layout import decode_layout
 from decode.server import DecodeServer, DecodeServerConfig
-from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
-from prefill.kv_sender import BlockLayout, LayerKV, layer_ops, valid_bytes
+from prefill.kv_writes import BlockLayout, LayerKV, layer_ops, valid_bytes
+from prefill.ticket import PREFILL_LAYOUT, layout_descriptor
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.servers import PeakRunning
 
@@ -46,8 +46,12 @@ class Sender:
         self.engine = LLMEngine.build(EngineConfig(**ENGINE))
         self.agent = transport.create(backend)
         self.agent.register(*self.engine.kv_cache.region())
-        self.layout = decode_layout(self.engine.model_config, MODEL, 16, DTYPES["float32"], backend)
-        self.layout.layout = "tandem-hnd"
+        model = self.engine.model_config
+        self.layout = layout_descriptor(
+            model_name=MODEL, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim, kv_dtype="float32", block_size=16, layout=PREFILL_LAYOUT,
+            transport=backend,
+        )  # fmt: skip
         self._peers: dict[bytes, object] = {}
         self._lock = threading.Lock()
 
