@@ -14,12 +14,11 @@ import argparse
 import sys
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client import start_http_server
 
-import transport
 from decode.admission import Admission
 from decode.engine_loop import EngineLoop
 from decode.metrics import DecodeMetrics
@@ -27,51 +26,42 @@ from decode.service import DecodeServicer
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from prefill.ticket import DECODE_LAYOUT, dtype_name, layout_descriptor
 from proto.tandem.v1 import decode_pb2_grpc, layout_pb2
+from transport.config import KvTransportConfig
 
 
 @dataclass(frozen=True)
 class DecodeServerConfig:
     engine: EngineConfig
-    host: str = "127.0.0.1"
-    """Interface for gRPC, metrics and the transport's listener."""
+    kv: KvTransportConfig = field(default_factory=KvTransportConfig)
+    """Transport, the interface for gRPC, metrics and the transport's listener, and the default
+    time senders have to write and commit a ticket's KV."""
     grpc_port: int = 0
     """0: the OS picks one (printed at start-up)."""
     metrics_port: int | None = None
     """Prometheus /metrics; None: not served."""
-    transport: str = "tcp"
-    """KV transport backend: tcp, shm, nixl, mooncake."""
     model_name: str = ""
     """Served model name (informational); default: the model argument."""
-    transfer_timeout_s: float = 30.0
-    """Default time senders have to write and commit a ticket's KV."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.grpc_port < 65536:
             raise ValueError(f"grpc_port: {self.grpc_port} is not a port number")
-        if self.transfer_timeout_s <= 0:
-            raise ValueError(f"transfer_timeout_s: {self.transfer_timeout_s} must be positive")
-        transport.check_name(self.transport)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         EngineConfig.add_cli_args(parser)
-        parser.add_argument("--host", default="127.0.0.1")
+        KvTransportConfig.add_cli_args(parser)
         parser.add_argument("--grpc-port", type=int, default=0)
         parser.add_argument("--metrics-port", type=int, default=None)
-        parser.add_argument("--transport", default="tcp", help="tcp, shm, nixl or mooncake")
         parser.add_argument("--served-model-name", default="")
-        parser.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> DecodeServerConfig:
         return cls(
             engine=EngineConfig.from_cli_args(args),
-            host=args.host,
+            kv=KvTransportConfig.from_cli_args(args),
             grpc_port=args.grpc_port,
             metrics_port=args.metrics_port,
-            transport=args.transport,
             model_name=args.served_model_name,
-            transfer_timeout_s=args.transfer_timeout,
         )
 
 
@@ -81,7 +71,7 @@ class DecodeServer:
     def __init__(self, config: DecodeServerConfig) -> None:
         self.config = config
         self.engine = LLMEngine.build(config.engine)
-        self.transport = transport.create(config.transport, host=config.host)
+        self.transport = config.kv.create()
         device = str(self.engine.kv_cache.storage.device)
         addr, nbytes = self.engine.kv_cache.region()
         self.transport.register(addr, nbytes, "cpu" if device == "cpu" else device)
@@ -91,7 +81,7 @@ class DecodeServer:
             self.engine.model_config.num_layers,
             self.engine.model_config.kv_bytes_per_token(DTYPES[config.engine.dtype]),
             self.engine.max_model_len,
-            default_timeout_s=config.transfer_timeout_s,
+            default_timeout_s=config.kv.transfer_timeout_s,
         )
         self.loop = EngineLoop(self.engine)
         model = self.engine.model_config
@@ -103,10 +93,10 @@ class DecodeServer:
             kv_dtype=dtype_name(DTYPES[config.engine.dtype]),
             block_size=config.engine.block_size,
             layout=DECODE_LAYOUT,
-            transport=config.transport,
+            transport=config.kv.backend,
         )
         endpoint = layout_pb2.TransportEndpoint(
-            transport=config.transport, metadata=self.transport.endpoint()
+            transport=config.kv.backend, metadata=self.transport.endpoint()
         )
         pool = self.engine.pool
         self.metrics = DecodeMetrics(
@@ -128,7 +118,7 @@ class DecodeServer:
             futures.ThreadPoolExecutor(max_workers=64), options=[("grpc.so_reuseport", 0)]
         )
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self._grpc)
-        address = f"{config.host}:{config.grpc_port}"
+        address = f"{config.kv.host}:{config.grpc_port}"
         try:
             self.port = self._grpc.add_insecure_port(address)
         except RuntimeError:
@@ -146,7 +136,7 @@ class DecodeServer:
         self._expiry.start()
         if self.config.metrics_port is not None:
             server, _ = start_http_server(
-                self.config.metrics_port, self.config.host, registry=self.metrics.registry
+                self.config.metrics_port, self.config.kv.host, registry=self.metrics.registry
             )
             self.metrics_port = server.server_port
 

@@ -18,13 +18,12 @@ import socket
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-import transport
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from engine.sampling import SAMPLING_FIELDS, SamplingParams
 from engine.sequence import StopConditions
@@ -32,6 +31,7 @@ from prefill.kv_sender import KvSender
 from prefill.publisher import KvPublisher
 from prefill.ticket import PREFILL_LAYOUT, KvTransfer, TicketError, dtype_name, layout_descriptor
 from prefill.worker import Job, PrefillError, PrefillWorker
+from transport.config import KvTransportConfig
 
 # Completion fields accepted and ignored because they change nothing here.
 _IGNORED = {"model", "stream", "n", "echo", "return_token_ids", "user"}
@@ -41,27 +41,24 @@ _ACCEPTED = _IGNORED | set(SAMPLING_FIELDS) | {"prompt", "max_tokens", "kv_trans
 @dataclass(frozen=True)
 class PrefillServerConfig:
     engine: EngineConfig
-    host: str = "127.0.0.1"
+    kv: KvTransportConfig = field(default_factory=KvTransportConfig)
+    """Transport, the interface the server listens on, and this sender's own transfer timeout
+    (the ticket's deadline also holds)."""
     port: int = 0
-    transport: str = "tcp"
     served_model_name: str = ""
-    transfer_timeout_s: float = 30.0
     layerwise_kv: bool = True
     """Send each layer's KV as soon as it is computed (False: after the whole forward)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a port number")
-        transport.check_name(self.transport)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         EngineConfig.add_cli_args(parser)
-        parser.add_argument("--host", default="127.0.0.1")
+        KvTransportConfig.add_cli_args(parser)
         parser.add_argument("--port", type=int, default=8100)
-        parser.add_argument("--transport", default="tcp", help="tcp, shm, nixl or mooncake")
         parser.add_argument("--served-model-name", default="")
-        parser.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
         parser.add_argument(
             "--kv-send", choices=["layerwise", "after-forward"], default="layerwise",
             help="send each layer as computed (default), or all after the forward (to compare)",
@@ -71,11 +68,9 @@ class PrefillServerConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> PrefillServerConfig:
         return cls(
             engine=EngineConfig.from_cli_args(args),
-            host=args.host,
+            kv=KvTransportConfig.from_cli_args(args),
             port=args.port,
-            transport=args.transport,
             served_model_name=args.served_model_name,
-            transfer_timeout_s=args.transfer_timeout,
             layerwise_kv=args.kv_send == "layerwise",
         )
 
@@ -87,7 +82,7 @@ class PrefillServer:
         publisher = KvPublisher()
         self.engine = LLMEngine.build(config.engine, wrap_attention=publisher.wrap)
         publisher.bind(self.engine.kv_cache)
-        self.agent = transport.create(config.transport, host=config.host)
+        self.agent = config.kv.create()
         kv_cache = self.engine.kv_cache
         self.agent.register(*kv_cache.region(), str(kv_cache.storage.device))
         model = self.engine.model_config
@@ -95,12 +90,12 @@ class PrefillServer:
             model_name=self.name, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim, kv_dtype=dtype_name(DTYPES[config.engine.dtype]),
             block_size=config.engine.block_size, layout=PREFILL_LAYOUT,
-            transport=config.transport,
+            transport=config.kv.backend,
         )  # fmt: skip
         self.sender = KvSender(
             self.agent, layout, sender_id="prefill", rank=0, heads=range(model.num_kv_heads),
             token_bytes=model.head_dim * kv_cache.storage.element_size(),
-            timeout_s=config.transfer_timeout_s,
+            timeout_s=config.kv.transfer_timeout_s,
         )  # fmt: skip
         self.worker = PrefillWorker(self.engine, publisher, self.sender, config.layerwise_kv)
         self.tokenizer = _tokenizer(config.engine.model)

@@ -25,6 +25,7 @@ from prefill.vllm_config import TandemConnectorConfig
 from prefill.vllm_metadata import SendPlan, TandemMetadata
 from prefill.vllm_worker_side import WorkerFacts, WorkerSide
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
+from transport.config import KvTransportConfig
 
 ENGINE = dict(model="random:tiny", dtype="float32", block_size=16, kv_cache_gb=0.01)
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16  # engine/config.py's "tiny"
@@ -33,7 +34,7 @@ PROMPT = list(range(1, 41))
 
 @pytest.fixture(scope="module")
 def decode():
-    server = DecodeServer(DecodeServerConfig(EngineConfig(**ENGINE), transport="tcp"))
+    server = DecodeServer(DecodeServerConfig(EngineConfig(**ENGINE)))
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     yield server, decode_pb2_grpc.DecodeServiceStub(channel)
@@ -44,7 +45,7 @@ def decode():
 @pytest.fixture(scope="module")
 def prefill():
     # The prefill's own timeout is far longer than any ticket's deadline here.
-    config = PrefillServerConfig(EngineConfig(**ENGINE), transfer_timeout_s=60.0)
+    config = PrefillServerConfig(EngineConfig(**ENGINE), KvTransportConfig(transfer_timeout_s=60.0))
     server = PrefillServer(config)
     yield server, TestClient(server.app)
     server.stop()

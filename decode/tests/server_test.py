@@ -26,6 +26,7 @@ from prefill.kv_writes import BlockLayout, LayerKV, layer_ops, valid_bytes
 from prefill.ticket import PREFILL_LAYOUT, layout_descriptor
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.servers import PeakRunning
+from transport.config import KvTransportConfig
 
 MODEL = "tools/smollm2-135m-instruct"  # Bazel data: //tools:smollm2
 ENGINE = dict(model=MODEL, dtype="float32", block_size=16, kv_cache_gb=0.1)
@@ -133,7 +134,7 @@ class Sender:
 @pytest.fixture(scope="module", params=["tcp", "shm"])
 def stack(request):
     config = DecodeServerConfig(
-        engine=EngineConfig(**ENGINE), transport=request.param, metrics_port=0
+        engine=EngineConfig(**ENGINE), kv=KvTransportConfig(request.param), metrics_port=0
     )
     server = DecodeServer(config)
     server.start()
@@ -283,9 +284,7 @@ def test_an_engine_failure_ends_every_stream_and_refuses_new_work():
     """A step that raises (a CUDA error, say) loses the engine's state: the open stream ends
     UNAVAILABLE naming the error instead of waiting forever, and the instance refuses work (so
     the router marks it down) until it is restarted."""
-    server = DecodeServer(
-        DecodeServerConfig(engine=EngineConfig(**ENGINE), transport="tcp", metrics_port=0)
-    )
+    server = DecodeServer(DecodeServerConfig(engine=EngineConfig(**ENGINE), metrics_port=0))
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     stub = decode_pb2_grpc.DecodeServiceStub(channel)
