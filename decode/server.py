@@ -23,6 +23,7 @@ from decode.admission import Admission
 from decode.engine_loop import EngineLoop
 from decode.metrics import DecodeMetrics
 from decode.service import DecodeServicer
+from engine.config import ModelConfig
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from prefill.ticket import DECODE_LAYOUT, dtype_name, layout_descriptor
 from proto.tandem.v1 import decode_pb2_grpc, layout_pb2
@@ -84,17 +85,7 @@ class DecodeServer:
             default_timeout_s=config.kv.transfer_timeout_s,
         )
         self.loop = EngineLoop(self.engine)
-        model = self.engine.model_config
-        layout = layout_descriptor(
-            model_name=config.model_name or config.engine.model,
-            num_layers=model.num_layers,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            kv_dtype=dtype_name(DTYPES[config.engine.dtype]),
-            block_size=config.engine.block_size,
-            layout=DECODE_LAYOUT,
-            transport=config.kv.backend,
-        )
+        layout = _layout(config, self.engine.model_config)
         endpoint = layout_pb2.TransportEndpoint(
             transport=config.kv.backend, metadata=self.transport.endpoint()
         )
@@ -150,6 +141,20 @@ class DecodeServer:
         """Frees quarantined blocks and fails overdue tickets even when no RPC arrives."""
         while not self._stop.wait(0.2):
             self.admission.expire()
+
+
+def _layout(config: DecodeServerConfig, model: ModelConfig) -> layout_pb2.LayoutDescriptor:
+    """This server's cache, as Hello and every ticket describe it."""
+    return layout_descriptor(
+        model_name=config.model_name or config.engine.model,
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        kv_dtype=dtype_name(DTYPES[config.engine.dtype]),
+        block_size=config.engine.block_size,
+        layout=DECODE_LAYOUT,
+        transport=config.kv.backend,
+    )
 
 
 def main() -> None:

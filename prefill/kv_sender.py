@@ -206,6 +206,7 @@ class KvSender:
         )  # fmt: skip
         if not error and session.deadline <= self.clock():
             error = DEADLINE_PASSED
+        now = self.clock()
         with self._lock:
             decode = self._decoders.get(transfer.decode_address)
             if decode is None:
@@ -215,7 +216,7 @@ class KvSender:
                 self._settle(session, SessionState.FAILED, error)
                 return session
             hello = decode.hello
-            if hello is None or (hello.done() and hello.result() and self._may_retry(decode)):
+            if hello is None or (hello.done() and hello.result() and now >= decode.retry_at):
                 hello = decode.hello = self._connector.submit(self._say_hello, decode)
         hello.add_done_callback(
             lambda done: self._connector.submit(self._connect, session, decode, done.result())
@@ -261,9 +262,6 @@ class KvSender:
         self._committer.shutdown(wait=True)
         for decode in self._decoders.values():
             decode.channel.close()
-
-    def _may_retry(self, decode: _Decode) -> bool:
-        return self.clock() >= decode.retry_at
 
     # -- connect pool -------------------------------------------------------------------------
 
@@ -360,7 +358,7 @@ class KvSender:
             if item.ready is not None:
                 item.ready.synchronize()
             if self.clock() >= session.deadline:
-                self._fail(session, DEADLINE_PASSED)
+                self.fail(session, DEADLINE_PASSED)
             if session._started is None:
                 session._started = self.clock()
             try:
@@ -373,16 +371,11 @@ class KvSender:
                     session._post += time.monotonic() - posting
                     session._ops += len(ops)
             except TransportError as e:
-                self._fail(session, f"KV transport: {e}")
+                self.fail(session, f"KV transport: {e}")
             if session.state is SessionState.SENDING and item.completes_layer is not None:
                 session._layers_done.add(item.completes_layer)
         session._transfers += transfers
         item.future.set_result(transfers)
-
-    def _fail(self, session: SendSession, reason: str) -> None:
-        with self._lock:
-            if session.state is not SessionState.FAILED:
-                self._settle(session, SessionState.FAILED, reason)
 
     @staticmethod
     def _settle(session: SendSession, state: SessionState, error: str = "") -> None:
@@ -397,7 +390,7 @@ class KvSender:
             try:
                 transfer.wait()
             except TransportError as e:
-                self._fail(session, f"KV transport: {e}")
+                self.fail(session, f"KV transport: {e}")
         written = self.clock()
         ticket, error = session.ticket, session.error
         layers = 0 if error else len(session._layers_done)

@@ -201,7 +201,9 @@ async def _json(request: Request) -> dict:
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "upstream_error"
+    """OpenAI's error body with the router's types (router/errors.py: no component imports the
+    router, so these three lines are the prefill server's own)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return JSONResponse(body, status_code=status)
 

@@ -19,8 +19,9 @@ from router.errors import RequestError
 from router.generation import GenerationRequest
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
-            "presence_penalty", "frequency_penalty")  # fmt: skip
+SAMPLING = tuple(field.name for field in decode_pb2.SamplingParams.DESCRIPTOR.fields)
+"""The sampling fields a request may set: tandem.v1.SamplingParams' (the same names as the
+engine's SamplingParams, which decode/tests/service_test.py checks)."""
 _INTEGERS = ("top_k", "seed")
 _COMMON = {"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
            "ignore_eos", "min_tokens", "user", *SAMPLING}  # fmt: skip

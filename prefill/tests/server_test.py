@@ -50,7 +50,7 @@ def test_an_engine_failure_fails_requests_with_503_and_health_says_so(server):
         reply = _bounded(lambda: client.post("/v1/completions", json=body))
         assert reply.status_code == 503
         error = reply.json()["error"]
-        assert error["type"] == "upstream_error"
+        assert error["type"] == "server_error"
         assert "RuntimeError: CUDA error: an illegal memory access" in error["message"]
         assert "restart the prefill server" in error["message"]
     health = _bounded(lambda: client.get("/health"))
