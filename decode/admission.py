@@ -4,9 +4,9 @@ Life of a request (RequestState), with a generation number per request id:
 
   reserve()           commit() by every sender        take()             its stream ends
   --------> RESERVED ------------------------> READY --------> RUNNING ----------------> FINISHED
-               |                                 |              the engine owns its blocks and
-               | deadline / abort / bad commit   | abort        its tokens; an abort stops the
-               v                                 v              engine, which ends the stream
+               |                                 | abort, or    the engine owns its blocks and
+               | deadline / abort / bad commit   | no Generate  its tokens; an abort stops the
+               v                                 v (30 s)       engine, which ends the stream
             FAILED: blocks QUARANTINED until    FAILED: blocks freed at once (no writer is left)
             every sender committed or the
             deadline (+ grace) passed, since a
@@ -37,6 +37,10 @@ from engine.kv_cache import BlockPool
 # Writers stop at the ticket's deadline (their transports enforce it); this much longer, a DMA
 # already issued may still land, so quarantined blocks wait for it too.
 QUARANTINE_GRACE_S = 1.0
+UNCLAIMED_S = 30.0
+"""How long a READY ticket waits for its Generate after its last commit. A router that prefilled
+it and then went away (its client gone, or the router itself) would otherwise hold its blocks
+for good."""
 REMEMBERED_REQUESTS = 65536
 """Request ids whose latest generation (and, if it failed, why) is remembered after they leave:
 enough to refuse stale commits and to tell a late Generate why its ticket failed, bounded so a
@@ -59,10 +63,11 @@ class FailureKind(enum.Enum):
     SENDER_FAILED = "sender failed"  # a sender committed with an error
     BAD_COMMIT = "bad commit"  # a commit whose layers or bytes do not fit the ticket
     BAD_REQUEST = "bad request"  # Generate's parameters were refused
+    UNCLAIMED = "unclaimed"  # READY, but no Generate came for it within UNCLAIMED_S
 
     @property
     def status(self) -> grpc.StatusCode:
-        if self is FailureKind.DEADLINE_MISSED:
+        if self in (FailureKind.DEADLINE_MISSED, FailureKind.UNCLAIMED):
             return grpc.StatusCode.DEADLINE_EXCEEDED
         return grpc.StatusCode.ABORTED
 
@@ -74,6 +79,9 @@ class Failure:
 
 
 DEADLINE_MISSED = Failure(FailureKind.DEADLINE_MISSED, "not every sender committed by the deadline")
+UNCLAIMED = Failure(
+    FailureKind.UNCLAIMED, f"no Generate came within {UNCLAIMED_S:g} s of the commit"
+)
 
 
 class AdmissionError(Exception):
@@ -110,6 +118,8 @@ class Reservation:
     failure: Failure | None = None
     """Why it FAILED."""
     quarantined_until: float | None = None
+    claim_by: float | None = None
+    """READY: when it fails unless Generate has taken it (last commit + UNCLAIMED_S)."""
 
 
 class Admission:
@@ -231,6 +241,7 @@ class Admission:
                 )
             if len(res.committed) == res.num_senders:
                 res.state = RequestState.READY
+                res.claim_by = self.clock() + UNCLAIMED_S
                 self._cond.notify_all()
             return len(res.committed), res.num_senders
 
@@ -393,6 +404,8 @@ class Admission:
         for res in list(self._live.values()):
             if res.state is RequestState.RESERVED and now >= res.deadline:
                 self._fail_locked(res, DEADLINE_MISSED)
+            elif res.state is RequestState.READY and now >= res.claim_by:
+                self._fail_locked(res, UNCLAIMED)
         keep = []
         for res in self._quarantine:
             if now >= res.quarantined_until:

@@ -8,6 +8,7 @@ import pytest
 
 from decode.admission import (
     QUARANTINE_GRACE_S,
+    UNCLAIMED_S,
     Admission,
     AdmissionError,
     FailureKind,
@@ -136,6 +137,22 @@ def test_abort_of_an_undelivered_ticket_frees_at_once(admission):
     admission.reserve("a", [1] * 20, num_senders=1, max_tokens=1)
     assert admission.abort("a", reason="no prefill reachable", writers_possible=False)
     assert admission.num_quarantined_blocks == 0 and admission.pool.num_free == 10
+
+
+def test_a_ready_ticket_nobody_generates_is_freed_after_a_while(admission, clock):
+    """Its router prefilled it, then went away: the blocks must not be held for good."""
+    admission.reserve("u", list(range(40)), num_senders=1, max_tokens=8)
+    clock.now += 4  # committed just before the ticket's deadline (5 s)
+    admission.commit("u", 1, rank=0, nbytes=4000, layers=LAYERS)
+    clock.now += UNCLAIMED_S - 0.1
+    admission.expire()
+    assert admission.pool.num_free == 7  # still waiting for its Generate
+    clock.now += 0.1
+    admission.expire()
+    assert admission.pool.num_free == admission.pool.num_total  # no writer left: freed at once
+    code, kind, message = _failure(lambda: admission.wait_ready("u", 1))
+    assert (code, kind) == (grpc.StatusCode.DEADLINE_EXCEEDED, FailureKind.UNCLAIMED)
+    assert "no Generate came within 30 s" in message
 
 
 def test_abort_of_a_ready_ticket_frees_at_once(admission):
