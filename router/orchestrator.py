@@ -85,7 +85,8 @@ class Orchestrator:
         decode = self._pick_decode()
         decode.outstanding_tokens += request.max_tokens
         rid = f"{request_id}-{next(self._ids)}"
-        started = finished = False
+        reserved = None
+        finished = False
         try:
             reserved = await self.decode_client.reserve(decode.address, decode_pb2.ReserveRequest(
                 request_id=rid, prompt_token_ids=request.prompt_ids, num_senders=1,
@@ -101,7 +102,6 @@ class Orchestrator:
                 sampling=request.sampling, max_tokens=request.max_tokens,
                 min_tokens=request.min_tokens, stop_token_ids=request.stop_token_ids,
                 ignore_eos=request.ignore_eos))  # fmt: skip
-            started = True
             async with contextlib.aclosing(stream):
                 async for message in stream:
                     if message.token_ids:
@@ -118,7 +118,9 @@ class Orchestrator:
         except grpc.aio.AioRpcError as e:
             raise self._failed(decode, e) from None
         except (asyncio.CancelledError, GeneratorExit):
-            if started and not finished:  # the client is gone: stop decoding for it
+            # The client is gone: stop decoding for it, or release its reservation (kept
+            # quarantined by the decode server until a prefill still writing into it commits).
+            if reserved is not None and not finished:
                 await asyncio.shield(self._abort(decode, rid, "client gone"))
             raise
         finally:

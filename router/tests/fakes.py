@@ -64,7 +64,8 @@ class Prefilled:
 class FakePrefill:
     """A PrefillClient. `script(url, ...)` queues the answers (PrefillReply) and failures
     (PrefillCallError, raised) of that instance's next calls; unscripted, `complete` answers
-    200 with `first_token`, `tokenize` 200 with `tokens`, `health` with `up[url]` (True)."""
+    200 with `first_token` (or, if `stall`, waits until cancelled: `prefilling` is set once it
+    waits), `tokenize` 200 with `tokens`, `health` with `up[url]` (True)."""
 
     def __init__(self) -> None:
         self.first_token = 7
@@ -73,6 +74,8 @@ class FakePrefill:
         self.calls: list[tuple[str, str]] = []
         """(method, url) of every call, in order."""
         self.prefilled: list[Prefilled] = []
+        self.stall = False
+        self.prefilling = asyncio.Event()
         self._script: dict[str, list[PrefillReply | PrefillCallError]] = defaultdict(list)
 
     def script(self, url: str, *outcomes: PrefillReply | PrefillCallError) -> None:
@@ -82,6 +85,9 @@ class FakePrefill:
         self.calls.append(("complete", url))
         prefilled = Prefilled(url, prompt_ids, KvTransfer.parse(transfer_params), sampling)
         self.prefilled.append(prefilled)
+        if self.stall:
+            self.prefilling.set()
+            await asyncio.Event().wait()
         params = {"first_token_id": self.first_token}
         return self._next(url) or answer(200, {"kv_transfer_params": params})
 

@@ -196,6 +196,27 @@ def test_a_cancelled_consumer_aborts_on_the_decode_server():
     _assert_idle(orchestrator, decode)
 
 
+def test_a_consumer_cancelled_during_the_prefill_aborts_its_reservation():
+    """Its ticket may still be written by the prefill: the Abort says so (the decode server
+    keeps the blocks quarantined until that prefill commits), rather than leaving the
+    reservation to its deadline."""
+    orchestrator, prefill, decode = _stack()
+    prefill.stall = True
+
+    async def cancel_while_prefilling():
+        task = asyncio.create_task(_generate(orchestrator))
+        await prefill.prefilling.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_while_prefilling())
+    (abort,) = decode.aborts()
+    assert abort.reason == "client gone" and not abort.ticket_undelivered
+    assert not any(rpc == "Generate" for rpc, _, _ in decode.calls)
+    _assert_idle(orchestrator, decode)
+
+
 def test_an_abort_that_fails_is_not_the_error_reported():
     orchestrator, prefill, decode = _stack(prefills=(P0,))
     prefill.script(P0, answer(502))
