@@ -22,7 +22,14 @@ def test_generated_modules_serve_the_round_trip_suite(tmp_path):
         "proto/tandem/v1/layout_pb2.py",
         "proto/tandem/v1/layout_pb2_grpc.py",
     ]
-    env = {**os.environ, "PYTHONPATH": f"{out}{os.pathsep}{devicepack.ROOT}"}
+    # NOTE: Bazel's own generated modules are in the runfiles too (the suite's deps bring them):
+    # with no script folder or cwd put first on the path (PYTHONSAFEPATH) and pytest leaving
+    # sys.path alone (importlib mode), `out`, first on PYTHONPATH, is where proto/ resolves.
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{out}{os.pathsep}{devicepack.ROOT}",
+        "PYTHONSAFEPATH": "1",
+    }
     check = "import proto.tandem.v1.decode_pb2 as m; print(m.__file__)"
     where = subprocess.run(
         [sys.executable, "-c", check], env=env, capture_output=True, text=True, check=True
@@ -36,6 +43,7 @@ def test_generated_modules_serve_the_round_trip_suite(tmp_path):
             "-q",
             "-p",
             "no:cacheprovider",
+            "--import-mode=importlib",
             "decode/tests/service_test.py",
         ],
         cwd=devicepack.ROOT,
