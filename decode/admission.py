@@ -32,15 +32,19 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from decode.failures import (
+    DEADLINE_MISSED,
+    UNCLAIMED,
+    UNCLAIMED_S,
+    AdmissionError,
+    Failure,
+    FailureKind,
+)
 from engine.kv_cache import BlockPool
 
 # Writers stop at the ticket's deadline (their transports enforce it); this much longer, a DMA
 # already issued may still land, so quarantined blocks wait for it too.
 QUARANTINE_GRACE_S = 1.0
-UNCLAIMED_S = 30.0
-"""How long a READY ticket waits for its Generate after its last commit. A router that prefilled
-it and then went away (its client gone, or the router itself) would otherwise hold its blocks
-for good."""
 REMEMBERED_REQUESTS = 65536
 """Request ids whose latest generation (and, if it failed, why) is remembered after they leave:
 enough to refuse stale commits and to tell a late Generate why its ticket failed, bounded so a
@@ -53,51 +57,6 @@ class RequestState(enum.Enum):
     RUNNING = "running"  # the engine loop's (blocks and all) until its token stream ends
     FINISHED = "finished"  # its stream ended (stop, length, abort, engine failed): forgotten
     FAILED = "failed"  # failed before it ran (its Failure says why): blocks freed or quarantined
-
-
-class FailureKind(enum.Enum):
-    """Why a ticket failed; `status` is what a late Generate of it is answered with."""
-
-    DEADLINE_MISSED = "deadline missed"  # not every sender committed by the ticket's deadline
-    ABORTED = "aborted"  # by the router, a client, or the Generate's client going away
-    SENDER_FAILED = "sender failed"  # a sender committed with an error
-    BAD_COMMIT = "bad commit"  # a commit whose layers or bytes do not fit the ticket
-    BAD_REQUEST = "bad request"  # Generate's parameters were refused
-    UNCLAIMED = "unclaimed"  # READY, but no Generate came for it within UNCLAIMED_S
-
-    @property
-    def status(self) -> grpc.StatusCode:
-        if self in (FailureKind.DEADLINE_MISSED, FailureKind.UNCLAIMED):
-            return grpc.StatusCode.DEADLINE_EXCEEDED
-        return grpc.StatusCode.ABORTED
-
-
-@dataclass(frozen=True)
-class Failure:
-    kind: FailureKind
-    message: str
-
-
-DEADLINE_MISSED = Failure(FailureKind.DEADLINE_MISSED, "not every sender committed by the deadline")
-UNCLAIMED = Failure(
-    FailureKind.UNCLAIMED, f"no Generate came within {UNCLAIMED_S:g} s of the commit"
-)
-
-
-class AdmissionError(Exception):
-    """A request refused: `code` is the gRPC status to answer with; `kind` says why the ticket
-    failed, when it did (None for a refusal that left the ticket as it was)."""
-
-    def __init__(
-        self, code: grpc.StatusCode, message: str, kind: FailureKind | None = None
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.kind = kind
-
-    @classmethod
-    def failed(cls, failure: Failure) -> AdmissionError:
-        return cls(failure.kind.status, failure.message, failure.kind)
 
 
 @dataclass

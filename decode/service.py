@@ -18,8 +18,9 @@ import time
 
 import grpc
 
-from decode.admission import Admission, AdmissionError, FailureKind, RequestState, Reservation
+from decode.admission import Admission, RequestState, Reservation
 from decode.engine_loop import EngineFailed, EngineLoop, Finished, TokenStream
+from decode.failures import AdmissionError, FailureKind
 from decode.metrics import DecodeMetrics
 from engine.kv_cache import KVCache
 from engine.sampling import SAMPLING_FIELDS, SamplingParams

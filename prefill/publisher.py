@@ -17,8 +17,9 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.kv_cache import KVCache
-from prefill.kv_sender import KvSender, SendSession, Target
+from prefill.kv_sender import KvSender
 from prefill.kv_writes import BlockLayout, LayerKV, layer_ops
+from prefill.send_session import SendSession, Target
 from transport.base import WriteOp
 
 

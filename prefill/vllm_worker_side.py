@@ -25,8 +25,9 @@ from functools import partial
 
 import torch
 
-from prefill.kv_sender import KvSender, SendSession, SessionState, Target
+from prefill.kv_sender import KvSender
 from prefill.kv_writes import BlockLayout, LayerKV, gather_blocks, layer_ops
+from prefill.send_session import SendSession, SessionState, Target
 from prefill.ticket import KvTransfer, dtype_name, layout_descriptor
 from prefill.vllm_config import TandemConnectorConfig
 from prefill.vllm_layouts import LAYOUT_VERSION, CacheViews, cache_views

@@ -23,8 +23,9 @@ from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.scheduler import StepPlan
 from engine.sequence import Sequence, StopConditions
-from prefill.kv_sender import KvSender, SendStats, SessionState
+from prefill.kv_sender import KvSender
 from prefill.publisher import KvPublisher, LayerwiseSend
+from prefill.send_session import SendStats, SessionState
 from prefill.ticket import KvTransfer
 
 

@@ -6,14 +6,8 @@ import threading
 import grpc
 import pytest
 
-from decode.admission import (
-    QUARANTINE_GRACE_S,
-    UNCLAIMED_S,
-    Admission,
-    AdmissionError,
-    FailureKind,
-    RequestState,
-)
+from decode.admission import QUARANTINE_GRACE_S, Admission, RequestState
+from decode.failures import UNCLAIMED_S, AdmissionError, FailureKind
 from engine.kv_cache import BlockPool
 
 LAYERS, PER_TOKEN = 4, 100  # 4 layers, 100 KV bytes per token

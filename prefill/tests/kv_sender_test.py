@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import transport
-from prefill.kv_sender import KvSender, SessionState
+from prefill.kv_sender import KvSender
 from prefill.kv_writes import BlockLayout, LayerKV, layer_ops
+from prefill.send_session import SessionState
 from prefill.tests.fake_decode import FakeDecode
 from prefill.ticket import DECODE_LAYOUT, KvTransfer, layout_descriptor
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
