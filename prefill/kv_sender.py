@@ -126,15 +126,14 @@ class KvSender:
     def open(self, transfer: KvTransfer, error: str = "") -> SendSession:
         """A session for `transfer`; connecting goes on in the background. `error`: the
         adapter already knows it cannot send (the session fails and commits that)."""
-        ticket = transfer.ticket
-        session = SendSession(transfer, transfer.deadline(self.timeout_s, self.clock))
+        ticket, now = transfer.ticket, self.clock()
+        session = SendSession(transfer, transfer.deadline(self.timeout_s, lambda: now))
         session.dst_layout = BlockLayout(
             ticket.layout.block_size, ticket.block_stride_bytes, ticket.head_stride_bytes,
             self.token_bytes,
         )  # fmt: skip
-        if not error and session.deadline <= self.clock():
+        if not error and session.deadline <= now:
             error = DEADLINE_PASSED
-        now = self.clock()
         with self._lock:
             decode = self._decoders.get(transfer.decode_address)
             if decode is None:

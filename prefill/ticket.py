@@ -101,6 +101,18 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def rank_heads(num_kv_heads: int, tp_size: int, rank: int) -> range:
+    """The KV heads tensor-parallel rank `rank` of `tp_size` holds; ValueError when the heads
+    do not split evenly."""
+    if num_kv_heads % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size: {tp_size} does not divide the model's {num_kv_heads} KV "
+            "heads (replicated heads are not supported)"
+        )
+    per_rank = num_kv_heads // tp_size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
 def layout_descriptor(
     *,
     model_name: str,
@@ -115,12 +127,6 @@ def layout_descriptor(
     layout_version: int = LAYOUT_VERSION,
 ) -> layout_pb2.LayoutDescriptor:
     """An engine's KV layout, its heads split evenly over `tp_size` ranks."""
-    if num_kv_heads % tp_size:
-        raise ValueError(
-            f"tensor_parallel_size: {tp_size} does not divide the model's {num_kv_heads} KV "
-            "heads (replicated heads are not supported)"
-        )
-    per_rank = num_kv_heads // tp_size
     return layout_pb2.LayoutDescriptor(
         model=layout_pb2.ModelFingerprint(
             name=model_name,
@@ -134,7 +140,8 @@ def layout_descriptor(
         layout_version=layout_version,
         tp_size=tp_size,
         head_ranges=[
-            layout_pb2.HeadRange(start=r * per_rank, end=(r + 1) * per_rank) for r in range(tp_size)
+            layout_pb2.HeadRange(start=heads.start, end=heads.stop)
+            for heads in (rank_heads(num_kv_heads, tp_size, r) for r in range(tp_size))
         ],
         transport=transport,
     )

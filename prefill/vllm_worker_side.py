@@ -28,7 +28,7 @@ import torch
 from prefill.kv_sender import KvSender
 from prefill.kv_writes import BlockLayout, LayerKV, gather_blocks, layer_ops
 from prefill.send_session import SendSession, SessionState, Target
-from prefill.ticket import KvTransfer, dtype_name, layout_descriptor
+from prefill.ticket import KvTransfer, dtype_name, layout_descriptor, rank_heads
 from prefill.vllm_config import TandemConnectorConfig
 from prefill.vllm_layouts import LAYOUT_VERSION, CacheViews, cache_views
 from prefill.vllm_metadata import SendPlan, TandemMetadata
@@ -57,17 +57,12 @@ class WorkerFacts:
     tp_size: int
 
     def __post_init__(self) -> None:
-        if self.num_kv_heads % self.tp_size:
-            raise ValueError(
-                f"tensor_parallel_size: {self.tp_size} does not divide the model's "
-                f"{self.num_kv_heads} KV heads (replicated heads are not supported)"
-            )
+        rank_heads(self.num_kv_heads, self.tp_size, self.tp_rank)  # uneven heads: refused now
 
     @property
     def heads(self) -> range:
         """The model's KV heads this rank holds."""
-        per_rank = self.num_kv_heads // self.tp_size
-        return range(self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank)
+        return rank_heads(self.num_kv_heads, self.tp_size, self.tp_rank)
 
 
 class WorkerSide:

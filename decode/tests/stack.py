@@ -17,6 +17,7 @@ from decode.service import DecodeServicer
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
+from prefill.ticket import DECODE_LAYOUT, layout_descriptor
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 
 BLOCK, BLOCKS = 16, 24
@@ -34,17 +35,10 @@ NEW_TOKENS = 10
 
 
 def layout(num_layers: int = 2, kv_dtype: str = "float32") -> layout_pb2.LayoutDescriptor:
-    return layout_pb2.LayoutDescriptor(
-        model=layout_pb2.ModelFingerprint(
-            name="tiny", num_layers=num_layers, num_kv_heads=2, head_dim=16, kv_dtype=kv_dtype
-        ),
-        block_size=BLOCK,
-        layout="HND",
-        layout_version=1,
-        tp_size=1,
-        head_ranges=[layout_pb2.HeadRange(start=0, end=2)],
-        transport="tcp",
-    )
+    return layout_descriptor(
+        model_name="tiny", num_layers=num_layers, num_kv_heads=2, head_dim=16, kv_dtype=kv_dtype,
+        block_size=BLOCK, layout=DECODE_LAYOUT, transport="tcp",
+    )  # fmt: skip
 
 
 class GatedEngine(LLMEngine):
