@@ -205,3 +205,9 @@ def test_a_ticket_with_too_few_blocks_is_refused_by_name_and_nothing_is_written(
     assert "3 blocks of 8 tokens cannot hold 75 tokens" in commit.error
     assert not dst.any()
     worker.close()
+
+
+def test_kv_heads_that_do_not_split_over_the_ranks_are_refused_at_start_up():
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide the model's 4"):
+        WorkerFacts("m", HEADS, DIM, VLLM_BLOCK, tp_rank=0, tp_size=3)
+    assert WorkerFacts("m", HEADS, DIM, VLLM_BLOCK, tp_rank=1, tp_size=2).heads == range(2, 4)
