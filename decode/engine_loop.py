@@ -2,17 +2,19 @@
 threads talk to it with commands on its queue, read tokens from one stream per sequence, and
 read what it publishes (`snapshot`), never the engine itself.
 
-  submit(seq, blocks, first_token) -> TokenStream   AddSequence: the sequence joins the batch
-  abort(seq_id)                                     AbortSequence: the sequence is dropped
+  submit(seq, blocks, first_token, first_logprobs) -> TokenStream
+                                  AddSequence: the sequence joins the batch
+  abort(seq_id)                   AbortSequence: the sequence is dropped
 
 Commands are handled in the order they were put, so an abort put after the submit of its
 sequence finds it (or finds it finished), whether or not the thread had admitted it yet.
 
 After each admit and each step the thread publishes a new EngineSnapshot, and only then hands
 out that admit's or step's tokens and outcomes: whoever reads a token sees a snapshot at least as
-new. A stream yields lists of new token ids (everything generated since the reader last looked,
-so a slow reader gets several per message) and ends with exactly one Finished or EngineFailed;
-its `on_end` runs on the engine thread just before that last item is put.
+new. A stream yields Tokens (everything generated since the reader last looked, so a slow reader
+gets several per message, each with its log-probabilities when the sequence asked for them) and
+ends with exactly one Finished or EngineFailed; its `on_end` runs on the engine thread just
+before that last item is put.
 
 If the engine raises (a CUDA error, a bug), its state is lost: every open stream ends with
 EngineFailed at once, and so does every later submit, instead of waiting on a stream that no
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
+from engine.sampling import TokenLogprobs
 from engine.sequence import FinishReason, Sequence
 
 
@@ -42,14 +45,26 @@ class EngineFailed:
     message: str
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """A stream's new tokens, in order."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    """One per token_ids entry, in the same order, when the sequence asked; else empty."""
+
+
+_Token = tuple[int, TokenLogprobs | None]
+
+
 class TokenStream:
     def __init__(self, on_end: Callable[[], None] | None = None) -> None:
-        self._queue: queue.SimpleQueue[int | Finished | EngineFailed] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Token | Finished | EngineFailed] = queue.SimpleQueue()
         self._on_end = on_end
         self._ended = False
 
-    def put(self, token_id: int) -> None:
-        self._queue.put(token_id)
+    def put(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        self._queue.put((token_id, logprobs))
 
     def end(self, outcome: Finished | EngineFailed) -> None:
         """The stream's last item; later ends are ignored (a command whose admission raised is
@@ -62,15 +77,15 @@ class TokenStream:
             self._on_end()
         self._queue.put(outcome)
 
-    def __iter__(self) -> Iterator[list[int] | Finished | EngineFailed]:
-        """Batches of token ids as they come, then one Finished or EngineFailed."""
+    def __iter__(self) -> Iterator[Tokens | Finished | EngineFailed]:
+        """Batches of tokens as they come, then one Finished or EngineFailed."""
         while True:
-            batch: list[int] = []
+            batch: list[_Token] = []
             item = self._queue.get()
             while True:
                 if isinstance(item, Finished | EngineFailed):
                     if batch:
-                        yield batch
+                        yield _tokens(batch)
                     yield item
                     return
                 batch.append(item)
@@ -78,7 +93,14 @@ class TokenStream:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            yield batch
+            yield _tokens(batch)
+
+
+def _tokens(batch: list[_Token]) -> Tokens:
+    logprobs = [lp for _, lp in batch if lp is not None]
+    # A sequence that asks has every token's, its first (the prefill's) included.
+    assert not logprobs or len(logprobs) == len(batch)
+    return Tokens([token for token, _ in batch], logprobs)
 
 
 @dataclass(frozen=True)
@@ -91,6 +113,8 @@ class AddSequence:
     first_token: int
     """The prefill's token: the sequence's first output, the first item of its stream."""
     stream: TokenStream
+    first_logprobs: TokenLogprobs | None = None
+    """first_token's, as the prefill reported them (when the sequence asks for logprobs)."""
 
 
 @dataclass(frozen=True)
@@ -127,10 +151,11 @@ class EngineLoop(EngineThread):
         seq: Sequence,
         block_ids: list[int],
         first_token: int,
+        first_logprobs: TokenLogprobs | None = None,
         on_end: Callable[[], None] | None = None,
     ) -> TokenStream:
         stream = TokenStream(on_end)
-        self._put(AddSequence(seq, block_ids, first_token, stream))
+        self._put(AddSequence(seq, block_ids, first_token, stream, first_logprobs))
         return stream
 
     def abort(self, seq_id: str) -> None:
@@ -139,11 +164,11 @@ class EngineLoop(EngineThread):
     def _admit(self, command: Command) -> None:
         delivered = []
         match command:
-            case AddSequence(seq, block_ids, first_token, stream):
+            case AddSequence(seq, block_ids, first_token, stream, first_logprobs):
                 self._live[seq.seq_id] = (seq, stream)
                 admitted = self.engine.add_prefilled(seq, block_ids, first_token)
                 reason = None if admitted else seq.finish_reason  # the first token finished it
-                delivered.append(self._delivery(seq.seq_id, first_token, reason))
+                delivered.append(self._delivery(seq.seq_id, first_token, reason, first_logprobs))
             case AbortSequence(seq_id):
                 if self.engine.abort(seq_id):
                     delivered.append(self._delivery(seq_id, None, FinishReason.ABORT))
@@ -152,7 +177,7 @@ class EngineLoop(EngineThread):
     def _step(self) -> None:
         self._publish(
             [
-                self._delivery(out.seq_id, out.token_id, out.finish_reason)
+                self._delivery(out.seq_id, out.token_id, out.finish_reason, out.logprobs)
                 for out in self.engine.step()
                 if out.seq_id in self._live
             ]
@@ -168,15 +193,19 @@ class EngineLoop(EngineThread):
             command.stream.end(EngineFailed(failure))
 
     def _delivery(
-        self, seq_id: str, token_id: int | None, reason: FinishReason | None
+        self,
+        seq_id: str,
+        token_id: int | None,
+        reason: FinishReason | None,
+        logprobs: TokenLogprobs | None = None,
     ) -> _Delivery:
         """A token for the sequence's stream, and its end if `reason` finished it (it leaves)."""
         seq, stream = self._live[seq_id]
         if reason is None:
-            return _Delivery(stream, token_id)
+            return _Delivery(stream, token_id, logprobs)
         del self._live[seq_id]
         finished = Finished(reason, seq.num_prompt_tokens, seq.num_output_tokens)
-        return _Delivery(stream, token_id, finished)
+        return _Delivery(stream, token_id, logprobs, finished)
 
     def _publish(self, delivered: list[_Delivery]) -> None:
         """A new snapshot, then what the admit or step gave each stream: whoever reads a token
@@ -191,7 +220,7 @@ class EngineLoop(EngineThread):
         )
         for delivery in delivered:
             if delivery.token_id is not None:
-                delivery.stream.put(delivery.token_id)
+                delivery.stream.put(delivery.token_id, delivery.logprobs)
             if delivery.finished is not None:
                 delivery.stream.end(delivery.finished)
 
@@ -202,4 +231,5 @@ class _Delivery:
 
     stream: TokenStream
     token_id: int | None = None
+    logprobs: TokenLogprobs | None = None
     finished: Finished | None = None

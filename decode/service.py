@@ -23,7 +23,7 @@ from decode.engine_loop import EngineFailed, EngineLoop, Finished, TokenStream
 from decode.failures import AdmissionError, FailureKind
 from decode.metrics import DecodeMetrics
 from engine.kv_cache import KVCache
-from engine.sampling import SAMPLING_FIELDS, SamplingParams
+from engine.sampling import SAMPLING_FIELDS, SamplingParams, TokenLogprobs
 from engine.sequence import FinishReason, Sequence, StopConditions
 from prefill.ticket import mismatch
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
@@ -121,7 +121,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         res = self._call(context, self.admission.wait_ready, request.request_id, request.generation)
         self._check_engine(context)
         seq = self._new_sequence(res, request, context)
-        stream = self._hand_over(res, seq, request.first_token_id, context)
+        first_logprobs = None
+        if seq.sampling.logprobs is not None:
+            reported = request.first_token_logprobs
+            first_logprobs = TokenLogprobs(
+                reported.logprob, tuple(reported.top_token_ids), tuple(reported.top_logprobs)
+            )
+        stream = self._hand_over(res, seq, request.first_token_id, first_logprobs, context)
 
         def client_gone() -> None:  # the RPC has ended: a no-op unless the request is live
             self._abort(res.request_id, res.generation, "client gone")
@@ -144,9 +150,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             if first:
                 self.metrics.handover_seconds.observe(time.monotonic() - started)
                 first = False
-            self.metrics.tokens_generated.inc(len(item))
-            self._tokens_generated += len(item)
-            yield decode_pb2.GenerateResponse(token_ids=item)
+            self.metrics.tokens_generated.inc(len(item.token_ids))
+            self._tokens_generated += len(item.token_ids)
+            yield decode_pb2.GenerateResponse(
+                token_ids=item.token_ids, logprobs=[_logprobs_pb(lp) for lp in item.logprobs]
+            )
 
     def Abort(self, request, context):
         aborted = self._abort(
@@ -172,21 +180,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             outstanding_tokens=engine.outstanding_tokens,
             tokens_generated=self._tokens_generated,
             layout=self.layout,
+            max_model_len=self.admission.max_model_len,
         )
 
     def _new_sequence(self, res: Reservation, request, context) -> Sequence:
         """The engine's sequence for a READY ticket; a refused parameter fails the ticket."""
         sampling = request.sampling
         try:
+            params = SamplingParams(
+                **{f: getattr(sampling, f) for f in SAMPLING_FIELDS if sampling.HasField(f)}
+            )
+            if params.logprobs is not None:
+                _check_first_logprobs(request)
             # NOTE: on this RPC thread, new_sequence reads only the engine's config, and
             # engine.sequences to refuse a live id, which never holds one here: admission keeps
             # an id live until its stream has ended, after the engine dropped it.
             return self.loop.engine.new_sequence(
                 res.request_id,
                 res.prompt_ids,
-                SamplingParams(
-                    **{f: getattr(sampling, f) for f in SAMPLING_FIELDS if sampling.HasField(f)}
-                ),
+                params,
                 StopConditions(
                     max_tokens=request.max_tokens or res.max_tokens or 1,
                     min_tokens=request.min_tokens,
@@ -200,12 +212,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             )
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    def _hand_over(self, res: Reservation, seq: Sequence, first_token: int, context) -> TokenStream:
+    def _hand_over(
+        self,
+        res: Reservation,
+        seq: Sequence,
+        first_token: int,
+        first_logprobs: TokenLogprobs | None,
+        context,
+    ) -> TokenStream:
         """READY -> RUNNING: the ticket's blocks go to the engine loop with its sequence."""
         with self._handover:
             blocks = self._call(context, self.admission.take, res)
             return self.loop.submit(
-                seq, blocks, first_token, on_end=lambda: self.admission.finish(res)
+                seq, blocks, first_token, first_logprobs, on_end=lambda: self.admission.finish(res)
             )
 
     def _abort(
@@ -234,3 +253,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             return fn(*args)
         except AdmissionError as e:
             context.abort(e.code, str(e))
+
+
+def _logprobs_pb(logprobs: TokenLogprobs) -> decode_pb2.TokenLogprobs:
+    return decode_pb2.TokenLogprobs(
+        logprob=logprobs.logprob,
+        top_token_ids=logprobs.top_token_ids,
+        top_logprobs=logprobs.top_logprobs,
+    )
+
+
+def _check_first_logprobs(request: decode_pb2.GenerateRequest) -> None:
+    """The first token's entry of the stream is the prefill's: without it the stream's logprobs
+    would not line up with its tokens."""
+    if not request.HasField("first_token_logprobs"):
+        raise ValueError("first_token_logprobs: required when sampling.logprobs is set")
+    first = request.first_token_logprobs
+    if len(first.top_token_ids) != len(first.top_logprobs):
+        raise ValueError(
+            f"first_token_logprobs: {len(first.top_token_ids)} top_token_ids but "
+            f"{len(first.top_logprobs)} top_logprobs"
+        )

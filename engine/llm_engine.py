@@ -26,7 +26,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import BlockPool, KVCache
 from engine.model import EAGER_OPS, CausalLM
 from engine.model_runner import LaunchedStep, ModelRunner
-from engine.sampling import Sampler, SamplingParams
+from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence, StopConditions
 from engine.weights import init_random_weights, load_weights
@@ -138,6 +138,8 @@ class StepOutput:
     token_id: int
     """The token generated for this sequence in this step."""
     finish_reason: FinishReason | None = None
+    logprobs: TokenLogprobs | None = None
+    """token_id's log-probabilities, when the sequence's SamplingParams.logprobs is set."""
 
 
 @dataclass
@@ -249,9 +251,10 @@ class LLMEngine:
         return aborted
 
     def step(self, before_run: Callable[[StepPlan], None] | None = None) -> list[StepOutput]:
-        """Runs one forward; returns the token each sampling sequence generated. `before_run`
-        sees the plan first (the prefill server arms its per-layer KV sends with it; it turns
-        async scheduling off for the step, since the caller acts on the plan once it returns).
+        """Runs one forward; returns the token each sampling sequence generated (with its
+        log-probabilities, for a sequence that asks). `before_run` sees the plan first (the
+        prefill server arms its per-layer KV sends with it; it turns async scheduling off for
+        the step, since the caller acts on the plan once it returns).
 
         With async scheduling, the decode step after this one is launched before this one's
         tokens are read: the call returns with it running, and the next call returns its
@@ -268,7 +271,7 @@ class LLMEngine:
             ahead = self.scheduler.schedule_ahead(launched.plan)
             if ahead is not None:
                 self._in_flight = self.runner.launch(ahead, feed=launched)
-        sampled = launched.result()
+        sampled, logprobs = launched.result(), launched.logprobs()
         finished = {seq.seq_id for seq in self.scheduler.update(launched.plan, sampled)}
         outputs = []
         for seq_id, token in sampled.items():
@@ -276,7 +279,7 @@ class LLMEngine:
             if seq is None:
                 continue  # aborted, or finished by the step before: the token is thrown away
             reason = seq.finish_reason if seq_id in finished else None
-            outputs.append(StepOutput(seq_id, token, reason))
+            outputs.append(StepOutput(seq_id, token, reason, logprobs.get(seq_id)))
             if reason is not None:
                 del self.sequences[seq_id]
         self._settle_idle_step()

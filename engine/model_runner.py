@@ -3,8 +3,9 @@
 Decode-only steps on CUDA replay a captured graph (engine/cuda_graphs.py); everything else
 (prefill chunks, mixed batches, CPU) runs the model eagerly.
 
-`launch` returns as soon as the work is queued on the device: the sampled tokens come back to
-the host through pinned memory when the device gets there (`LaunchedStep.result`). A step
+`launch` returns as soon as the work is queued on the device: the sampled tokens (and the
+log-probabilities of the sequences that ask for them) come back to the host through pinned memory
+when the device gets there (`LaunchedStep.result`, `LaunchedStep.logprobs`). A step
 planned ahead (engine.scheduler.schedule_ahead) feeds the tokens of the step before it, still on
 the device, as its input ids.
 """
@@ -17,7 +18,7 @@ from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.sampling import Sampler
+from engine.sampling import LogprobTensors, Sampler, TokenLogprobs, compute_logprobs
 from engine.scheduler import StepPlan
 
 
@@ -30,6 +31,7 @@ class LaunchedStep:
         seq_ids: list[str],
         tokens: torch.Tensor | None,
         host: torch.Tensor | None = None,
+        logprobs: LogprobTensors | None = None,
     ) -> None:
         self.plan = plan
         self.tokens = tokens
@@ -37,9 +39,13 @@ class LaunchedStep:
         self.seq_ids = seq_ids
         """The sampling sequences' ids, in the order of `tokens`."""
         self._host = host
+        self._logprobs = logprobs
+        """None when no sequence asked; on the host once `_copied` has happened."""
         self._copied: torch.cuda.Event | None = None
         if host is not None:  # CUDA: the copy to pinned memory lands when the device gets there
             host.copy_(tokens, non_blocking=True)
+            if logprobs is not None:
+                self._logprobs = logprobs.to_host()
             self._copied = torch.cuda.Event()
             self._copied.record()
 
@@ -53,6 +59,17 @@ class LaunchedStep:
         else:
             values = self.tokens.tolist()
         return dict(zip(self.seq_ids, values, strict=True))
+
+    def logprobs(self) -> dict[str, TokenLogprobs]:
+        """{seq_id: its sampled token's log-probabilities}, for the sequences that asked (by
+        SamplingParams.logprobs); waits for the device."""
+        if self._logprobs is None:
+            return {}
+        if self._copied is not None:
+            self._copied.synchronize()
+        wanted = [item.seq.sampling.logprobs for item in self.plan.scheduled if item.samples]
+        rows = self._logprobs.rows(wanted)
+        return {s: lp for s, lp in zip(self.seq_ids, rows, strict=True) if lp is not None}
 
 
 class ModelRunner:
@@ -100,14 +117,17 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         rows = [item.seq.sampling_row() for item in sampling]
         if greedy is not None and all(r.params.greedy and not r.params.penalized for r in rows):
-            tokens = greedy  # the graph's own argmax: nothing more to launch
+            tokens = greedy  # the graph's own argmax: no sampler to launch
         else:
             tokens = self.sampler(logits, rows)
+        # From the logits before the sampler's penalties (which leave its input as it is).
+        logprobs = compute_logprobs(logits, tokens, rows)
         host = None
         if self._host_tokens:
             self._launches += 1
             host = self._host_tokens[self._launches % 2][: len(sampling)]
-        return LaunchedStep(plan, [item.seq.seq_id for item in sampling], tokens, host)
+        seq_ids = [item.seq.seq_id for item in sampling]
+        return LaunchedStep(plan, seq_ids, tokens, host, logprobs)
 
     def _fed_ids(self, plan: StepPlan, feed: LaunchedStep) -> torch.Tensor:
         """The input ids of a step planned ahead: the tokens `feed` samples for its sequences

@@ -2,16 +2,18 @@
 
 Every supported knob is a field of `SamplingParams`; `SamplingParams.from_dict` rejects any other
 key by name, so a request never has a parameter silently dropped. The sampler works on the whole
-batch at once (one [B, V] pass per knob), and only pays for the knobs some row uses.
+batch at once (one [B, V] pass per knob), and only pays for the knobs some row uses; so does
+`compute_logprobs`, which only runs when some row asks for log-probabilities.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import torch
+
+from engine.sampling_ranges import SAMPLING_RANGES, range_problem
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,7 @@ class SamplingParams:
     """How to pick the next token of one request."""
 
     temperature: float = 0.0
-    """0 = greedy (argmax); otherwise logits are divided by it. In [0, 100]."""
+    """0 = greedy (argmax); otherwise logits are divided by it. In [0, 2]."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability mass reaches top_p."""
     top_k: int = 0
@@ -34,24 +36,22 @@ class SamplingParams:
     """Subtracted once from the logit of every token already generated. In [-2, 2]."""
     frequency_penalty: float = 0.0
     """Subtracted per occurrence from the logit of every token already generated. In [-2, 2]."""
+    logprobs: int | None = None
+    """Report each sampled token's log-probability and this many (0-20) most likely tokens'
+    (vLLM's `logprobs`, its default raw_logprobs mode: from the raw logits, before penalties,
+    temperature and filtering). None: nothing is computed."""
 
     def __post_init__(self) -> None:
-        checks = {
-            "temperature": 0.0 <= self.temperature <= 100.0,
-            "top_p": 0.0 < self.top_p <= 1.0,
-            "top_k": self.top_k >= 0,
-            "min_p": 0.0 <= self.min_p <= 1.0,
-            "seed": self.seed is None or 0 <= self.seed < 2**63,
-            "repetition_penalty": 0.0 < self.repetition_penalty <= 100.0,
-            "presence_penalty": -2.0 <= self.presence_penalty <= 2.0,
-            "frequency_penalty": -2.0 <= self.frequency_penalty <= 2.0,
-        }
-        for name, ok in checks.items():
+        for name, allowed in SAMPLING_RANGES.items():
             value = getattr(self, name)
-            if isinstance(value, float) and not math.isfinite(value):
-                ok = False
-            if not ok:
-                raise ValueError(f"{name}: {value!r} is out of range")
+            if value is None and name in ("seed", "logprobs"):
+                continue
+            problem = range_problem(name, value)
+            # A real int: a float would reach topk() or a generator on the engine thread.
+            if problem is None and allowed.integer and type(value) is not int:
+                problem = f"{name}: {value!r} is not an integer"
+            if problem:
+                raise ValueError(problem)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, object]) -> SamplingParams:
@@ -73,6 +73,18 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probabilities: log_softmax of the model's float32 logits."""
+
+    logprob: float
+    """The sampled token's."""
+    top_token_ids: tuple[int, ...]
+    """The SamplingParams.logprobs most likely tokens, most likely first."""
+    top_logprobs: tuple[float, ...]
+    """Theirs, in the same order."""
 
 
 SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
@@ -147,6 +159,55 @@ class Sampler:
             gen.manual_seed(self._seed)
             self._shared[device] = gen
         return self._shared[device]
+
+
+@dataclass(frozen=True)
+class LogprobTensors:
+    """One step's log-probabilities, one row per row of the batch (rows that did not ask
+    included: leaving them out would cost a copy of the row indices to the device)."""
+
+    chosen: torch.Tensor
+    """float32 [B]: the sampled token's."""
+    top_logprobs: torch.Tensor
+    """float32 [B, k]: the k most likely tokens', most likely first (k: the batch's largest
+    SamplingParams.logprobs)."""
+    top_token_ids: torch.Tensor
+    """int64 [B, k]."""
+
+    def to_host(self) -> LogprobTensors:
+        """Copies queued into pinned host memory: valid once the device has got there (the
+        caller records an event after them)."""
+        return LogprobTensors(
+            *(
+                torch.empty_like(t, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
+                for t in (self.chosen, self.top_logprobs, self.top_token_ids)
+            )
+        )
+
+    def rows(self, wanted: Sequence[int | None]) -> list[TokenLogprobs | None]:
+        """Each row's TokenLogprobs with its own `wanted` alternatives (None: the row did not
+        ask). On host tensors: reads them."""
+        chosen = self.chosen.tolist()
+        top_logprobs, top_ids = self.top_logprobs.tolist(), self.top_token_ids.tolist()
+        return [
+            None if n is None else TokenLogprobs(lp, tuple(ids[:n]), tuple(values[:n]))
+            for n, lp, ids, values in zip(wanted, chosen, top_ids, top_logprobs, strict=True)
+        ]
+
+
+def compute_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SamplingRow]
+) -> LogprobTensors | None:
+    """The log-probabilities of the sampled `tokens` [B] and of each row's most likely tokens,
+    from the raw logits [B, vocab] (vLLM's raw_logprobs: before penalties, temperature and
+    filtering). None, with nothing launched, when no row asks."""
+    wanted = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+    if not wanted:  # decided on the host: no log_softmax for batches that do not ask
+        return None
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = logprobs.topk(min(max(wanted), logprobs.shape[1]), dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return LogprobTensors(chosen, top.values, top.indices)
 
 
 def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

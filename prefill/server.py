@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -25,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
-from engine.sampling import SAMPLING_FIELDS, SamplingParams
+from engine.sampling import SAMPLING_FIELDS, SamplingParams, TokenLogprobs
 from engine.sequence import StopConditions
 from prefill.kv_sender import KvSender
 from prefill.publisher import KvPublisher
@@ -35,7 +36,9 @@ from transport.config import KvTransportConfig
 
 # Completion fields accepted and ignored because they change nothing here.
 _IGNORED = {"model", "stream", "n", "echo", "return_token_ids", "user"}
-_ACCEPTED = _IGNORED | set(SAMPLING_FIELDS) | {"prompt", "max_tokens", "kv_transfer_params"}
+_ACCEPTED = _IGNORED | set(SAMPLING_FIELDS) | {
+    "prompt", "max_tokens", "kv_transfer_params", "return_tokens_as_token_ids"
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -141,17 +144,22 @@ class PrefillServer:
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            job = self._job(await _json(request))
+            body = await _json(request)
+            job = self._job(body)
             result = await asyncio.wrap_future(self.worker.submit(job))
             text = self.tokenizer.decode(result.token_ids) if self.tokenizer else ""
             completion = len(result.token_ids)
+            logprobs = None
+            if result.logprobs is not None:
+                token_text = self._token_text(body.get("return_tokens_as_token_ids", False))
+                logprobs = completion_logprobs(result.token_ids, result.logprobs, token_text)
             reply = {
                 "id": f"cmpl-{uuid.uuid4().hex}",
                 "object": "text_completion",
                 "created": int(time.time()),
                 "model": self.name,
                 "choices": [{"index": 0, "text": text, "token_ids": result.token_ids,
-                             "finish_reason": result.finish_reason, "logprobs": None}],
+                             "finish_reason": result.finish_reason, "logprobs": logprobs}],
                 "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
                           "total_tokens": result.prompt_tokens + completion},
                 "kv_transfer_params": result.kv_transfer_params,
@@ -177,6 +185,9 @@ class PrefillServer:
             raise PrefillError(400, str(e)) from None
         if transfer is not None and max_tokens != 1:
             raise PrefillError(400, f"max_tokens: {max_tokens}; a KV transfer needs exactly 1")
+        as_ids = body.get("return_tokens_as_token_ids")
+        if not isinstance(as_ids, bool | None):
+            raise PrefillError(400, f"return_tokens_as_token_ids: {as_ids!r} is not a boolean")
         try:
             sampling = SamplingParams.from_dict({k: body[k] for k in SAMPLING_FIELDS if k in body})
             stop = StopConditions(max_tokens=int(max_tokens))
@@ -184,10 +195,40 @@ class PrefillServer:
             raise PrefillError(400, str(e)) from None
         return Job(list(prompt), sampling, stop, transfer)
 
+    def _token_text(self, as_token_ids: bool | None) -> Callable[[int], str]:
+        """How a token is named in `logprobs`: vLLM's "token_id:<id>", or its text.
+        NOTE: a random model has no tokenizer, so its tokens are always named by id."""
+        if as_token_ids or self.tokenizer is None:
+            return lambda token_id: f"token_id:{token_id}"
+        return lambda token_id: self.tokenizer.decode([token_id])
+
     def stop(self) -> None:
         self.worker.stop()
         self.sender.close()
         self.agent.close()
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[TokenLogprobs], token_text: Callable[[int], str]
+) -> dict:
+    """A completion choice's `logprobs`, shaped as vLLM's (serving_completion's
+    `_create_completion_logprobs`): per token its text, its logprob, {text: logprob} of the token
+    itself then the most likely ones (so N + 1 entries, N when it is one of them), and where its
+    text starts in the completion's. Logprobs are clamped at -9999 as vLLM's are (JSON has no
+    -inf)."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    offset = 0
+    for token_id, lp in zip(token_ids, logprobs, strict=True):
+        text = token_text(token_id)
+        tokens.append(text)
+        token_logprobs.append(max(lp.logprob, -9999.0))
+        # By id first, the token itself first (a top entry for it keeps that place), as vLLM.
+        by_id = {token_id: lp.logprob, **dict(zip(lp.top_token_ids, lp.top_logprobs, strict=True))}
+        top_logprobs.append({token_text(t): max(v, -9999.0) for t, v in by_id.items()})
+        text_offset.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}  # fmt: skip
 
 
 async def _json(request: Request) -> dict:

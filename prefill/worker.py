@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TokenLogprobs
 from engine.scheduler import StepPlan
 from engine.sequence import Sequence, StopConditions
 from prefill.kv_sender import KvSender
@@ -47,13 +47,21 @@ class Job:
     send: LayerwiseSend | None = None
     request_id: str = ""
     seq: Sequence | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Each generated token's, when sampling.logprobs is set."""
 
     def fail(self, error: PrefillError) -> None:
         """Fails the job's future, unless its caller has given up on it (cancelled it)."""
         with contextlib.suppress(InvalidStateError):
             self.future.set_exception(error)
 
-    def resolve(self, result: Result) -> None:
+    def resolve(self, finish_reason: str, kv_transfer_params: dict | None) -> None:
+        """Resolves the job's future with its sequence's outcome (unless given up on)."""
+        seq = self.seq
+        logprobs = self.logprobs if self.sampling.logprobs is not None else None
+        result = Result(
+            seq.output_ids, finish_reason, seq.num_prompt_tokens, kv_transfer_params, logprobs
+        )
         with contextlib.suppress(InvalidStateError):
             self.future.set_result(result)
 
@@ -64,6 +72,8 @@ class Result:
     finish_reason: str
     prompt_tokens: int
     kv_transfer_params: dict | None
+    logprobs: list[TokenLogprobs] | None = None
+    """One per token_ids entry when the request's sampling.logprobs is set, else None."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,11 @@ class PrefillWorker(EngineThread):
         self.publisher.armed = self._after_forward = []
         for out in outputs:
             job = self._live.get(out.seq_id)
-            if job is not None and out.finish_reason is not None:
+            if job is None:
+                continue
+            if out.logprobs is not None:
+                job.logprobs.append(out.logprobs)
+            if out.finish_reason is not None:
                 del self._live[out.seq_id]
                 self._finish(job, out.finish_reason.value)
 
@@ -158,9 +172,8 @@ class PrefillWorker(EngineThread):
             self._after_forward = armed
 
     def _finish(self, job: Job, finish_reason: str) -> None:
-        seq = job.seq
         if job.send is None:
-            job.resolve(Result(seq.output_ids, finish_reason, seq.num_prompt_tokens, None))
+            job.resolve(finish_reason, None)
             return
         sent = self.sender.finish(job.send.session)
         sent.add_done_callback(lambda done: self._sent(job, finish_reason, done.result()))
@@ -185,4 +198,4 @@ class PrefillWorker(EngineThread):
             "post_ms": round(stats.post_seconds * 1000, 3),
             "write_ops": stats.write_ops,
         }
-        job.resolve(Result(seq.output_ids, finish_reason, seq.num_prompt_tokens, kv_params))
+        job.resolve(finish_reason, kv_params)

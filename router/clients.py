@@ -198,4 +198,6 @@ def _prefill_sampling(sampling: decode_pb2.SamplingParams) -> dict:
     server; vLLM's own default would be the model's generation config)."""
     fields = {f.name: value for f, value in sampling.ListFields()}
     fields.setdefault("temperature", 0.0)
+    if "logprobs" in fields:  # named by id: router/logprobs.py reads them so
+        fields["return_tokens_as_token_ids"] = True
     return fields

@@ -1,9 +1,9 @@
 """The contract between the HTTP side and the orchestrator: a validated GenerationRequest goes
-in; lists of token ids, then one Finished, come out."""
+in; Tokens, then one Finished, come out."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proto.tandem.v1 import decode_pb2
 
@@ -18,6 +18,15 @@ class GenerationRequest:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Token ids as the decode server streamed them, with their log-probabilities when the
+    request's sampling.logprobs is set (one per id; empty otherwise)."""
+
+    ids: list[int]
+    logprobs: list[decode_pb2.TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from router.generation import Finished
+from router.generation import Finished, Tokens
 from router.limiter import InFlightLimiter
 from router.orchestrator import Orchestrator
 
@@ -76,15 +76,15 @@ class RequestTimer:
         self.tokens += count
 
     async def timed(
-        self, stream: AsyncIterator[list[int] | Finished]
-    ) -> AsyncIterator[list[int] | Finished]:
+        self, stream: AsyncIterator[Tokens | Finished]
+    ) -> AsyncIterator[Tokens | Finished]:
         """`stream` passed through, its token lists timed as they arrive; `done` once it ends
         or is closed (which closes `stream`)."""
         try:
             async with contextlib.aclosing(stream):
                 async for item in stream:
                     if not isinstance(item, Finished):
-                        self.tokens_arrived(len(item))
+                        self.tokens_arrived(len(item.ids))
                     yield item
         finally:
             self.done()

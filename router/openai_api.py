@@ -1,20 +1,24 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (streaming or not),
-/v1/models, /health, /metrics. One request, in order:
+/v1/models, /tokenize, /detokenize, /health, /metrics. One request, in order:
 
   gate (API key on /v1/*, X-Request-Id) -> parse the body (router/requests.py) -> tokenize the
   prompt -> check it against the context -> admission (router/limiter.py: 429 past --max-queue)
   -> the orchestrator's token ids -> text (router/streaming.py) -> SSE chunks or one JSON body
   -> counted by status (router/metrics.py).
 
-Every 4xx and 5xx carries OpenAI's error body (router/errors.py).
+A client that disconnects before its answer is ready (the first token of a stream, the whole
+body otherwise) cancels the generation at once: the orchestrator aborts it on the decode
+server. Every 4xx and 5xx carries OpenAI's error body (router/errors.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -24,26 +28,29 @@ from router.detokenizer import IncrementalDetokenizer
 from router.errors import BackendError, RequestError, error_body
 from router.generation import Finished, GenerationRequest
 from router.limiter import InFlightLimiter, QueueFull
+from router.logprobs import LogprobsFormat
 from router.metrics import RequestTimer, RouterMetrics
 from router.orchestrator import Orchestrator
 from router.prompts import PromptTokenizer
-from router.requests import ApiRequest, Endpoint, generation_request, parse
-from router.streaming import collect, completion_body, sse, text_events
+from router.requests import ApiRequest, Endpoint, ServedModel, generation_request, parse
+from router.streaming import Delta, collect, completion_body, sse, text_events
+from router.streaming import Response as StreamResponse
+from router.tokenize_api import detokenize, tokenize
 
 RETRY_AFTER_S = 1
+CLIENT_GONE = 499
+"""The status logged and counted for a request whose client left before its answer."""
 
 
 def create_app(
     orchestrator: Orchestrator,
     prompts: PromptTokenizer,
-    model: str,
-    max_model_len: int,
+    model: ServedModel,
     api_key: str | None = None,
     max_queue: int = 0,
 ) -> FastAPI:
     """`max_queue` > 0: requests beyond that many in flight get 429 with Retry-After."""
-    api = OpenAIApi(orchestrator, prompts, model, max_model_len, api_key,
-                    InFlightLimiter(max_queue))  # fmt: skip
+    api = OpenAIApi(orchestrator, prompts, model, api_key, InFlightLimiter(max_queue))
     app = FastAPI(title="tandem router")
     app.middleware("http")(api.gate)
     app.add_exception_handler(RequestError, _refused)
@@ -52,6 +59,8 @@ def create_app(
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     return app
 
 
@@ -62,15 +71,13 @@ class OpenAIApi:
         self,
         orchestrator: Orchestrator,
         prompts: PromptTokenizer,
-        model: str,
-        max_model_len: int,
+        model: ServedModel,
         api_key: str | None,
         limiter: InFlightLimiter,
     ) -> None:
         self.orchestrator = orchestrator
         self.prompts = prompts
         self.model = model
-        self.max_model_len = max_model_len
         self.api_key = api_key
         self.limiter = limiter
         self.metrics = RouterMetrics(orchestrator, limiter)
@@ -104,9 +111,22 @@ class OpenAIApi:
         }
 
     async def models(self) -> dict:
-        card = {"id": self.model, "object": "model", "owned_by": "tandem",
-                "max_model_len": self.max_model_len}  # fmt: skip
+        model = self.served()
+        card = {"id": model.name, "object": "model", "created": 0, "owned_by": "tandem",
+                "root": model.name, "parent": None,
+                "max_model_len": model.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
+
+    async def tokenize(self, request: Request) -> dict:
+        return await tokenize(await request.body(), self.served(), self.prompts)
+
+    async def detokenize(self, request: Request) -> dict:
+        return detokenize(await request.body(), self.served(), self.prompts.local.tokenizer)
+
+    def served(self) -> ServedModel:
+        """The model, with the context the decode servers decode (they may take less)."""
+        context = self.orchestrator.max_model_len(self.model.max_model_len)
+        return dataclasses.replace(self.model, max_model_len=context)
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(Endpoint.COMPLETIONS, request)
@@ -115,30 +135,40 @@ class OpenAIApi:
         return await self._serve(Endpoint.CHAT, request)
 
     async def _serve(self, endpoint: Endpoint, request: Request) -> Response:
-        api_request = parse(endpoint, await request.body(), self.model)
+        model = self.served()
+        api_request = parse(endpoint, await request.body(), model)
         prompt_ids = await self._prompt_ids(api_request)
-        generation = generation_request(api_request, prompt_ids, self.max_model_len)
+        generation = generation_request(api_request, prompt_ids, model.max_model_len)
         request_id = request.state.request_id
-        events = self._events(generation, request_id, api_request.stops)
+        events = self._events(generation, api_request, request_id)
         try:  # admission, and failures before the first token, get an HTTP status
-            first = await anext(events)
+            first = await _unless_client_leaves(request, anext(events))
         except QueueFull as e:
             return error_response(429, str(e), headers={"Retry-After": str(RETRY_AFTER_S)})
         except BackendError as e:
             return error_response(e.status, str(e))
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)
         events = _chain(first, events)
-        response_id = f"{endpoint.id_prefix}-{request_id}"
-        created = int(time.time())
+        response = self._response(api_request, f"{endpoint.id_prefix}-{request_id}")
         if api_request.stream:
-            chunks = sse(events, endpoint, response_id, self.model, created,
-                         api_request.include_usage)  # fmt: skip
-            return StreamingResponse(chunks, media_type="text/event-stream")
+            return StreamingResponse(sse(events, response), media_type="text/event-stream")
         try:
-            text, finish = await collect(events)
+            whole, finish = await _unless_client_leaves(request, collect(events))
         except BackendError as e:
             return error_response(e.status, str(e))
-        return JSONResponse(completion_body(endpoint, response_id, self.model, created, text,
-                                            finish))  # fmt: skip
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse(completion_body(response, whole, finish))
+
+    def _response(self, request: ApiRequest, response_id: str) -> StreamResponse:
+        logprobs = None
+        if request.sampling.HasField("logprobs"):
+            logprobs = LogprobsFormat(self.prompts.local.tokenizer,
+                                      chat=request.endpoint is Endpoint.CHAT,
+                                      tokens_as_ids=request.tokens_as_ids)  # fmt: skip
+        return StreamResponse(request.endpoint, response_id, self.model.name, int(time.time()),
+                              request.include_usage, logprobs)  # fmt: skip
 
     async def _prompt_ids(self, request: ApiRequest) -> list[int]:
         try:
@@ -151,18 +181,48 @@ class OpenAIApi:
         return request.token_ids
 
     async def _events(
-        self, generation: GenerationRequest, request_id: str, stops: Sequence[str]
-    ) -> AsyncIterator[str | Finished]:
+        self, generation: GenerationRequest, request: ApiRequest, request_id: str
+    ) -> AsyncIterator[Delta | Finished]:
         """The request's text events, holding a slot of the limiter throughout: QueueFull at
         the first step when there is none."""
+        prompt_ids = generation.prompt_ids
         with self.limiter.slot():
             timer = RequestTimer(self.metrics)
             tokens = timer.timed(self.orchestrator.generate(generation, request_id))
-            detok = IncrementalDetokenizer(self.prompts.local.tokenizer, generation.prompt_ids)
-            events = text_events(tokens, detok, len(generation.prompt_ids), stops)
+            detok = IncrementalDetokenizer(self.prompts.local.tokenizer, prompt_ids,
+                                           request.skip_special_tokens)  # fmt: skip
+            events = text_events(tokens, detok, len(prompt_ids), request.stops,
+                                 request.include_stop_str_in_output)  # fmt: skip
             async with contextlib.aclosing(events):
                 async for event in events:
                     yield event
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable):
+    """`work`'s result, or ClientGone once the client disconnects first (`work` is then
+    cancelled, which aborts its generation). The body has been read, so the next ASGI message
+    is the disconnect."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, BackendError):
+        await task
+    raise ClientGone
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def error_response(

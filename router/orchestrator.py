@@ -26,19 +26,21 @@ import grpc
 
 from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2
-from router.clients import DecodeClient, PrefillCallError, PrefillClient
+from router.clients import DecodeClient, PrefillCallError, PrefillClient, PrefillReply
 from router.errors import BackendError
-from router.generation import Finished, GenerationRequest
+from router.generation import Finished, GenerationRequest, Tokens
+from router.logprobs import LogprobsError, first_token_logprobs
 
 PROBE_INTERVAL_S = 2.0
 
 
 class PrefillFailed(BackendError):
     """No prefill instance prefilled the request; `ticket_delivered` is False when none even
-    accepted the connection (so nothing can be writing into the reserved blocks)."""
+    accepted the connection (so nothing can be writing into the reserved blocks). `status`: 503,
+    or the 4xx a prefill refused the request with (the client's fault, passed on)."""
 
-    def __init__(self, message: str, ticket_delivered: bool) -> None:
-        super().__init__(503, message)
+    def __init__(self, message: str, ticket_delivered: bool, status: int = 503) -> None:
+        super().__init__(status, message)
         self.ticket_delivered = ticket_delivered
 
 
@@ -54,6 +56,8 @@ class DecodeInstance:
     address: str
     outstanding_tokens: int = 0
     healthy: bool = True
+    max_model_len: int = 0
+    """The longest sequence it decodes, as its Stats said; 0 until it answered."""
 
 
 _FINISH = {
@@ -79,8 +83,8 @@ class Orchestrator:
 
     async def generate(
         self, request: GenerationRequest, request_id: str
-    ) -> AsyncIterator[list[int] | Finished]:
-        """Token ids as the decode server streams them, then a Finished; a failure raises
+    ) -> AsyncIterator[Tokens | Finished]:
+        """Tokens as the decode server streams them, then a Finished; a failure raises
         BackendError with the HTTP status to answer."""
         decode = self._pick_decode()
         decode.outstanding_tokens += request.max_tokens
@@ -92,7 +96,9 @@ class Orchestrator:
                 request_id=rid, prompt_token_ids=request.prompt_ids, num_senders=1,
                 max_tokens=request.max_tokens))  # fmt: skip
             try:
-                first = await self._prefill(reserved.ticket, decode.address, request)
+                first, first_logprobs = await self._prefill(
+                    reserved.ticket, decode.address, request
+                )
             except PrefillFailed as e:
                 undelivered = not e.ticket_delivered
                 await asyncio.shield(self._abort(decode, rid, "prefill failed", undelivered))
@@ -101,11 +107,12 @@ class Orchestrator:
                 request_id=rid, generation=reserved.ticket.generation, first_token_id=first,
                 sampling=request.sampling, max_tokens=request.max_tokens,
                 min_tokens=request.min_tokens, stop_token_ids=request.stop_token_ids,
-                ignore_eos=request.ignore_eos))  # fmt: skip
+                ignore_eos=request.ignore_eos,
+                first_token_logprobs=first_logprobs))  # fmt: skip
             async with contextlib.aclosing(stream):
                 async for message in stream:
                     if message.token_ids:
-                        yield list(message.token_ids)
+                        yield Tokens(list(message.token_ids), list(message.logprobs))
                     if message.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED:
                         usage = message.usage
                         reason = _FINISH[message.finish_reason]
@@ -153,14 +160,15 @@ class Orchestrator:
                 prefill.in_flight -= 1
         raise BackendError(503, error)
 
-    async def probe(self) -> None:
+    async def probe(self, every_decode: bool = False) -> None:
         """Brings instances marked down back once they answer (decode: Stats, prefill: its
-        health check)."""
+        health check), and learns the decode servers' context lengths."""
         for decode in self.decodes:
-            if not decode.healthy:
+            if every_decode or not decode.healthy or not decode.max_model_len:
                 with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self.decode_client.stats(decode.address)
+                    stats = await self.decode_client.stats(decode.address)
                     decode.healthy = True
+                    decode.max_model_len = stats.max_model_len
         for prefill in self.prefills:
             if not prefill.healthy:
                 prefill.healthy = await self.prefill_client.health(prefill.url)
@@ -170,6 +178,11 @@ class Orchestrator:
             await asyncio.sleep(PROBE_INTERVAL_S)
             await self.probe()
 
+    def max_model_len(self, configured: int) -> int:
+        """The context a request may fill: `configured` (the model's), or less where a decode
+        server said it decodes less."""
+        return min((d.max_model_len for d in self.decodes if d.max_model_len), default=configured)
+
     def _pick_decode(self) -> DecodeInstance:
         healthy = [d for d in self.decodes if d.healthy]
         if not healthy:
@@ -178,11 +191,13 @@ class Orchestrator:
 
     async def _prefill(
         self, ticket: decode_pb2.Ticket, decode_address: str, request: GenerationRequest
-    ) -> int:
-        """The first token id, from the first prefill instance to prefill the request."""
+    ) -> tuple[int, decode_pb2.TokenLogprobs | None]:
+        """The first token id, and its log-probabilities if the request asks for them, from
+        the first prefill instance to prefill the request."""
         params = transfer_params(ticket, decode_address)
         error = "no prefill instance is available"
         delivered = False
+        status = 503
         for prefill in self._prefill_order():
             prefill.in_flight += 1
             try:
@@ -191,28 +206,33 @@ class Orchestrator:
                 )
                 delivered = True
                 if reply.status == 200:
-                    first = ((reply.json or {}).get("kv_transfer_params") or {}).get(
-                        "first_token_id"
-                    )
-                    if isinstance(first, int):
-                        return first
-                    error = (
-                        f"prefill {prefill.url} answered without a first_token_id: is it "
-                        "tandem's prefill server, or vLLM with TandemConnector?"
-                    )
+                    try:
+                        return _first_token(reply.json or {}, request.sampling)
+                    except LogprobsError as e:
+                        error = f"prefill {prefill.url}: {e}"
+                    except (TypeError, ValueError):
+                        error = (
+                            f"prefill {prefill.url} answered without a first_token_id: is it "
+                            "tandem's prefill server, or vLLM with TandemConnector?"
+                        )
+                    status = 502
                     break
                 error = f"prefill {prefill.url} answered {reply.status}: {reply.text[:200]}"
                 if reply.status == 503:
                     prefill.healthy = False
+                if 400 <= reply.status < 500:  # the request is at fault: passed on as it is
+                    status, error = reply.status, _refusal(reply)
+                    break
                 if reply.status < 500:
-                    break  # the request itself is at fault: another prefill would refuse it too
+                    status = 502
+                    break
             except PrefillCallError as e:
                 prefill.healthy = not e.down
                 delivered |= e.sent
                 error = f"prefill {prefill.url} failed: {e}"
             finally:
                 prefill.in_flight -= 1
-        raise PrefillFailed(error, delivered)
+        raise PrefillFailed(error, delivered, status)
 
     def _prefill_order(self) -> list[PrefillInstance]:
         """The instances to try, at most two (a failure is retried once, on another): least in
@@ -238,3 +258,24 @@ class Orchestrator:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.decode_client.abort(decode.address, decode_pb2.AbortRequest(
                 request_id=rid, reason=reason, ticket_undelivered=ticket_undelivered))  # fmt: skip
+
+
+def _first_token(reply: dict, sampling: decode_pb2.SamplingParams):
+    """(first token id, its logprobs or None) from a prefill's 200 reply; ValueError or
+    TypeError when it has no first_token_id, LogprobsError when it lacks asked-for logprobs."""
+    first = (reply.get("kv_transfer_params") or {}).get("first_token_id")
+    if not isinstance(first, int) or isinstance(first, bool):
+        raise ValueError("no first_token_id")
+    if not sampling.HasField("logprobs"):
+        return first, None
+    choices = reply.get("choices") or [{}]
+    return first, first_token_logprobs(choices[0], sampling.logprobs)
+
+
+def _refusal(reply: PrefillReply) -> str:
+    """A prefill's 4xx message as the client gets it: the error body's message (OpenAI's
+    shape, or vLLM's older flat one), else the text."""
+    body = reply.json or {}
+    error = body.get("error")
+    message = error.get("message") if isinstance(error, dict) else body.get("message")
+    return message if isinstance(message, str) and message else reply.text[:500]

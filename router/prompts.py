@@ -60,11 +60,14 @@ class PromptTokenizer:
             )
             return
 
-    async def text(self, prompt: str) -> list[int]:
-        """A completions prompt (special tokens added as the tokenizer's defaults say)."""
+    async def text(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """A completions prompt (special tokens, such as BOS, added as the tokenizer's defaults
+        say unless `add_special_tokens` is False)."""
         if self.source == "prefill":
-            return await self.orchestrator.tokenize({"prompt": prompt})
-        return self.local.tokenizer(prompt)["input_ids"]
+            return await self.orchestrator.tokenize(
+                {"prompt": prompt, "add_special_tokens": add_special_tokens}
+            )
+        return self.local.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
     async def chat(self, messages: Sequence[dict]) -> list[int]:
         """A conversation rendered with the model's chat template, generation prompt added."""

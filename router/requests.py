@@ -4,8 +4,10 @@
 
 `parse` checks all that does not depend on the prompt's token count; `generation_request` checks
 the rest (the context length) once the prompt is tokenized. Both raise RequestError with the
-HTTP status, a message and the offending parameter. Parameters the stack cannot honour are
-refused by name, never dropped.
+HTTP status, a message and the offending parameter, so no backend ever sees a value it would
+refuse. A field sent as `null` is absent. Parameters the stack cannot honour are refused by
+name, never dropped; the few OpenAI defines as hints without effect here are accepted
+(`IGNORED`).
 """
 
 from __future__ import annotations
@@ -14,18 +16,42 @@ import enum
 import json
 from dataclasses import dataclass
 
+from engine.sampling_ranges import MAX_LOGPROBS, SAMPLING_RANGES, range_problem
 from proto.tandem.v1 import decode_pb2
 from router.errors import RequestError
 from router.generation import GenerationRequest
+from router.messages import chat_messages
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-SAMPLING = tuple(field.name for field in decode_pb2.SamplingParams.DESCRIPTOR.fields)
-"""The sampling fields a request may set: tandem.v1.SamplingParams' (the same names as the
-engine's SamplingParams, which decode/tests/service_test.py checks)."""
-_INTEGERS = ("top_k", "seed")
+MAX_STOPS = 4
+"""Stop strings per request at most (vLLM's default VLLM_MAX_STOP_STRINGS, OpenAI's limit)."""
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+            "presence_penalty", "frequency_penalty")  # fmt: skip
+"""Numbers passed to tandem.v1.SamplingParams under the same name."""
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+"""OpenAI's fields that identify or label a request, or hint at an absent feature: accepted,
+without effect (as vLLM does)."""
+_INT64 = 2**63
 _COMMON = {"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
-           "ignore_eos", "min_tokens", "user", *SAMPLING}  # fmt: skip
-_TOKEN_ID_END = 2**32  # token ids travel as uint32
+           "ignore_eos", "min_tokens", "logprobs", "skip_special_tokens",
+           "include_stop_str_in_output", *SAMPLING, *IGNORED}  # fmt: skip
+_NOT_YET = {
+    "n": lambda v: v == 1,
+    "best_of": lambda v: v == 1,
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+    "logit_bias": lambda v: v == {},
+    "response_format": lambda v: v == {"type": "text"},
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "prompt_logprobs": lambda v: False,
+    "structured_outputs": lambda v: False,
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+}
+"""Known parameters tandem does not serve yet, and the values that ask for nothing."""
 
 
 class Endpoint(enum.Enum):
@@ -44,8 +70,21 @@ class Endpoint(enum.Enum):
 
     @property
     def parameters(self) -> frozenset[str]:
-        extra = {"messages", "max_completion_tokens"} if self is Endpoint.CHAT else {"prompt"}
-        return frozenset(_COMMON | extra)
+        if self is Endpoint.CHAT:
+            extra = {"messages", "max_completion_tokens", "top_logprobs"}
+        else:
+            extra = {"prompt", "return_tokens_as_token_ids"}
+        return frozenset(_COMMON | extra | set(_NOT_YET))
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What requests are checked against."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    """Token ids are below this (the model's embedding rows)."""
 
 
 @dataclass(frozen=True)
@@ -58,48 +97,46 @@ class ApiRequest:
     token_ids: list[int] | None
     """Completions: a prompt given as token ids."""
     messages: list[dict] | None
-    """Chat: the conversation, each message a dict with `role` and a string `content`."""
+    """Chat: the conversation, as router/messages.py readies it for the template."""
     max_tokens: int | None
     """At least 1; None: whatever the context leaves after the prompt."""
     sampling: decode_pb2.SamplingParams
-    min_tokens: int
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
-    stops: tuple[str, ...]
+    """The fields the client set; `logprobs` set when it asked for log-probabilities."""
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stops: tuple[str, ...] = ()
     """Stop strings, none empty."""
-    stream: bool
-    include_usage: bool
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    tokens_as_ids: bool = False
+    """Logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+    stream: bool = False
+    include_usage: bool = False
     """Streaming: end with a chunk that carries the usage."""
 
 
-def parse(endpoint: Endpoint, raw: bytes, model: str) -> ApiRequest:
+def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
     """Checks a raw body sent to `endpoint` of a router serving `model`."""
-    body = _json_object(raw)
-    unknown = sorted(set(body) - endpoint.parameters)
-    if unknown:
-        raise RequestError(400, f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
-    if body.get("model", model) != model:
-        raise RequestError(404, f"model {body['model']!r} not found (serving {model!r})")
-    if body.get("n", 1) != 1:
-        raise RequestError(400, "n: only 1 is supported", "n")
+    body = checked_body(raw, model, endpoint.parameters)
+    for name, asks_nothing in _NOT_YET.items():
+        if name in body and not asks_nothing(body[name]):
+            raise RequestError(400, f"{name}: {body[name]!r} is not supported yet", name)
     text = token_ids = messages = None
     if endpoint is Endpoint.CHAT:
-        messages = _messages(body.get("messages"))
+        messages = chat_messages(body.get("messages"))
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
-        text, token_ids = _prompt(body.get("prompt"))
+        text, token_ids = _prompt(body.get("prompt"), model.vocab_size)
         max_tokens = body.get("max_tokens", 16)
     if max_tokens is not None:
         _check_max_tokens(max_tokens)
-    sampling = _sampling(body)
-    stop_ids = body.get("stop_token_ids") or []
-    if not (isinstance(stop_ids, list) and all(_is_token_id(t) for t in stop_ids)):
-        raise RequestError(400, "stop_token_ids: a list of token ids", "stop_token_ids")
-    min_tokens = body.get("min_tokens", 0)
-    if type(min_tokens) is not int or min_tokens < 0:
-        raise RequestError(400, f"min_tokens: {min_tokens!r} not in [0, max_tokens]", "min_tokens")
-    stops = _stops(body.get("stop"))
-    options = body.get("stream_options") or {}
+    stop_ids = body.get("stop_token_ids", [])
+    if not (isinstance(stop_ids, list) and all(_is_token_id(t, model.vocab_size)
+                                               for t in stop_ids)):  # fmt: skip
+        raise RequestError(400, f"stop_token_ids: a list of token ids below {model.vocab_size}",
+                           "stop_token_ids")  # fmt: skip
+    options = body.get("stream_options", {})
     if not isinstance(options, dict):
         raise RequestError(400, "stream_options: must be an object", "stream_options")
     return ApiRequest(
@@ -108,13 +145,16 @@ def parse(endpoint: Endpoint, raw: bytes, model: str) -> ApiRequest:
         token_ids=token_ids,
         messages=messages,
         max_tokens=max_tokens,
-        sampling=sampling,
-        min_tokens=min_tokens,
+        sampling=_sampling(endpoint, body),
+        min_tokens=_integer(body, "min_tokens", 0, 2**32, 0),
         stop_token_ids=tuple(stop_ids),
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        stops=stops,
-        stream=bool(body.get("stream")),
-        include_usage=bool(options.get("include_usage")),
+        ignore_eos=flag(body, "ignore_eos", False),
+        stops=_stops(body.get("stop", [])),
+        include_stop_str_in_output=flag(body, "include_stop_str_in_output", False),
+        skip_special_tokens=flag(body, "skip_special_tokens", True),
+        tokens_as_ids=flag(body, "return_tokens_as_token_ids", False),
+        stream=flag(body, "stream", False),
+        include_usage=flag(options, "include_usage", False),
     )
 
 
@@ -126,7 +166,9 @@ def generation_request(
     max_tokens = request.max_tokens
     if max_tokens is None:
         max_tokens = max_model_len - len(prompt_ids)
-        _check_max_tokens(max_tokens)
+        if max_tokens < 1:
+            raise RequestError(400, f"prompt of {len(prompt_ids)} tokens leaves no room in the "
+                               f"context length {max_model_len}", "messages")  # fmt: skip
     if len(prompt_ids) + max_tokens > max_model_len:
         raise RequestError(
             400,
@@ -148,36 +190,102 @@ def generation_request(
     )
 
 
+def checked_body(raw: bytes, model: ServedModel, accepted: frozenset[str]) -> dict:
+    """The JSON object in `raw` without its null fields, once it names no parameter outside
+    `accepted` and no model but `model`."""
+    body = {k: v for k, v in _json_object(raw).items() if v is not None}
+    unknown = sorted(set(body) - accepted)
+    if unknown:
+        raise RequestError(400, f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
+    if body.get("model", model.name) != model.name:
+        raise RequestError(404, f"model {body['model']!r} not found (serving {model.name!r})",
+                           "model")  # fmt: skip
+    return body
+
+
+def flag(body: dict, name: str, default: bool) -> bool:
+    """body[name], a JSON boolean, or `default` when absent."""
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise RequestError(400, f"{name}: {value!r} is not true or false", name)
+    return value
+
+
 def _json_object(raw: bytes) -> dict:
     if len(raw) > MAX_BODY_BYTES:
         raise RequestError(413, f"body: {len(raw)} bytes, at most {MAX_BODY_BYTES}")
     try:
         body = json.loads(raw)
-    except ValueError:  # UnicodeDecodeError included
+    except (ValueError, RecursionError):  # UnicodeDecodeError included
         raise RequestError(400, "body: not valid JSON") from None
     if not isinstance(body, dict):
         raise RequestError(400, "body: must be a JSON object")
     return body
 
 
-def _prompt(prompt) -> tuple[str | None, list[int] | None]:
+def _prompt(prompt, vocab_size: int) -> tuple[str | None, list[int] | None]:
     """(text, None) or (None, token ids)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return prompt, None
-    if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(_is_token_id(t, vocab_size) for t in prompt):
         return None, prompt
-    raise RequestError(400, "prompt: a string or a non-empty list of token ids", "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise RequestError(400, "prompt: one prompt per request (send a batch as separate "
+                           "requests)", "prompt")  # fmt: skip
+    raise RequestError(400, "prompt: a string or a non-empty list of token ids below "
+                       f"{vocab_size}", "prompt")  # fmt: skip
 
 
-def _messages(messages) -> list[dict]:
-    if not (isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
-        for m in messages
-    )):  # fmt: skip
-        raise RequestError(400, "messages: a non-empty list of {role, content}", "messages")
-    return messages
+def _sampling(endpoint: Endpoint, body: dict) -> decode_pb2.SamplingParams:
+    """The sampling fields the client set; unset ones stay unset (the decode server's
+    defaults). vLLM's conventions: top_k -1 is no limit; a negative seed is a 64-bit one."""
+    sampling = decode_pb2.SamplingParams()
+    for name in SAMPLING:
+        if name not in body:
+            continue
+        value = body[name]
+        if name == "seed":
+            value = _seed(value)
+        elif name == "top_k" and value == -1:
+            value = 0
+        problem = range_problem(name, value)
+        if problem:
+            raise RequestError(400, problem, name)
+        setattr(sampling, name, int(value) if SAMPLING_RANGES[name].integer else float(value))
+    logprobs = _logprobs(endpoint, body)
+    if logprobs is not None:
+        sampling.logprobs = logprobs
+    return sampling
+
+
+def _logprobs(endpoint: Endpoint, body: dict) -> int | None:
+    """Alternatives per token the client asked for, or None: chat has `logprobs` (bool) and
+    `top_logprobs`; completions' `logprobs` is the count."""
+    if endpoint is Endpoint.COMPLETIONS:
+        return _integer(body, "logprobs", 0, MAX_LOGPROBS + 1, None)
+    asked = flag(body, "logprobs", False)
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS + 1, None)
+    if top is not None and not asked:
+        raise RequestError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+    return (top or 0) if asked else None
+
+
+def _seed(value) -> int:
+    """OpenAI's seeds are signed 64-bit; the engine's generators take them as unsigned."""
+    if type(value) is not int or not -_INT64 <= value < _INT64:
+        raise RequestError(400, f"seed: {value!r} is not a 64-bit integer", "seed")
+    return value % 2**64
+
+
+def _integer(body: dict, name: str, low: int, end: int, default):
+    value = body.get(name, default)
+    if value is default:
+        return value
+    if type(value) is not int or not low <= value < end:
+        raise RequestError(400, f"{name}: {value!r} is not an integer in [{low}, {end - 1}]", name)
+    return value
 
 
 def _check_max_tokens(max_tokens) -> None:
@@ -187,34 +295,14 @@ def _check_max_tokens(max_tokens) -> None:
         )
 
 
-def _sampling(body: dict) -> decode_pb2.SamplingParams:
-    """The sampling fields the client set; unset ones stay unset (the decode server's
-    defaults)."""
-    sampling = decode_pb2.SamplingParams()
-    for name in SAMPLING:
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise RequestError(400, f"{name}: {value!r} is not a number", name)
-        if name in _INTEGERS:
-            if not (isinstance(value, int) or value.is_integer()) or value < 0:
-                raise RequestError(400, f"{name}: {value!r} must be a non-negative integer", name)
-            value = int(value)
-        try:
-            setattr(sampling, name, value if name in _INTEGERS else float(value))
-        except (ValueError, OverflowError):  # past the field's range (top_k: uint32, ...)
-            raise RequestError(400, f"{name}: {value!r} is out of range", name) from None
-    return sampling
-
-
 def _stops(stop) -> tuple[str, ...]:
-    stops = stop or []
-    stops = [stops] if isinstance(stops, str) else stops
+    stops = [stop] if isinstance(stop, str) else stop
     if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
         raise RequestError(400, "stop: a string or a list of non-empty strings", "stop")
+    if len(stops) > MAX_STOPS:
+        raise RequestError(400, f"stop: {len(stops)} strings, at most {MAX_STOPS}", "stop")
     return tuple(stops)
 
 
-def _is_token_id(value) -> bool:
-    return type(value) is int and 0 <= value < _TOKEN_ID_END
+def _is_token_id(value, vocab_size: int) -> bool:
+    return type(value) is int and 0 <= value < vocab_size

@@ -22,6 +22,7 @@ from router.clients import GrpcDecodeClient, HttpPrefillClient
 from router.openai_api import create_app
 from router.orchestrator import Orchestrator
 from router.prompts import PromptTokenizer
+from router.requests import ServedModel
 from router.tokenization import SegmentTokenizer
 
 
@@ -78,16 +79,20 @@ def main() -> None:
         print("router.server: segment-cached tokenization disagrees with whole-prompt "
               "tokenization for this tokenizer; tokenizing whole prompts", flush=True)  # fmt: skip
     hf_config = json.loads((Path(config.model) / "config.json").read_text())
-    max_model_len = int(hf_config.get("max_position_embeddings", 4096))
+    served = ServedModel(
+        config.served_model_name or config.model,
+        max_model_len=int(hf_config.get("max_position_embeddings", 4096)),
+        vocab_size=int(hf_config.get("vocab_size") or len(tokenizer.tokenizer)),
+    )
     orchestrator = Orchestrator(
         config.prefill, config.decode, HttpPrefillClient(), GrpcDecodeClient()
     )
     prompts = PromptTokenizer(tokenizer, orchestrator)
-    app = create_app(orchestrator, prompts, config.served_model_name or config.model,
-                     max_model_len, config.api_key, config.max_queue)  # fmt: skip
+    app = create_app(orchestrator, prompts, served, config.api_key, config.max_queue)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        await orchestrator.probe(every_decode=True)  # their context lengths
         await prompts.check_parity()
         probe = asyncio.create_task(orchestrator.probe_forever())
         yield

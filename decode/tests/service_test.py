@@ -11,11 +11,13 @@ request live.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
 
-from decode.tests.stack import BLOCK, BLOCKS, Stack, layout
+from decode.tests.stack import BLOCK, BLOCKS, NEW_TOKENS, Context, Stack, layout
 from engine.sampling import SAMPLING_FIELDS
 from proto.tandem.v1 import decode_pb2
 
@@ -99,6 +101,7 @@ def test_tokens_equal_one_engine_doing_the_whole_request(stack):
         ticket, first = stack.ready(f"r{i}", prompt)
         messages = list(stack.generate(ticket, first))
         assert _tokens(messages) == stack.prefill.reference(prompt)
+        assert not any(m.logprobs for m in messages)  # not asked for
         assert messages[-1].finish_reason in (
             decode_pb2.FINISH_REASON_LENGTH,
             decode_pb2.FINISH_REASON_STOP,
@@ -136,9 +139,44 @@ def test_missed_deadline_and_bad_sampling_end_with_their_status(stack):
     ticket, first = stack.ready("bad", PROMPTS[0])
     bad = decode_pb2.SamplingParams(top_p=0.0)
     code, details = _code(lambda: list(stack.generate(ticket, first, sampling=bad)))
-    assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT, "top_p: 0.0 is out of range")
+    assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT, "top_p: 0.0 is not in (0, 1]")
     code, details = _code(lambda: list(stack.generate(ticket, first)))
-    assert (code, details) == (grpc.StatusCode.ABORTED, "bad request: top_p: 0.0 is out of range")
+    assert (code, details) == (grpc.StatusCode.ABORTED, "bad request: top_p: 0.0 is not in (0, 1]")
+
+
+def test_logprobs_come_one_per_token_the_first_as_the_prefill_reported(stack):
+    """Read slowly, so that messages carry several tokens: each keeps one entry per token."""
+    ticket, first = stack.ready("lp", PROMPTS[0])
+    reported = decode_pb2.TokenLogprobs(
+        logprob=-0.25, top_token_ids=[first, 7], top_logprobs=[-0.25, -2.0]
+    )
+    request = stack.generate_request(
+        ticket, first, ignore_eos=True, sampling=decode_pb2.SamplingParams(logprobs=2),
+        first_token_logprobs=reported,
+    )  # fmt: skip
+    stream = stack.servicer.Generate(request, Context())
+    messages = [next(stream)]
+    deadline = time.monotonic() + 10
+    while stack.loop.snapshot.outstanding_tokens and time.monotonic() < deadline:
+        time.sleep(0.01)  # the rest is generated while nobody reads
+    messages += list(stream)
+    assert any(len(m.token_ids) > 1 for m in messages)
+    assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
+    tokens, logprobs = _tokens(messages), [lp for m in messages for lp in m.logprobs]
+    assert len(tokens) == NEW_TOKENS and logprobs[0] == reported
+    for token, lp in zip(tokens[1:], logprobs[1:], strict=True):
+        assert lp.top_token_ids[0] == token  # greedy: the most likely
+        assert len(lp.top_logprobs) == 2 and lp.logprob == lp.top_logprobs[0] < 0
+
+
+def test_logprobs_without_the_first_tokens_are_refused(stack):
+    ticket, first = stack.ready("no-first", PROMPTS[0])
+    sampling = decode_pb2.SamplingParams(logprobs=2)
+    code, details = _code(lambda: list(stack.generate(ticket, first, sampling=sampling)))
+    assert (code, details) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "first_token_logprobs: required when sampling.logprobs is set",
+    )
 
 
 def _busy(stack: Stack, request_id: str):
@@ -189,6 +227,7 @@ def test_an_abort_before_the_engine_thread_admits_the_sequence_stops_it(stack):
     assert context.handed_over.wait(timeout=10)  # queued for the engine thread, held
     stats = stack.stub.Stats(STATS, timeout=10)
     assert (stats.running, stats.waiting, stats.reserved) == (1, 0, 0)  # only "busy" runs
+    assert stats.max_model_len == stack.engine.max_model_len > 0
     assert 0 < stats.outstanding_tokens < 300
     assert stack.abort("late", reason="client gone")
     stack.engine.release()

@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from engine.sampling import Sampler, SamplingParams, SamplingRow, _apply_penalties
+from engine.sampling import (
+    Sampler,
+    SamplingParams,
+    SamplingRow,
+    _apply_penalties,
+    compute_logprobs,
+)
 
 
 def _rows(params: SamplingParams, n: int, **kwargs) -> list[SamplingRow]:
@@ -22,7 +28,7 @@ def test_greedy_is_argmax():
 
 def test_top_k_one_is_argmax_even_when_hot():
     logits = torch.randn(6, 40, generator=_seeded(1))
-    tokens = Sampler()(logits, _rows(SamplingParams(temperature=5.0, top_k=1), 6))
+    tokens = Sampler()(logits, _rows(SamplingParams(temperature=2.0, top_k=1), 6))
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
 
 
@@ -124,8 +130,45 @@ def test_from_dict_rejects_unknown_parameters_by_name():
         ("repetition_penalty", 0.0),
         ("presence_penalty", 2.5),
         ("frequency_penalty", -3.0),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("logprobs", 2.0),
     ],
 )
 def test_out_of_range_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field}: "):
         SamplingParams(**{field: value})
+
+
+def test_logprobs_are_the_raw_log_softmax_of_the_sampled_and_the_top_tokens():
+    """Before penalties and temperature (vLLM's raw_logprobs); rows that did not ask get none,
+    and logprobs=0 gives the sampled token's alone."""
+    logits = torch.randn(4, 50, generator=_seeded(8))
+    rows = [
+        SamplingRow(SamplingParams(logprobs=3), None),
+        SamplingRow(
+            SamplingParams(temperature=0.7, repetition_penalty=1.5, logprobs=5),
+            _seeded(9),
+            prompt_ids=[1, 2, 3],
+        ),
+        SamplingRow(SamplingParams(temperature=1.0), None),
+        SamplingRow(SamplingParams(logprobs=0), None),
+    ]
+    tokens = Sampler()(logits, rows)
+    got = compute_logprobs(logits, tokens, rows).rows([r.params.logprobs for r in rows])
+    expected = torch.log_softmax(logits, dim=-1)
+    for i in (0, 1, 3):
+        assert got[i].logprob == pytest.approx(expected[i, tokens[i]].item(), abs=1e-5)
+    for i, n in ((0, 3), (1, 5)):
+        top = expected[i].topk(n)
+        assert list(got[i].top_token_ids) == top.indices.tolist()
+        assert list(got[i].top_logprobs) == pytest.approx(top.values.tolist(), abs=1e-5)
+    assert got[0].top_token_ids[0] == tokens[0]  # greedy: the most likely token
+    assert got[2] is None
+    assert (got[3].top_token_ids, got[3].top_logprobs) == ((), ())
+
+
+def test_no_logprobs_are_computed_when_no_row_asks():
+    logits = torch.randn(2, 50, generator=_seeded(10))
+    rows = _rows(SamplingParams(temperature=1.0), 2)
+    assert compute_logprobs(logits, Sampler()(logits, rows), rows) is None

@@ -1,5 +1,6 @@
 """tandem's prefill server in this process (its FastAPI app, a random tiny model on the CPU):
-what it answers when its engine fails, and that a request given up on does not fail it."""
+what it answers when its engine fails, that a request given up on does not fail it, and its
+completions' logprobs in vLLM's shape."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.llm_engine import EngineConfig
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TokenLogprobs
 from engine.sequence import StopConditions
-from prefill.server import PrefillServer, PrefillServerConfig
+from prefill.server import PrefillServer, PrefillServerConfig, completion_logprobs
 from prefill.worker import Job
 
 
@@ -84,3 +85,53 @@ def test_a_request_whose_admission_fails_the_engine_gets_503(server):
     assert reply.status_code == 503
     assert "RuntimeError: CUDA error: out of memory" in reply.json()["error"]["message"]
     assert server.worker.failure is not None
+
+
+def test_completion_logprobs_take_vllms_shape(server):
+    client = TestClient(server.app)
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 3, "temperature": 0, "logprobs": 2,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+    reply = _bounded(lambda: client.post("/v1/completions", json=body))
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    names = [f"token_id:{t}" for t in choice["token_ids"]]
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == names
+    assert logprobs["text_offset"] == [0, len(names[0]), len(names[0]) + len(names[1])]
+    rows = zip(names, logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True)
+    for name, logprob, top in rows:
+        # Greedy: the token is the most likely one, so 2 entries, not 3; most likely first.
+        assert next(iter(top)) == name and top[name] == logprob < 0
+        assert len(top) == 2 and list(top.values()) == sorted(top.values(), reverse=True)
+    del body["logprobs"]
+    reply = _bounded(lambda: client.post("/v1/completions", json=body))
+    assert reply.json()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("logprobs", 21, "logprobs: 21 is not in [0, 20]"),
+        ("return_tokens_as_token_ids", "yes", "return_tokens_as_token_ids: 'yes' is not a boolean"),
+    ],
+)
+def test_bad_logprobs_fields_get_400(server, field, value, message):
+    client = TestClient(server.app)
+    body = {"prompt": [1, 2, 3], "max_tokens": 1, field: value}
+    reply = _bounded(lambda: client.post("/v1/completions", json=body))
+    assert reply.status_code == 400 and reply.json()["error"]["message"] == message
+
+
+def test_completion_logprobs_put_the_token_first_then_the_most_likely():
+    """A sampled token outside the top N makes N + 1 entries; -inf is clamped as vLLM does."""
+    logprobs = [
+        TokenLogprobs(-3.0, (7, 8), (-0.5, -1.0)),
+        TokenLogprobs(float("-inf"), (9,), (-0.1,)),
+    ]
+    out = completion_logprobs([5, 6], logprobs, lambda t: "ab" if t == 5 else f"<{t}>")
+    assert out == {
+        "tokens": ["ab", "<6>"],
+        "token_logprobs": [-3.0, -9999.0],
+        "top_logprobs": [{"ab": -3.0, "<7>": -0.5, "<8>": -1.0}, {"<6>": -9999.0, "<9>": -0.1}],
+        "text_offset": [0, 2],
+    }

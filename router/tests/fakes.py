@@ -89,7 +89,11 @@ class FakePrefill:
             self.prefilling.set()
             await asyncio.Event().wait()
         params = {"first_token_id": self.first_token}
-        return self._next(url) or answer(200, {"kv_transfer_params": params})
+        choice = {"index": 0, "text": chr(self.first_token), "finish_reason": "length"}
+        if sampling.HasField("logprobs"):
+            choice["logprobs"] = vllm_logprobs(self.first_token, sampling.logprobs)
+        reply = {"choices": [choice], "kv_transfer_params": params}
+        return self._next(url) or answer(200, reply)
 
     async def tokenize(self, url: str, body: dict) -> PrefillReply:
         self.calls.append(("tokenize", url))
@@ -111,13 +115,32 @@ class FakePrefill:
         return outcome
 
 
+def logprob_of(token_id: int) -> decode_pb2.TokenLogprobs:
+    """The fakes' log-probabilities of `token_id` (sampled, not the most likely): -1 - its
+    value / 1024 (exact in float32); the likelier alternatives are the two tokens after it."""
+    return decode_pb2.TokenLogprobs(logprob=-1 - token_id / 1024,
+                                    top_token_ids=[token_id + 1, token_id + 2],
+                                    top_logprobs=[-0.25, -0.5])  # fmt: skip
+
+
+def vllm_logprobs(token_id: int, top_n: int) -> dict:
+    """logprob_of(token_id), cut to `top_n` alternatives, as vLLM's completions write it for
+    a request with return_tokens_as_token_ids."""
+    lp = logprob_of(token_id)
+    top = {f"token_id:{t}": v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+    top = dict(list(top.items())[:top_n]) | {f"token_id:{token_id}": lp.logprob}
+    return {"tokens": [f"token_id:{token_id}"], "token_logprobs": [lp.logprob],
+            "top_logprobs": [top], "text_offset": [0]}  # fmt: skip
+
+
 def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class FakeDecode:
     """A DecodeClient. Reserve hands out a ticket; Generate streams `tokens` (one message per
-    list), then, in this order of precedence: waits until cancelled if `stall`, raises
+    list; with logprobs when asked: the first token's as the request carries them, the others'
+    `logprob_of`), then, in this order of precedence: waits until cancelled if `stall`, raises
     `stream_error` if set, finishes with `finish` if set, else just ends. `fail(rpc, address,
     error)` makes that RPC's next call on that address raise; addresses in `unavailable` answer
     every RPC with UNAVAILABLE.
@@ -131,6 +154,8 @@ class FakeDecode:
         self.stall = False
         self.stream_error: grpc.aio.AioRpcError | None = None
         self.unavailable: set[str] = set()
+        self.max_model_len = 0
+        """What Stats reports."""
         self.generating = asyncio.Event()
         """Set once a Generate stream has sent its tokens."""
         self.calls: list[tuple[str, str, object]] = []
@@ -169,8 +194,15 @@ class FakeDecode:
         except grpc.aio.AioRpcError:
             self.ended.add(request.request_id)
             raise
+        first = True
         for token_ids in self.tokens:
-            yield decode_pb2.GenerateResponse(token_ids=token_ids)
+            message = decode_pb2.GenerateResponse(token_ids=token_ids)
+            if request.sampling.HasField("logprobs"):
+                message.logprobs.extend(logprob_of(t) for t in token_ids)
+                if first:
+                    message.logprobs[0].CopyFrom(request.first_token_logprobs)
+            first = False
+            yield message
         self.generating.set()
         if self.stall:
             await asyncio.Event().wait()
@@ -189,7 +221,7 @@ class FakeDecode:
 
     async def stats(self, address) -> decode_pb2.StatsResponse:
         self._call("Stats", address, decode_pb2.StatsRequest())
-        return decode_pb2.StatsResponse()
+        return decode_pb2.StatsResponse(max_model_len=self.max_model_len)
 
     async def close(self) -> None:
         pass

@@ -10,9 +10,10 @@ import json
 import grpc
 import httpx
 
-from router.openai_api import create_app
+from router.openai_api import ClientGone, _unless_client_leaves, create_app
 from router.orchestrator import Orchestrator
 from router.prompts import PromptTokenizer
+from router.requests import ServedModel
 from router.tests.fakes import CharTokenizer, FakeDecode, FakePrefill, answer, rpc_error
 from router.tokenization import SegmentTokenizer
 
@@ -29,7 +30,8 @@ class Router:
         self.prefill, self.decode = FakePrefill(), FakeDecode()
         self.orchestrator = Orchestrator([P0], [D0], self.prefill, self.decode)
         self.prompts = PromptTokenizer(SegmentTokenizer(CharTokenizer()), self.orchestrator)
-        app = create_app(self.orchestrator, self.prompts, MODEL, 64, api_key, max_queue)
+        served = ServedModel(MODEL, max_model_len=64, vocab_size=0x110000)  # code points
+        app = create_app(self.orchestrator, self.prompts, served, api_key, max_queue)
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://r")
 
     async def post(self, path: str, body: dict, **kwargs) -> httpx.Response:
@@ -172,8 +174,14 @@ def test_the_api_key_guards_v1_only():
 
 def test_models_health_and_metrics():
     async def test(router: Router):
-        card = {"id": MODEL, "object": "model", "owned_by": "tandem", "max_model_len": 64}
+        card = {"id": MODEL, "object": "model", "created": 0, "owned_by": "tandem",
+                "root": MODEL, "parent": None, "max_model_len": 64}  # fmt: skip
         assert (await router.client.get("/v1/models")).json() == {"object": "list", "data": [card]}
+        router.decode.max_model_len = 32  # the decode server decodes less than config.json says
+        await router.orchestrator.probe(every_decode=True)
+        assert (await router.client.get("/v1/models")).json()["data"][0]["max_model_len"] == 32
+        reply = await router.post("/v1/completions", {**COMPLETION, "max_tokens": 30})
+        assert "context length 32" in reply.json()["error"]["message"]
         assert (await router.client.get("/health")).json() == {
             "status": "ok",
             "tokenizer": {"source": "router", "parity": "unchecked", "segmented": False},
@@ -185,8 +193,8 @@ def test_models_health_and_metrics():
         metrics = (await router.client.get("/metrics")).text
         for line in (
             'tandem_router_requests_total{endpoint="/v1/completions",status="200"} 1.0',
-            'tandem_router_requests_total{endpoint="/v1/completions",status="400"} 1.0',
-            'tandem_router_errors_total{kind="bad_request"} 1.0',
+            'tandem_router_requests_total{endpoint="/v1/completions",status="400"} 2.0',
+            'tandem_router_errors_total{kind="bad_request"} 2.0',
             "tandem_router_ttft_seconds_count 1.0",
             "tandem_router_e2e_seconds_count 1.0",
             f'tandem_router_decode_outstanding_tokens{{instance="{D0}"}} 0.0',
@@ -196,3 +204,81 @@ def test_models_health_and_metrics():
             assert line in metrics.splitlines(), line
 
     _run(test)
+
+
+def test_chat_logprobs_through_the_api():
+    async def test(router: Router):
+        body = {**CHAT, "logprobs": True, "top_logprobs": 1}
+        choice = (await router.post("/v1/chat/completions", body)).json()["choices"][0]
+        content = choice["logprobs"]["content"]
+        assert "".join(entry["token"] for entry in content) == choice["message"]["content"]
+        first = router.prefill.first_token
+        assert content[0]["logprob"] == -1 - first / 1024  # the prefill's, for its token
+        assert content[0]["top_logprobs"] == [
+            {"token": chr(first + 1), "logprob": -0.25, "bytes": list(chr(first + 1).encode())}
+        ]
+        streamed = _sse(await router.post("/v1/chat/completions", {**body, "stream": True}))
+        tokens = [e["token"] for c in streamed if c["choices"][0]["logprobs"]
+                  for e in c["choices"][0]["logprobs"]["content"]]  # fmt: skip
+        assert tokens == [entry["token"] for entry in content]
+
+    router = _run(test)
+    assert router.prefill.prefilled[0].sampling.logprobs == 1
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes():
+    async def test(router: Router):
+        reply = (await router.post("/tokenize", {"model": MODEL, "prompt": "Hi"})).json()
+        assert reply == {"count": 2, "max_model_len": 64, "tokens": [72, 105], "token_strs": None}
+        chat = await router.post("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
+        assert chat.json()["tokens"] == [ord(c) for c in "user: Hi\nassistant: "]
+        assert (await router.post("/detokenize", {"tokens": [72, 105]})).json() == {"prompt": "Hi"}
+        for path, body, param in [
+            ("/detokenize", {"tokens": [-1]}, "tokens"),
+            ("/detokenize", {"tokens": "Hi"}, "tokens"),
+            ("/tokenize", {"prompt": 5}, "prompt"),
+            ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
+            ("/tokenize", {"prompt": "x", "extra": 1}, "extra"),
+        ]:
+            reply = await router.post(path, body)
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == param, body
+
+    _run(test)
+
+
+class _LeavingClient:
+    """The slice of a Starlette request `_unless_client_leaves` reads: the ASGI messages after
+    the body, the disconnect `after_s` seconds in (never, if None)."""
+
+    def __init__(self, after_s: float | None) -> None:
+        self.after_s = after_s
+
+    async def receive(self) -> dict:
+        if self.after_s is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.after_s)
+        return {"type": "http.disconnect"}
+
+
+def test_work_is_cancelled_when_the_client_leaves_first():
+    async def test():
+        cancelled = asyncio.Event()
+
+        async def endless():
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cancelled.set()
+
+        async def quick():
+            return 42
+
+        assert await _unless_client_leaves(_LeavingClient(None), quick()) == 42
+        try:
+            await _unless_client_leaves(_LeavingClient(0.01), endless())
+        except ClientGone:
+            assert cancelled.is_set()
+        else:
+            raise AssertionError("no ClientGone")
+
+    asyncio.run(test())

@@ -12,9 +12,18 @@ import pytest
 
 from proto.tandem.v1 import decode_pb2
 from router.errors import BackendError
-from router.generation import Finished, GenerationRequest
+from router.generation import Finished, GenerationRequest, Tokens
 from router.orchestrator import Orchestrator, PrefillFailed
-from router.tests.fakes import FakeDecode, FakePrefill, answer, dropped, ids, refused, rpc_error
+from router.tests.fakes import (
+    FakeDecode,
+    FakePrefill,
+    answer,
+    dropped,
+    ids,
+    logprob_of,
+    refused,
+    rpc_error,
+)
 
 P0, P1 = "http://prefill-0", "http://prefill-1"
 D0, D1 = "decode-0:50051", "decode-1:50051"
@@ -54,7 +63,8 @@ def _health(orchestrator: Orchestrator) -> dict[str, bool]:
 def test_a_request_is_reserved_prefilled_with_the_ticket_and_generated():
     orchestrator, prefill, decode = _stack()
     items = asyncio.run(_generate(orchestrator))
-    assert items == [ids("P"), ids("ar"), ids("is"), Finished("length", 0, 5)]
+    assert items == [Tokens(ids("P")), Tokens(ids("ar")), Tokens(ids("is")),
+                     Finished("length", 0, 5)]  # fmt: skip
     (reserve, generate) = [request for rpc, _, request in decode.calls]
     (prefilled,) = prefill.prefilled
     assert prefilled.url == P0 and prefilled.prompt_ids == REQUEST.prompt_ids
@@ -132,21 +142,56 @@ def test_connection_failures_mark_prefills_down_until_their_health_answers():
 
 
 @pytest.mark.parametrize(
-    ("reply", "words"),
+    ("reply", "status", "message"),
     [
-        (answer(400, {"error": {"message": "prompt too long"}}), "prompt too long"),
-        (answer(200, {"choices": []}), "without a first_token_id"),
+        (answer(400, {"error": {"message": "prompt too long"}}), 400, "prompt too long"),
+        (answer(422, {"object": "error", "message": "bad seed"}), 422, "bad seed"),
+        (answer(200, {"choices": []}), 502, "without a first_token_id"),
     ],
-    ids=["refused", "no-first-token"],
+    ids=["refused", "refused-flat-body", "no-first-token"],
 )
-def test_a_prefill_answer_at_fault_is_not_retried(reply, words):
+def test_a_prefill_answer_at_fault_is_not_retried(reply, status, message):
+    """A refusal is the client's: its status and the prefill's own message are passed on, and
+    the instance stays up."""
     orchestrator, prefill, decode = _stack()
     prefill.script(P0, reply)
     (error,) = asyncio.run(_generate(orchestrator))
-    assert isinstance(error, PrefillFailed) and words in str(error)
-    assert prefill.calls == [("complete", P0)]
+    assert isinstance(error, PrefillFailed) and error.status == status
+    assert message in str(error) and (status == 502 or str(error) == message)
+    assert prefill.calls == [("complete", P0)] and orchestrator.prefills[0].healthy
     assert decode.aborts()[0].ticket_undelivered is False
     _assert_idle(orchestrator, decode)
+
+
+def test_logprobs_of_the_first_token_come_from_the_prefill_and_the_rest_from_the_decode():
+    orchestrator, prefill, decode = _stack()
+    sampling = decode_pb2.SamplingParams(temperature=0.5, logprobs=1)
+    request = GenerationRequest(prompt_ids=[1, 2, 3], max_tokens=8, sampling=sampling)
+    items = asyncio.run(_generate(orchestrator, request))
+    assert prefill.prefilled[0].sampling.logprobs == 1
+    generate = next(r for rpc, _, r in decode.calls if rpc == "Generate")
+    first = logprob_of(prefill.first_token)
+    del first.top_token_ids[1:], first.top_logprobs[1:]  # the one alternative asked for
+    assert generate.first_token_logprobs == first
+    assert items[0].logprobs == [first] and items[1].logprobs == [logprob_of(t) for t in ids("ar")]
+    _assert_idle(orchestrator, decode)
+
+
+def test_a_prefill_reply_without_the_logprobs_asked_for_is_a_502():
+    orchestrator, prefill, decode = _stack()
+    prefill.script(P0, answer(200, {"kv_transfer_params": {"first_token_id": 5}}))
+    request = GenerationRequest([1], 4, decode_pb2.SamplingParams(logprobs=0))
+    (error,) = asyncio.run(_generate(orchestrator, request))
+    assert error.status == 502 and "no logprobs for its token" in str(error)
+    _assert_idle(orchestrator, decode)
+
+
+def test_the_context_is_the_smallest_a_decode_server_reports():
+    orchestrator, _, decode = _stack(decodes=(D0, D1))
+    assert orchestrator.max_model_len(8192) == 8192  # none has answered yet
+    decode.max_model_len = 4096
+    asyncio.run(orchestrator.probe(every_decode=True))
+    assert orchestrator.max_model_len(8192) == 4096
 
 
 def test_a_consumer_closing_the_stream_aborts_on_the_decode_server():
@@ -158,7 +203,7 @@ def test_a_consumer_closing_the_stream_aborts_on_the_decode_server():
         await stream.aclose()  # as after a stop string
         return first
 
-    assert asyncio.run(first_then_close()) == ids("P")
+    assert asyncio.run(first_then_close()) == Tokens(ids("P"))
     (abort,) = decode.aborts()
     assert abort.reason == "client gone" and not abort.ticket_undelivered
     _assert_idle(orchestrator, decode)
@@ -256,7 +301,7 @@ def test_unavailable_mid_stream_ends_it_with_a_503_and_marks_the_decode_down():
     orchestrator, _, decode = _stack()
     decode.stream_error = rpc_error(grpc.StatusCode.UNAVAILABLE, "socket closed")
     items = asyncio.run(_generate(orchestrator))
-    assert items[:3] == decode.tokens
+    assert [item.ids for item in items[:3]] == decode.tokens
     assert items[3].status == 503 and "socket closed" in str(items[3])
     assert _health(orchestrator)[D0] is False
     _assert_idle(orchestrator, decode)

@@ -13,11 +13,12 @@ from router.errors import RequestError
 from router.requests import (
     MAX_BODY_BYTES,
     Endpoint,
+    ServedModel,
     generation_request,
     parse,
 )
 
-MODEL = "tiny"
+MODEL = ServedModel("tiny", max_model_len=64, vocab_size=1000)
 COMPLETIONS, CHAT = Endpoint.COMPLETIONS, Endpoint.CHAT
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -34,18 +35,20 @@ def _refusal(endpoint: Endpoint, body: dict | bytes) -> RequestError:
 
 
 def test_a_completion_with_defaults():
-    request = _parse(COMPLETIONS, {"model": MODEL, "prompt": "Hello"})
+    request = _parse(COMPLETIONS, {"model": "tiny", "prompt": "Hello"})
     assert (request.text, request.token_ids, request.messages) == ("Hello", None, None)
     assert request.max_tokens == 16
     assert request.sampling == decode_pb2.SamplingParams()  # nothing set: the server's defaults
     assert (request.min_tokens, request.stop_token_ids, request.ignore_eos) == (0, (), False)
     assert (request.stops, request.stream, request.include_usage) == ((), False, False)
+    assert request.skip_special_tokens and not request.include_stop_str_in_output
 
 
 @pytest.mark.parametrize(
     ("prompt", "text", "token_ids"),
-    [(["one"], "one", None), ([5, 0, 7], None, [5, 0, 7]), ("", "", None)],
-)
+    [(["one"], "one", None), ([5, 0, 7], None, [5, 0, 7]), ([[5, 7]], None, [5, 7]),
+     ("", "", None)],
+)  # fmt: skip
 def test_completion_prompts(prompt, text, token_ids):
     request = _parse(COMPLETIONS, {"prompt": prompt})
     assert (request.text, request.token_ids) == (text, token_ids)
@@ -53,24 +56,75 @@ def test_completion_prompts(prompt, text, token_ids):
 
 def test_a_chat_with_every_supported_parameter():
     body = {
-        "model": MODEL, "messages": MESSAGES, "max_tokens": 5, "max_completion_tokens": 9,
-        "temperature": 1, "top_p": 0.5, "top_k": 40.0, "seed": 2**63, "min_p": 0.1,
+        "model": "tiny", "messages": MESSAGES, "max_tokens": 5, "max_completion_tokens": 9,
+        "temperature": 1, "top_p": 0.5, "top_k": 40.0, "seed": -1, "min_p": 0.1,
         "repetition_penalty": 1.1, "presence_penalty": -0.5, "frequency_penalty": 0.5,
         "stop": "END", "stop_token_ids": [2], "min_tokens": 3, "ignore_eos": True, "n": 1,
         "stream": True, "stream_options": {"include_usage": True}, "user": "me",
+        "logprobs": True, "top_logprobs": 3, "skip_special_tokens": False,
+        "include_stop_str_in_output": True, "metadata": {"k": "v"}, "store": False,
+        "parallel_tool_calls": True, "response_format": {"type": "text"}, "tool_choice": "none",
     }  # fmt: skip
     request = _parse(CHAT, body)
     assert request.messages == MESSAGES and request.text is request.token_ids is None
     assert request.max_tokens == 9  # max_completion_tokens wins
-    assert request.sampling.top_k == 40 and request.sampling.seed == 2**63
+    assert request.sampling.top_k == 40 and request.sampling.seed == 2**64 - 1
     assert request.sampling.temperature == 1.0 and request.sampling.HasField("presence_penalty")
+    assert request.sampling.logprobs == 3
     assert (request.stops, request.stop_token_ids, request.min_tokens) == (("END",), (2,), 3)
     assert request.ignore_eos and request.stream and request.include_usage
+    assert request.include_stop_str_in_output and not request.skip_special_tokens
+
+
+def test_null_means_absent():
+    body = {"prompt": "x", "logprobs": None, "temperature": None, "stop": None, "n": None,
+            "seed": None, "stream": None, "stream_options": None, "user": None}  # fmt: skip
+    request = _parse(COMPLETIONS, body)
+    assert request.sampling == decode_pb2.SamplingParams() and not request.stream
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "logprobs"),
+    [(CHAT, {"logprobs": True}, 0), (CHAT, {"logprobs": False}, None),
+     (CHAT, {"logprobs": True, "top_logprobs": 20}, 20), (COMPLETIONS, {"logprobs": 0}, 0),
+     (COMPLETIONS, {"logprobs": 5}, 5)],
+)  # fmt: skip
+def test_logprobs_in_either_apis_shape(endpoint, body, logprobs):
+    prompt = {"messages": MESSAGES} if endpoint is CHAT else {"prompt": "x"}
+    sampling = _parse(endpoint, {**prompt, **body}).sampling
+    assert (sampling.logprobs if sampling.HasField("logprobs") else None) == logprobs
+
+
+def test_top_k_minus_one_is_no_limit():
+    assert _parse(COMPLETIONS, {"prompt": "x", "top_k": -1}).sampling.top_k == 0
 
 
 def test_a_chat_without_a_limit_leaves_it_to_the_context():
     assert _parse(CHAT, {"messages": MESSAGES}).max_tokens is None
-    assert _parse(COMPLETIONS, {"prompt": "x", "max_tokens": None}).max_tokens is None
+    assert _parse(COMPLETIONS, {"prompt": "x", "max_tokens": None}).max_tokens == 16
+
+
+ONE_PART = [{"type": "text", "text": "Hi"}]
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected"),
+    [
+        ([{"role": "user", "content": ONE_PART}], [{"role": "user", "content": "Hi"}]),
+        ([{"role": "user", "content": [*ONE_PART, {"type": "text", "text": "there"}]}],
+         [{"role": "user", "content": "Hi\nthere"}]),
+        ([{"role": "developer", "content": "Be brief.", "name": "ops"}],
+         [{"role": "developer", "content": "Be brief.", "name": "ops"}]),
+        ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+           "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+          {"role": "tool", "content": "2", "tool_call_id": "c1"}],
+         [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+           "function": {"name": "f", "arguments": {"x": 1}}}]},
+          {"role": "tool", "content": "2", "tool_call_id": "c1"}]),
+    ],
+)  # fmt: skip
+def test_chat_messages_as_clients_send_them(messages, expected):
+    assert _parse(CHAT, {"messages": messages}).messages == expected
 
 
 @pytest.mark.parametrize(
@@ -78,31 +132,52 @@ def test_a_chat_without_a_limit_leaves_it_to_the_context():
     [
         (COMPLETIONS, b"{not json", 400, None, "body: not valid JSON"),
         (COMPLETIONS, b"\xff\xfe", 400, None, "body: not valid JSON"),
+        (COMPLETIONS, b"[" * 100000, 400, None, "body: not valid JSON"),
         (COMPLETIONS, [1, 2], 400, None, "body: must be a JSON object"),
-        (COMPLETIONS, {"prompt": "x", "logprobs": 2, "echo": True}, 400, "echo",
-         "unsupported parameter(s): echo, logprobs"),
+        (COMPLETIONS, {"prompt": "x", "wizardry": 2, "ghost": 1}, 400, "ghost",
+         "unsupported parameter(s): ghost, wizardry"),
         (CHAT, {"messages": MESSAGES, "prompt": "x"}, 400, "prompt",
          "unsupported parameter(s): prompt"),
         (COMPLETIONS, {"prompt": "x", "messages": MESSAGES}, 400, "messages",
          "unsupported parameter(s): messages"),
-        (COMPLETIONS, {"model": "gpt-9", "prompt": "x"}, 404, None,
+        (COMPLETIONS, {"model": "gpt-9", "prompt": "x"}, 404, "model",
          "model 'gpt-9' not found (serving 'tiny')"),
-        (COMPLETIONS, {"prompt": "x", "n": 3}, 400, "n", "n: only 1 is supported"),
+        (COMPLETIONS, {"prompt": "x", "n": 3}, 400, "n", "n: 3 is not supported yet"),
+        (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo",
+         "echo: True is not supported yet"),
+        (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
+         "response_format", "response_format: {'type': 'json_object'} is not supported yet"),
         (COMPLETIONS, {"prompt": 42}, 400, "prompt",
-         "prompt: a string or a non-empty list of token ids"),
-        (COMPLETIONS, {}, 400, "prompt", "prompt: a string or a non-empty list of token ids"),
+         "prompt: a string or a non-empty list of token ids below 1000"),
+        (COMPLETIONS, {}, 400, "prompt",
+         "prompt: a string or a non-empty list of token ids below 1000"),
         (COMPLETIONS, {"prompt": []}, 400, "prompt",
-         "prompt: a string or a non-empty list of token ids"),
+         "prompt: a string or a non-empty list of token ids below 1000"),
         (COMPLETIONS, {"prompt": [1, True]}, 400, "prompt",
-         "prompt: a string or a non-empty list of token ids"),
+         "prompt: a string or a non-empty list of token ids below 1000"),
         (COMPLETIONS, {"prompt": [-1]}, 400, "prompt",
-         "prompt: a string or a non-empty list of token ids"),
-        (CHAT, {"messages": []}, 400, "messages",
-         "messages: a non-empty list of {role, content}"),
+         "prompt: a string or a non-empty list of token ids below 1000"),
+        (COMPLETIONS, {"prompt": [1000]}, 400, "prompt",
+         "prompt: a string or a non-empty list of token ids below 1000"),
+        (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt",
+         "prompt: one prompt per request (send a batch as separate requests)"),
+        (CHAT, {"messages": []}, 400, "messages", "messages: a non-empty list of messages"),
         (CHAT, {"messages": [{"role": "user"}]}, 400, "messages",
-         "messages: a non-empty list of {role, content}"),
+         "messages[0].content: missing (a string or a list of text parts)"),
         (CHAT, {"messages": [{"content": "x"}]}, 400, "messages",
-         "messages: a non-empty list of {role, content}"),
+         "messages[0].role: None is not one of system, developer, user, assistant, tool"),
+        (CHAT, {"messages": [*MESSAGES, {"role": "wizard", "content": "x"}]}, 400, "messages",
+         "messages[1].role: 'wizard' is not one of system, developer, user, assistant, tool"),
+        (CHAT, {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]}, 400, "messages",
+         "messages[0].content[0]: 'image_url' parts are not supported: this model takes text only"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages",
+         'messages[0].content[0]: not a text part ({"type": "text", "text": "..."})'),
+        (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages",
+         "messages[0].content: a string or a list of text parts"),
+        (CHAT, {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
+            "arguments": "{oops"}}]}]}, 400, "messages",
+         "messages[0].tool_calls[0].function.arguments: not JSON"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens",
          "max_tokens: -1 must be a positive integer"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens",
@@ -111,25 +186,53 @@ def test_a_chat_without_a_limit_leaves_it_to_the_context():
          "max_tokens: 2.0 must be a positive integer"),
         (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, 400, "temperature",
          "temperature: 'hot' is not a number"),
+        (COMPLETIONS, {"prompt": "x", "temperature": -1}, 400, "temperature",
+         "temperature: -1 is not in [0, 2]"),
+        (COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, "top_p", "top_p: 0 is not in (0, 1]"),
+        (COMPLETIONS, {"prompt": "x", "top_p": 2}, 400, "top_p", "top_p: 2 is not in (0, 1]"),
         (COMPLETIONS, {"prompt": "x", "top_p": True}, 400, "top_p", "top_p: True is not a number"),
-        (COMPLETIONS, {"prompt": "x", "top_k": 1.5}, 400, "top_k",
-         "top_k: 1.5 must be a non-negative integer"),
-        (COMPLETIONS, {"prompt": "x", "seed": -1}, 400, "seed",
-         "seed: -1 must be a non-negative integer"),
-        (COMPLETIONS, {"prompt": "x", "seed": 2**64}, 400, "seed",
-         f"seed: {2**64} is out of range"),
+        (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, 400, "min_p", "min_p: 1.5 is not in [0, 1]"),
+        (COMPLETIONS, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty",
+         "presence_penalty: 3 is not in [-2, 2]"),
+        (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty",
+         "repetition_penalty: 0 is not in (0, 100]"),
+        (COMPLETIONS, {"prompt": "x", "top_k": 1.5}, 400, "top_k", "top_k: 1.5 is not an integer"),
+        (COMPLETIONS, {"prompt": "x", "top_k": -2}, 400, "top_k",
+         "top_k: -2 is not 0 (no limit) or more"),
+        (COMPLETIONS, {"prompt": "x", "seed": 2**70}, 400, "seed",
+         f"seed: {2**70} is not a 64-bit integer"),
+        (COMPLETIONS, {"prompt": "x", "seed": 1.5}, 400, "seed",
+         "seed: 1.5 is not a 64-bit integer"),
         (COMPLETIONS, b'{"prompt": "x", "top_k": Infinity}', 400, "top_k",
-         "top_k: inf must be a non-negative integer"),
+         "top_k: inf is not an integer"),
+        (COMPLETIONS, b'{"prompt": "x", "temperature": NaN}', 400, "temperature",
+         "temperature: nan is not a finite number"),
+        (COMPLETIONS, {"prompt": "x", "logprobs": 21}, 400, "logprobs",
+         "logprobs: 21 is not an integer in [0, 20]"),
+        (COMPLETIONS, {"prompt": "x", "logprobs": True}, 400, "logprobs",
+         "logprobs: True is not an integer in [0, 20]"),
+        (CHAT, {"messages": MESSAGES, "logprobs": 1}, 400, "logprobs",
+         "logprobs: 1 is not true or false"),
+        (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs",
+         "top_logprobs: needs logprobs: true"),
+        (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+         "top_logprobs: 21 is not an integer in [0, 20]"),
         (COMPLETIONS, {"prompt": "x", "stop_token_ids": [1.0]}, 400, "stop_token_ids",
-         "stop_token_ids: a list of token ids"),
+         "stop_token_ids: a list of token ids below 1000"),
+        (COMPLETIONS, {"prompt": "x", "stop_token_ids": [5000]}, 400, "stop_token_ids",
+         "stop_token_ids: a list of token ids below 1000"),
         (COMPLETIONS, {"prompt": "x", "stop_token_ids": 3}, 400, "stop_token_ids",
-         "stop_token_ids: a list of token ids"),
+         "stop_token_ids: a list of token ids below 1000"),
         (COMPLETIONS, {"prompt": "x", "min_tokens": -1}, 400, "min_tokens",
-         "min_tokens: -1 not in [0, max_tokens]"),
+         "min_tokens: -1 is not an integer in [0, 4294967295]"),
         (COMPLETIONS, {"prompt": "x", "stop": [""]}, 400, "stop",
          "stop: a string or a list of non-empty strings"),
         (COMPLETIONS, {"prompt": "x", "stop": ["a", 1]}, 400, "stop",
          "stop: a string or a list of non-empty strings"),
+        (COMPLETIONS, {"prompt": "x", "stop": ["s"] * 5}, 400, "stop",
+         "stop: 5 strings, at most 4"),
+        (COMPLETIONS, {"prompt": "x", "stream": "yes"}, 400, "stream",
+         "stream: 'yes' is not true or false"),
         (COMPLETIONS, {"prompt": "x", "stream_options": "yes"}, 400, "stream_options",
          "stream_options: must be an object"),
     ],
@@ -147,7 +250,7 @@ def test_an_oversized_body_is_a_413():
 def test_the_first_problem_is_reported():
     """Checks run in a fixed order: the body as a whole, then the prompt, then parameters."""
     body = {"prompt": 42, "temperature": "hot", "n": 2}
-    assert _refusal(COMPLETIONS, body).param == "n"
+    assert _refusal(COMPLETIONS, body).param == "n"  # a feature not served yet, first
     assert _refusal(COMPLETIONS, {"prompt": 42, "temperature": "hot"}).param == "prompt"
 
 
@@ -170,8 +273,8 @@ def test_no_limit_means_the_rest_of_the_context():
     [
         ({"max_tokens": 8}, 3, "max_tokens",
          "prompt of 3 tokens + max_tokens 8 exceeds the context length 10"),
-        ({"max_tokens": None}, 10, "max_tokens", "max_tokens: 0 must be a positive integer"),
-        ({"max_tokens": None}, 12, "max_tokens", "max_tokens: -2 must be a positive integer"),
+        ({"max_tokens": 8}, 12, "max_tokens",
+         "prompt of 12 tokens + max_tokens 8 exceeds the context length 10"),
         ({"max_tokens": 2, "min_tokens": 3}, 3, "min_tokens",
          "min_tokens: 3 not in [0, max_tokens]"),
     ],
@@ -181,3 +284,13 @@ def test_prompts_that_do_not_fit_the_context_are_refused(body, prompt_len, param
     with pytest.raises(RequestError) as refused:
         generation_request(request, [1] * prompt_len, max_model_len=10)
     assert (refused.value.status, refused.value.param, str(refused.value)) == (400, param, message)
+
+
+@pytest.mark.parametrize("prompt_len", [10, 12])
+def test_a_chat_that_fills_the_context_is_refused(prompt_len):
+    request = _parse(CHAT, {"messages": MESSAGES})
+    with pytest.raises(RequestError) as refused:
+        generation_request(request, [1] * prompt_len, max_model_len=10)
+    assert str(refused.value) == (
+        f"prompt of {prompt_len} tokens leaves no room in the context length 10"
+    )

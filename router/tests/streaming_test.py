@@ -1,16 +1,19 @@
 """Token ids to OpenAI responses: stop strings cut the text (even across token boundaries) and
-close the upstream stream, and the SSE and non-streaming bodies are exactly what clients get."""
+close the upstream stream, logprobs travel with the text they cover, and the SSE and
+non-streaming bodies are exactly what clients get."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+from proto.tandem.v1 import decode_pb2
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import BackendError
-from router.generation import Finished
+from router.generation import Finished, Tokens
+from router.logprobs import LogprobsFormat
 from router.requests import Endpoint
-from router.streaming import collect, completion_body, sse, text_events
+from router.streaming import Delta, Response, collect, completion_body, sse, text_events
 from router.tests.fakes import CharTokenizer, ids
 
 COMPLETIONS, CHAT = Endpoint.COMPLETIONS, Endpoint.CHAT
@@ -19,21 +22,31 @@ COMPLETIONS, CHAT = Endpoint.COMPLETIONS, Endpoint.CHAT
 class Upstream:
     """Token lists, then a Finished (or an error); records whether it was closed early."""
 
-    def __init__(self, pieces: list[str], finish: Finished | BackendError) -> None:
+    def __init__(
+        self, pieces: list[str], finish: Finished | BackendError, logprobs: bool = False
+    ) -> None:
         self.pieces = pieces
         self.finish = finish
+        self.logprobs = logprobs
+        """Each token's logprob: minus its code point / 1024 (exact in float32), its one
+        alternative "?"."""
         self.closed_early = False
 
     async def stream(self):
         try:
             for piece in self.pieces:
-                yield ids(piece)
+                yield Tokens(ids(piece), [_logprob(t) for t in ids(piece)] if self.logprobs else [])
         except GeneratorExit:
             self.closed_early = True
             raise
         if isinstance(self.finish, BackendError):
             raise self.finish
         yield self.finish
+
+
+def _logprob(token_id: int) -> decode_pb2.TokenLogprobs:
+    return decode_pb2.TokenLogprobs(logprob=-token_id / 1024, top_token_ids=[ord("?")],
+                                    top_logprobs=[-0.5])  # fmt: skip
 
 
 async def _list(iterator) -> list:
@@ -47,26 +60,48 @@ def _events(upstream: Upstream, stops=(), prompt_tokens: int = 4) -> list:
 
 def test_text_then_a_finished_with_the_routers_own_token_counts():
     upstream = Upstream(["Hel", "lo"], Finished("length", 99, 99))
-    assert _events(upstream) == ["Hel", "lo", Finished("length", 4, 5)]
+    assert _events(upstream) == [Delta("Hel"), Delta("lo"), Finished("length", 4, 5)]
     assert not upstream.closed_early
 
 
 def test_a_stop_string_across_tokens_ends_the_text_and_closes_upstream():
     upstream = Upstream(["The ", "ans", "wer", " is"], Finished("length", 0, 0))
     events = _events(upstream, stops=["swe", "zzz"])
-    assert "".join(e for e in events if isinstance(e, str)) == "The an"
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == "The an"
     assert events[-1] == Finished("stop", 4, 10)  # the tokens consumed, up to the stop string
     assert upstream.closed_early  # the decode server is told to stop
 
 
 def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot():
     upstream = Upstream(["ab", "c", "d"], Finished("stop", 0, 0))
-    assert _events(upstream, stops=["cX"]) == ["a", "b", "c", "d", Finished("stop", 4, 4)]
+    texts = [Delta("a"), Delta("b"), Delta("c"), Delta("d")]
+    assert _events(upstream, stops=["cX"]) == [*texts, Finished("stop", 4, 4)]
+
+
+def test_the_stop_string_is_kept_when_asked():
+    upstream = Upstream(["The ", "ans", "wer", " is"], Finished("length", 0, 0))
+    detok = IncrementalDetokenizer(CharTokenizer())
+    events = asyncio.run(_list(text_events(upstream.stream(), detok, 4, ["swe"], True)))
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == "The answe"
+
+
+def test_logprobs_ride_with_the_text_that_covers_their_tokens():
+    upstream = Upstream(["ab", "c", "d"], Finished("length", 0, 0), logprobs=True)
+    events = _events(upstream, stops=["cX"])  # one character is held: it may start "cX"
+    covered = [(e.text, [t for t, _ in e.logprobs]) for e in events if isinstance(e, Delta)]
+    assert covered == [("a", ids("ab")), ("b", ids("c")), ("c", ids("d")), ("d", [])]
+    assert events[0].logprobs[1][1] == _logprob(ord("b"))
+
+
+def _response(endpoint: Endpoint, include_usage: bool = False, logprobs: bool = False):
+    fmt = LogprobsFormat(CharTokenizer(), endpoint is CHAT) if logprobs else None
+    return Response(endpoint, "id-1", "tiny", 1700, include_usage, fmt)
 
 
 def _sse(upstream: Upstream, endpoint: Endpoint, include_usage: bool) -> list:
     events = text_events(upstream.stream(), IncrementalDetokenizer(CharTokenizer()), 3, ())
-    lines = asyncio.run(_list(sse(events, endpoint, "id-1", "tiny", 1700, include_usage)))
+    response = _response(endpoint, include_usage, upstream.logprobs)
+    lines = asyncio.run(_list(sse(events, response)))
     assert all(line.startswith("data: ") and line.endswith("\n\n") for line in lines)
     assert lines[-1] == "data: [DONE]\n\n"
     return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
@@ -91,6 +126,7 @@ def test_chat_chunks_name_the_role_first_and_end_with_usage_when_asked():
         {"content": "!"},
         {"content": ""},
     ]
+    assert {c["choices"][0]["logprobs"] for c in chunks[:3]} == {None}
     assert [c["choices"][0]["finish_reason"] for c in chunks[:3]] == [None, None, "stop"]
     usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     assert chunks[3]["choices"] == [] and chunks[3]["usage"] == usage and len(chunks) == 4
@@ -108,16 +144,43 @@ def test_a_backend_error_mid_stream_ends_it_with_an_error_event():
 def test_collect_and_the_whole_bodies():
     events = text_events(Upstream(["Hi", "!"], Finished("length", 0, 0)).stream(),
                          IncrementalDetokenizer(CharTokenizer()), 2, ())  # fmt: skip
-    text, finish = asyncio.run(collect(events))
-    assert (text, finish) == ("Hi!", Finished("length", 2, 3))
+    whole, finish = asyncio.run(collect(events))
+    assert (whole, finish) == (Delta("Hi!"), Finished("length", 2, 3))
     usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
     head = {"id": "id-1", "created": 1700, "model": "tiny", "usage": usage}
-    assert completion_body(COMPLETIONS, "id-1", "tiny", 1700, text, finish) == {
+    assert completion_body(_response(COMPLETIONS), whole, finish) == {
         **head, "object": "text_completion",
         "choices": [{"index": 0, "text": "Hi!", "logprobs": None, "finish_reason": "length"}],
     }  # fmt: skip
     message = {"role": "assistant", "content": "Hi!"}
-    assert completion_body(CHAT, "id-1", "tiny", 1700, text, finish) == {
+    assert completion_body(_response(CHAT), whole, finish) == {
         **head, "object": "chat.completion",
-        "choices": [{"index": 0, "message": message, "finish_reason": "length"}],
+        "choices": [{"index": 0, "message": message, "logprobs": None,
+                     "finish_reason": "length"}],
     }  # fmt: skip
+
+
+def test_logprobs_in_chat_and_completions_shapes():
+    upstream = Upstream(["Hi"], Finished("length", 0, 0), logprobs=True)
+    events = text_events(upstream.stream(), IncrementalDetokenizer(CharTokenizer()), 2, ())
+    whole, finish = asyncio.run(collect(events))
+    chat = completion_body(_response(CHAT, logprobs=True), whole, finish)["choices"][0]
+    question = {"token": "?", "logprob": -0.5, "bytes": [63]}
+    assert chat["logprobs"] == {"content": [
+        {"token": "H", "logprob": -72 / 1024, "bytes": [72], "top_logprobs": [question]},
+        {"token": "i", "logprob": -105 / 1024, "bytes": [105], "top_logprobs": [question]},
+    ]}  # fmt: skip
+    text = completion_body(_response(COMPLETIONS, logprobs=True), whole, finish)["choices"][0]
+    assert text["logprobs"] == {
+        "tokens": ["H", "i"], "token_logprobs": [-72 / 1024, -105 / 1024],
+        "top_logprobs": [{"?": -0.5, "H": -72 / 1024}, {"?": -0.5, "i": -105 / 1024}],
+        "text_offset": [0, 1],
+    }  # fmt: skip
+
+
+def test_streamed_logprobs_come_with_their_chunks():
+    chunks = _sse(Upstream(["Hi", "!"], Finished("length", 0, 0), logprobs=True), COMPLETIONS,
+                  False)  # fmt: skip
+    assert [c["choices"][0]["logprobs"] and c["choices"][0]["logprobs"]["tokens"]
+            for c in chunks] == [["H", "i"], ["!"], None]  # fmt: skip
+    assert chunks[1]["choices"][0]["logprobs"]["text_offset"] == [2]  # runs on across chunks

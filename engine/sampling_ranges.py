@@ -1,0 +1,51 @@
+"""The valid range of every sampling parameter, in one table that the engine's SamplingParams
+and the router's request checks both read (the router refuses a bad value with a 400 before any
+engine sees it; the engine refuses it again for callers that skip the router). No torch here:
+the router imports it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+"""Alternatives per token at most (vLLM's default --max-logprobs, OpenAI's top_logprobs)."""
+SEED_END = 2**64
+"""Seeds are unsigned 64-bit (torch.Generator.manual_seed's range)."""
+
+
+@dataclass(frozen=True)
+class Range:
+    accepts: Callable[[float], bool]
+    text: str
+    """The range, as an error message states it: "in [0, 100]"."""
+    integer: bool = False
+
+
+SAMPLING_RANGES: dict[str, Range] = {
+    "temperature": Range(lambda v: 0.0 <= v <= 2.0, "in [0, 2]"),
+    "top_p": Range(lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "top_k": Range(lambda v: v >= 0, "0 (no limit) or more", integer=True),
+    "min_p": Range(lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    "seed": Range(lambda v: 0 <= v < SEED_END, "in [0, 2**64)", integer=True),
+    "repetition_penalty": Range(lambda v: 0.0 < v <= 100.0, "in (0, 100]"),
+    "presence_penalty": Range(lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    "frequency_penalty": Range(lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    "logprobs": Range(lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]", integer=True),
+}
+
+
+def range_problem(name: str, value: object) -> str | None:
+    """Why `value` is no valid `name` ("top_p: 2 is not in (0, 1]"), or None if it is."""
+    allowed = SAMPLING_RANGES[name]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"{name}: {value!r} is not a number"
+    if allowed.integer and not (isinstance(value, int) or value.is_integer()):
+        return f"{name}: {value!r} is not an integer"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{name}: {value!r} is not a finite number"
+    if not allowed.accepts(value):
+        return f"{name}: {value!r} is not {allowed.text}"
+    return None

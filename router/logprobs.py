@@ -1,0 +1,106 @@
+"""Token log-probabilities: read from the prefill's reply (the first token's), and written in
+OpenAI's two shapes (the decode server streams the rest as tandem.v1.TokenLogprobs).
+
+  prefill reply choices[0].logprobs --first_token_logprobs--> TokenLogprobs
+  (token id, TokenLogprobs) pairs --LogprobsFormat.chat / .completion--> the response's `logprobs`
+
+The router asks the prefill for `return_tokens_as_token_ids`, so its reply names tokens
+"token_id:<id>" (vLLM and tandem's prefill server alike) and no token text is ever re-encoded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from proto.tandem.v1 import decode_pb2
+
+TOKEN_ID_PREFIX = "token_id:"
+_FLOOR = -9999.0
+"""What a log-probability of -inf is reported as (JSON has no infinity; vLLM does the same)."""
+
+
+class LogprobsError(ValueError):
+    """A prefill reply without the logprobs it was asked for."""
+
+
+def first_token_logprobs(choice: dict, top_n: int) -> decode_pb2.TokenLogprobs:
+    """The first token's log-probabilities from a prefill's completions `choices[0]` (vLLM's
+    shape: tokens, token_logprobs, top_logprobs holding the top `top_n` and the sampled
+    token)."""
+    logprobs = choice.get("logprobs")
+    try:
+        chosen = float(logprobs["token_logprobs"][0])
+        top = sorted(((float(lp), _token_id(token)) for token, lp in
+                      logprobs["top_logprobs"][0].items()), reverse=True)[:top_n]  # fmt: skip
+    except (TypeError, KeyError, IndexError, ValueError) as e:
+        raise LogprobsError(f"the prefill's reply has no logprobs for its token ({e!r})") from e
+    return decode_pb2.TokenLogprobs(logprob=chosen, top_token_ids=[t for _, t in top],
+                                    top_logprobs=[lp for lp, _ in top])  # fmt: skip
+
+
+def _token_id(token: str) -> int:
+    if not token.startswith(TOKEN_ID_PREFIX):
+        raise ValueError(f"token {token!r} is not named by its id")
+    return int(token[len(TOKEN_ID_PREFIX) :])
+
+
+class LogprobsFormat:
+    """Writes one response's log-probabilities, in chat's shape or completions', each token
+    named by its text (or "token_id:<id>" when the client asked `return_tokens_as_token_ids`).
+    Completions' text offsets run on across the calls of one response."""
+
+    def __init__(self, tokenizer, chat: bool, tokens_as_ids: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.tokens_as_ids = tokens_as_ids
+        self._offset = 0
+
+    def render(self, entries: Sequence[tuple[int, decode_pb2.TokenLogprobs]]) -> dict:
+        return self._chat(entries) if self.chat else self._completion(entries)
+
+    def _chat(self, entries: Sequence[tuple[int, decode_pb2.TokenLogprobs]]) -> dict:
+        """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+        content = []
+        for token_id, lp in entries:
+            top = [
+                self._chat_entry(t, v)
+                for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+            ]
+            content.append({**self._chat_entry(token_id, lp.logprob), "top_logprobs": top})
+        return {"content": content}
+
+    def _completion(self, entries: Sequence[tuple[int, decode_pb2.TokenLogprobs]]) -> dict:
+        """{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}: each
+        top_logprobs entry holds the top alternatives and the sampled token, as vLLM's does."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, lp in entries:
+            token = self.token(token_id)
+            top = {
+                self.token(t): _finite(v)
+                for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+            }
+            top[token] = _finite(lp.logprob)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(_finite(lp.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self._offset)
+            self._offset += len(token)
+        return out
+
+    def token(self, token_id: int) -> str:
+        if self.tokens_as_ids:
+            return f"{TOKEN_ID_PREFIX}{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        token = self.token(token_id)
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
+
+
+def _top(lp: decode_pb2.TokenLogprobs) -> list[tuple[int, float]]:
+    return list(zip(lp.top_token_ids, lp.top_logprobs, strict=True))
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _FLOOR
