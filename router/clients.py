@@ -19,6 +19,7 @@ import grpc
 import httpx
 
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
+from router.structured import prefill_fields
 
 # Idle connections to a prefill server are dropped after 2 s, before the server's own keep-alive
 # timeout (5 s in uvicorn, tandem's prefill server and vLLM's alike) can close one as a request
@@ -56,9 +57,11 @@ class PrefillClient(Protocol):
         prompt_ids: list[int],
         transfer_params: dict,
         sampling: decode_pb2.SamplingParams,
+        structured: decode_pb2.StructuredOutput | None = None,
     ) -> PrefillReply:
         """Prefills `prompt_ids` on instance `url`, handing it the ticket in `transfer_params`;
-        a 200's JSON carries kv_transfer_params.first_token_id, sampled with `sampling`."""
+        a 200's JSON carries kv_transfer_params.first_token_id, sampled with `sampling` under
+        the `structured` constraint."""
         ...
 
     async def tokenize(self, url: str, body: dict) -> PrefillReply:
@@ -107,9 +110,12 @@ class HttpPrefillClient:
         prompt_ids: list[int],
         transfer_params: dict,
         sampling: decode_pb2.SamplingParams,
+        structured: decode_pb2.StructuredOutput | None = None,
     ) -> PrefillReply:
         body = {"prompt": prompt_ids, "max_tokens": 1, "kv_transfer_params": transfer_params,
                 **_prefill_sampling(sampling)}  # fmt: skip
+        if structured is not None:
+            body.update(prefill_fields(structured))
         return await self._post(url, "/v1/completions", body)
 
     async def tokenize(self, url: str, body: dict) -> PrefillReply:

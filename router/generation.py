@@ -18,6 +18,8 @@ class GenerationRequest:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    structured: decode_pb2.StructuredOutput | None = None
+    """The grammar the output follows, first token included (the prefill is told too)."""
 
 
 @dataclass(frozen=True)

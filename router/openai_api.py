@@ -173,7 +173,7 @@ class OpenAIApi:
     async def _prompt_ids(self, request: ApiRequest) -> list[int]:
         try:
             if request.messages is not None:
-                return await self.prompts.chat(request.messages)
+                return await self.prompts.chat(request.messages, request.template)
             if request.text is not None:
                 return await self.prompts.text(request.text)
         except BackendError as e:  # tokenized by a prefill that refused or failed

@@ -107,8 +107,8 @@ class Orchestrator:
                 request_id=rid, generation=reserved.ticket.generation, first_token_id=first,
                 sampling=request.sampling, max_tokens=request.max_tokens,
                 min_tokens=request.min_tokens, stop_token_ids=request.stop_token_ids,
-                ignore_eos=request.ignore_eos,
-                first_token_logprobs=first_logprobs))  # fmt: skip
+                ignore_eos=request.ignore_eos, first_token_logprobs=first_logprobs,
+                structured_output=request.structured))  # fmt: skip
             async with contextlib.aclosing(stream):
                 async for message in stream:
                     if message.token_ids:
@@ -202,7 +202,7 @@ class Orchestrator:
             prefill.in_flight += 1
             try:
                 reply = await self.prefill_client.complete(
-                    prefill.url, request.prompt_ids, params, request.sampling
+                    prefill.url, request.prompt_ids, params, request.sampling, request.structured
                 )
                 delivered = True
                 if reply.status == 200:

@@ -13,7 +13,9 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from router.errors import BackendError
+from jinja2 import TemplateError
+
+from router.errors import BackendError, RequestError
 from router.orchestrator import Orchestrator
 from router.tokenization import SAMPLE_CONVERSATIONS, SegmentTokenizer
 
@@ -69,13 +71,18 @@ class PromptTokenizer:
             )
         return self.local.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
-    async def chat(self, messages: Sequence[dict]) -> list[int]:
-        """A conversation rendered with the model's chat template, generation prompt added."""
+    async def chat(self, messages: Sequence[dict], template: dict | None = None) -> list[int]:
+        """A conversation rendered with the model's chat template; `template`: the request's
+        template arguments in vLLM's names (SegmentTokenizer.render), the generation prompt
+        added unless they say otherwise."""
+        template = {"add_generation_prompt": True, **(template or {})}
         if self.source == "prefill":
-            return await self.orchestrator.tokenize(
-                {"messages": list(messages), "add_generation_prompt": True}
-            )
-        return self.local.encode(self.local.render(messages))
+            return await self.orchestrator.tokenize({"messages": list(messages), **template})
+        try:
+            text = self.local.render(messages, template)
+        except (TemplateError, TypeError, ValueError) as e:  # a template refusing the request
+            raise RequestError(400, f"chat template: {e}", "messages") from None
+        return self.local.encode(text)
 
     async def _first_mismatch(self) -> str | None:
         for text in SAMPLE_TEXTS:

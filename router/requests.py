@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from engine.sampling_ranges import MAX_LOGPROBS, SAMPLING_RANGES, range_problem
 from proto.tandem.v1 import decode_pb2
+from router import structured
 from router.errors import RequestError
 from router.generation import GenerationRequest
 from router.messages import chat_messages
@@ -32,24 +33,21 @@ IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool
 """OpenAI's fields that identify or label a request, or hint at an absent feature: accepted,
 without effect (as vLLM does)."""
 _INT64 = 2**63
+_TEMPLATE = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+             "reasoning_effort")  # fmt: skip
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _COMMON = {"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
            "ignore_eos", "min_tokens", "logprobs", "skip_special_tokens",
-           "include_stop_str_in_output", *SAMPLING, *IGNORED}  # fmt: skip
+           "include_stop_str_in_output", *SAMPLING, *IGNORED, *structured.FIELDS}  # fmt: skip
 _NOT_YET = {
     "n": lambda v: v == 1,
     "best_of": lambda v: v == 1,
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "logit_bias": lambda v: v == {},
-    "response_format": lambda v: v == {"type": "text"},
     "tools": lambda v: v == [],
     "tool_choice": lambda v: v == "none",
     "prompt_logprobs": lambda v: False,
-    "structured_outputs": lambda v: False,
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
 }
 """Known parameters tandem does not serve yet, and the values that ask for nothing."""
 
@@ -71,7 +69,7 @@ class Endpoint(enum.Enum):
     @property
     def parameters(self) -> frozenset[str]:
         if self is Endpoint.CHAT:
-            extra = {"messages", "max_completion_tokens", "top_logprobs"}
+            extra = {"messages", "max_completion_tokens", "top_logprobs", *_TEMPLATE}
         else:
             extra = {"prompt", "return_tokens_as_token_ids"}
         return frozenset(_COMMON | extra | set(_NOT_YET))
@@ -102,6 +100,11 @@ class ApiRequest:
     """At least 1; None: whatever the context leaves after the prompt."""
     sampling: decode_pb2.SamplingParams
     """The fields the client set; `logprobs` set when it asked for log-probabilities."""
+    template: dict | None = None
+    """Chat: the template's arguments in vLLM's names (add_generation_prompt,
+    continue_final_message, tools, chat_template_kwargs)."""
+    structured: decode_pb2.StructuredOutput | None = None
+    """The grammar the output must follow (router/structured.py), if any."""
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -122,9 +125,10 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
     for name, asks_nothing in _NOT_YET.items():
         if name in body and not asks_nothing(body[name]):
             raise RequestError(400, f"{name}: {body[name]!r} is not supported yet", name)
-    text = token_ids = messages = None
+    text = token_ids = messages = template = None
     if endpoint is Endpoint.CHAT:
         messages = chat_messages(body.get("messages"))
+        template = _template(body)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
         text, token_ids = _prompt(body.get("prompt"), model.vocab_size)
@@ -144,8 +148,10 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         text=text,
         token_ids=token_ids,
         messages=messages,
+        template=template,
         max_tokens=max_tokens,
         sampling=_sampling(endpoint, body),
+        structured=structured.structured_output(body),
         min_tokens=_integer(body, "min_tokens", 0, 2**32, 0),
         stop_token_ids=tuple(stop_ids),
         ignore_eos=flag(body, "ignore_eos", False),
@@ -187,6 +193,7 @@ def generation_request(
         min_tokens=request.min_tokens,
         stop_token_ids=request.stop_token_ids,
         ignore_eos=request.ignore_eos,
+        structured=request.structured,
     )
 
 
@@ -270,6 +277,29 @@ def _logprobs(endpoint: Endpoint, body: dict) -> int | None:
     if top is not None and not asked:
         raise RequestError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
     return (top or 0) if asked else None
+
+
+def _template(body: dict) -> dict:
+    """The chat template's arguments; reasoning_effort is passed to it as a variable (and
+    enable_thinking, as vLLM does)."""
+    template = {"add_generation_prompt": flag(body, "add_generation_prompt", True),
+                "continue_final_message": flag(body, "continue_final_message", False)}  # fmt: skip
+    if template["add_generation_prompt"] and template["continue_final_message"]:
+        raise RequestError(400, "continue_final_message: needs add_generation_prompt: false",
+                           "continue_final_message")  # fmt: skip
+    kwargs = body.get("chat_template_kwargs", {})
+    if not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise RequestError(400, "chat_template_kwargs: must be an object",
+                           "chat_template_kwargs")  # fmt: skip
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in _EFFORTS:
+            raise RequestError(400, f"reasoning_effort: {effort!r} is not one of "
+                               f"{', '.join(_EFFORTS)}", "reasoning_effort")  # fmt: skip
+        kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none", **kwargs}
+    if kwargs:
+        template["chat_template_kwargs"] = kwargs
+    return template
 
 
 def _seed(value) -> int:

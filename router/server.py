@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import socket
@@ -94,9 +95,12 @@ def main() -> None:
     async def lifespan(_app):
         await orchestrator.probe(every_decode=True)  # their context lengths
         await prompts.check_parity()
+        # The first structured-output request would otherwise wait seconds for this import.
+        warm = asyncio.create_task(asyncio.to_thread(importlib.import_module, "xgrammar"))
         probe = asyncio.create_task(orchestrator.probe_forever())
         yield
         probe.cancel()
+        warm.cancel()
         await orchestrator.close()
 
     app.router.lifespan_context = lifespan

@@ -43,9 +43,18 @@ class SegmentTokenizer:
         self.hits = 0
         self.misses = 0
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[dict], template: dict | None = None) -> str:
+        """The conversation rendered by the chat template. `template`: the request's template
+        arguments in vLLM's names (add_generation_prompt, default true; continue_final_message;
+        tools; chat_template_kwargs, passed to the template as variables)."""
+        template = template or {}
+        arguments = dict(template.get("chat_template_kwargs", {}))
+        for name in ("continue_final_message", "tools"):  # only when set: few templates know them
+            if template.get(name):
+                arguments[name] = template[name]
+        add = template.get("add_generation_prompt", True)
         return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(messages), tokenize=False, add_generation_prompt=add, **arguments
         )
 
     def encode(self, text: str) -> list[int]:

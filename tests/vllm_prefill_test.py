@@ -77,6 +77,7 @@ def reference(prompts) -> dict[str, list[int]]:
             outs = {name: _complete(http, prompt) for name, prompt in prompts.items()}
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         outs["chat_text"] = _chat(client, MODEL)
+        outs["chat_logprobs"] = _chat_logprobs(client, MODEL)
         return outs
     finally:
         stop(proc)
@@ -111,6 +112,16 @@ def _chat(client: openai.OpenAI, model: str) -> str:
         model=model, messages=MESSAGES, max_tokens=NEW_TOKENS, temperature=0
     )
     return reply.choices[0].message.content
+
+
+def _chat_logprobs(client: openai.OpenAI, model: str) -> list[tuple]:
+    """A greedy chat's logprobs: (token, logprob, the two likeliest tokens) per token."""
+    reply = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=NEW_TOKENS, temperature=0, logprobs=True,
+        top_logprobs=2,
+    )  # fmt: skip
+    return [(e.token, e.logprob, [t.token for t in e.top_logprobs])
+            for e in reply.choices[0].logprobs.content]  # fmt: skip
 
 
 def _prefill(stub, http, address: str, request_id: str, prompt: list[int]):
@@ -211,11 +222,18 @@ def test_a_decode_server_with_another_kv_dtype_fails_the_request_at_once(stack, 
 
 def test_the_router_cannot_tell_vllm_from_tandems_prefill(stack, reference):
     """tandem's router in front of vLLM as it is in front of tandem's prefill server: its
-    tokenizer check against /tokenize, then chat through Reserve, prefill and Generate."""
+    tokenizer check against /tokenize, then chat through Reserve, prefill and Generate; with
+    logprobs, the first token's from vLLM and the rest from the decode server, equal to vLLM's
+    own."""
     _, address, _, http = stack
     proc, url = start_router([str(http.base_url)], [address])
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         assert _chat(client, client.models.list().data[0].id) == reference["chat_text"]
+        logprobs = _chat_logprobs(client, MODEL)
+        expected = reference["chat_logprobs"]
+        assert [(t, top) for t, _, top in logprobs] == [(t, top) for t, _, top in expected]
+        assert [lp for _, lp, _ in logprobs] == pytest.approx([lp for _, lp, _ in expected],
+                                                              abs=1e-3)  # fmt: skip
     finally:
         stop(proc)

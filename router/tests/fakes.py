@@ -32,8 +32,13 @@ class CharTokenizer:
     def decode(self, token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
         return "".join(map(chr, token_ids))
 
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True) -> str:
+    def apply_chat_template(
+        self, messages, tokenize=False, add_generation_prompt=True, tools=None, **variables
+    ) -> str:
+        """Tools, as "tools: name, ..." first; template variables are ignored."""
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if tools:
+            text = f"tools: {', '.join(t['function']['name'] for t in tools)}\n{text}"
         return text + ("assistant: " if add_generation_prompt else "")
 
 
@@ -59,6 +64,7 @@ class Prefilled:
     transfer: KvTransfer
     """The ticket as the prefill parses it from kv_transfer_params."""
     sampling: decode_pb2.SamplingParams
+    structured: decode_pb2.StructuredOutput | None = None
 
 
 class FakePrefill:
@@ -81,9 +87,12 @@ class FakePrefill:
     def script(self, url: str, *outcomes: PrefillReply | PrefillCallError) -> None:
         self._script[url].extend(outcomes)
 
-    async def complete(self, url, prompt_ids, transfer_params, sampling) -> PrefillReply:
+    async def complete(
+        self, url, prompt_ids, transfer_params, sampling, structured=None
+    ) -> PrefillReply:
         self.calls.append(("complete", url))
-        prefilled = Prefilled(url, prompt_ids, KvTransfer.parse(transfer_params), sampling)
+        prefilled = Prefilled(url, prompt_ids, KvTransfer.parse(transfer_params), sampling,
+                              structured)  # fmt: skip
         self.prefilled.append(prefilled)
         if self.stall:
             self.prefilling.set()

@@ -17,6 +17,7 @@ from router.requests import (
     generation_request,
     parse,
 )
+from router.structured import prefill_fields
 
 MODEL = ServedModel("tiny", max_model_len=64, vocab_size=1000)
 COMPLETIONS, CHAT = Endpoint.COMPLETIONS, Endpoint.CHAT
@@ -145,8 +146,31 @@ def test_chat_messages_as_clients_send_them(messages, expected):
         (COMPLETIONS, {"prompt": "x", "n": 3}, 400, "n", "n: 3 is not supported yet"),
         (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo",
          "echo: True is not supported yet"),
-        (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
-         "response_format", "response_format: {'type': 'json_object'} is not supported yet"),
+        (CHAT, {"messages": MESSAGES, "response_format": {"type": "xml"}}, 400,
+         "response_format",
+         "response_format: type 'xml' is not one of text, json_object, json_schema"),
+        (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, 400,
+         "response_format",
+         "response_format.json_schema.schema: a JSON Schema object is required"),
+        (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format",
+         'response_format: invalid json schema: Unsupported type "nonsense"'),
+        (COMPLETIONS, {"prompt": "x", "structured_outputs": {"regex": "("}}, 400,
+         "structured_outputs", "structured_outputs: invalid regex: Regex parsing error at "
+         "position 2: The parenthesis is not closed."),
+        (COMPLETIONS, {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+         400, "structured_outputs", "structured_outputs: give exactly one constraint (json, "
+         "json_object, regex, choice or grammar), in one field"),
+        (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_object"},
+                "guided_regex": "a+"}, 400, "guided_regex", "guided_regex: give exactly one "
+         "constraint (json, json_object, regex, choice or grammar), in one field"),
+        (COMPLETIONS, {"prompt": "x", "guided_choice": []}, 400, "guided_choice",
+         "guided_choice: choice must be a non-empty list of strings"),
+        (COMPLETIONS, {"prompt": "x", "guided_json": "{oops"}, 400, "guided_json",
+         "guided_json: the JSON Schema is not JSON"),
+        (COMPLETIONS, {"prompt": "x", "structured_outputs": {"grammar": "root ::= "}}, 400,
+         "structured_outputs", "structured_outputs: invalid grammar: EBNF parser error at line "
+         "1, column 10: Expect element, but got"),
         (COMPLETIONS, {"prompt": 42}, 400, "prompt",
          "prompt: a string or a non-empty list of token ids below 1000"),
         (COMPLETIONS, {}, 400, "prompt",
@@ -294,3 +318,62 @@ def test_a_chat_that_fills_the_context_is_refused(prompt_len):
     assert str(refused.value) == (
         f"prompt of {prompt_len} tokens leaves no room in the context length 10"
     )
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind", "value"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", True),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s",
+          "schema": SCHEMA, "strict": True}}}, "json_schema", json.dumps(SCHEMA)),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, "json_schema", json.dumps(SCHEMA)),
+        ({"structured_outputs": {"choice": ["yes", 'say "no"']}}, "grammar",
+         'root ::= "yes" | "say \\"no\\""'),
+        ({"guided_regex": "(yes|no)"}, "regex", "(yes|no)"),
+        ({"guided_grammar": 'root ::= "a"+'}, "grammar", 'root ::= "a"+'),
+        ({"response_format": {"type": "text"}}, None, None),
+    ],
+)  # fmt: skip
+def test_structured_outputs_in_every_shape_become_one_constraint(fields, kind, value):
+    request = _parse(CHAT, {"messages": MESSAGES, **fields})
+    if kind is None:
+        assert request.structured is None
+        return
+    assert request.structured.WhichOneof("kind") == kind
+    assert getattr(request.structured, kind) == value
+    assert generation_request(request, [1], max_model_len=10).structured == request.structured
+
+
+def test_the_prefill_gets_the_constraint_in_vllms_field():
+    body = {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}
+    request = _parse(COMPLETIONS, {"prompt": "x", **body})
+    assert request.structured.compact_whitespace
+    assert prefill_fields(request.structured) == {
+        "structured_outputs": {"json": json.dumps(SCHEMA), "disable_any_whitespace": True}
+    }
+
+
+def test_chat_template_arguments_in_vllms_names():
+    assert _parse(CHAT, {"messages": MESSAGES}).template == {
+        "add_generation_prompt": True, "continue_final_message": False}  # fmt: skip
+    body = {"messages": MESSAGES, "add_generation_prompt": False,
+            "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False},
+            "reasoning_effort": "low"}  # fmt: skip
+    assert _parse(CHAT, body).template == {
+        "add_generation_prompt": False, "continue_final_message": True,
+        "chat_template_kwargs": {"reasoning_effort": "low", "enable_thinking": False},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"continue_final_message": True}, "continue_final_message"),
+     ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+     ({"add_generation_prompt": "yes"}, "add_generation_prompt")],
+)  # fmt: skip
+def test_bad_chat_template_arguments(fields, param):
+    assert _refusal(CHAT, {"messages": MESSAGES, **fields}).param == param
