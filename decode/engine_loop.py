@@ -52,6 +52,9 @@ class Tokens:
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
     """One per token_ids entry, in the same order, when the sequence asked; else empty."""
+    finished: Finished | None = None
+    """Set when the last of these tokens ended the sequence: the stream ends here, and the
+    reader knows which token did it (a stop token's text is no part of the output)."""
 
 
 _Token = tuple[int, TokenLogprobs | None]
@@ -66,27 +69,33 @@ class TokenStream:
     def put(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self._queue.put((token_id, logprobs))
 
-    def end(self, outcome: Finished | EngineFailed) -> None:
-        """The stream's last item; later ends are ignored (a command whose admission raised is
-        both live and refused). `on_end` runs first, so whoever reads the outcome sees what
-        on_end did."""
+    def end(self, outcome: Finished | EngineFailed, last: _Token | None = None) -> None:
+        """The stream's last item, with `last`, the token that ended it, if one did (one queue
+        item: a reader sees both together); later ends are ignored (a command whose admission
+        raised is both live and refused). `on_end` runs first, so whoever reads the outcome
+        sees what on_end did."""
         if self._ended:
             return
         self._ended = True
         if self._on_end is not None:
             self._on_end()
-        self._queue.put(outcome)
+        self._queue.put(_End(outcome, last))
 
     def __iter__(self) -> Iterator[Tokens | Finished | EngineFailed]:
-        """Batches of tokens as they come, then one Finished or EngineFailed."""
+        """Batches of tokens as they come, then the end: the last batch carrying its Finished,
+        or a Finished alone, or an EngineFailed."""
         while True:
             batch: list[_Token] = []
             item = self._queue.get()
             while True:
-                if isinstance(item, Finished | EngineFailed):
+                if isinstance(item, _End):
+                    batch += [item.last] if item.last is not None else []
+                    if isinstance(item.outcome, Finished) and batch:
+                        yield _tokens(batch, item.outcome)
+                        return
                     if batch:
                         yield _tokens(batch)
-                    yield item
+                    yield item.outcome
                     return
                 batch.append(item)
                 try:
@@ -96,11 +105,17 @@ class TokenStream:
             yield _tokens(batch)
 
 
-def _tokens(batch: list[_Token]) -> Tokens:
+@dataclass(frozen=True)
+class _End:
+    outcome: Finished | EngineFailed
+    last: _Token | None
+
+
+def _tokens(batch: list[_Token], finished: Finished | None = None) -> Tokens:
     logprobs = [lp for _, lp in batch if lp is not None]
     # A sequence that asks has every token's, its first (the prefill's) included.
     assert not logprobs or len(logprobs) == len(batch)
-    return Tokens([token for token, _ in batch], logprobs)
+    return Tokens([token for token, _ in batch], logprobs, finished)
 
 
 @dataclass(frozen=True)
@@ -219,10 +234,11 @@ class EngineLoop(EngineThread):
             ),
         )
         for delivery in delivered:
-            if delivery.token_id is not None:
-                delivery.stream.put(delivery.token_id, delivery.logprobs)
+            token = None if delivery.token_id is None else (delivery.token_id, delivery.logprobs)
             if delivery.finished is not None:
-                delivery.stream.end(delivery.finished)
+                delivery.stream.end(delivery.finished, token)
+            elif token is not None:
+                delivery.stream.put(*token)
 
 
 @dataclass(frozen=True)

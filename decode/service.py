@@ -22,6 +22,7 @@ from decode.admission import Admission, RequestState, Reservation
 from decode.engine_loop import EngineFailed, EngineLoop, Finished, TokenStream
 from decode.failures import AdmissionError, FailureKind
 from decode.metrics import DecodeMetrics
+from engine.grammar import Grammar, GrammarKind, GrammarSpec, allows
 from engine.kv_cache import KVCache
 from engine.sampling import SAMPLING_FIELDS, SamplingParams, TokenLogprobs
 from engine.sequence import FinishReason, Sequence, StopConditions
@@ -139,22 +140,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             if isinstance(item, EngineFailed):
                 context.abort(grpc.StatusCode.UNAVAILABLE, item.message)
             if isinstance(item, Finished):
-                yield decode_pb2.GenerateResponse(
-                    finish_reason=_FINISH[item.reason],
-                    usage=decode_pb2.Usage(
-                        prompt_tokens=item.prompt_tokens,
-                        completion_tokens=item.completion_tokens,
-                    ),
-                )
+                yield _finish(item)
                 return
             if first:
                 self.metrics.handover_seconds.observe(time.monotonic() - started)
                 first = False
             self.metrics.tokens_generated.inc(len(item.token_ids))
             self._tokens_generated += len(item.token_ids)
-            yield decode_pb2.GenerateResponse(
+            message = decode_pb2.GenerateResponse(
                 token_ids=item.token_ids, logprobs=[_logprobs_pb(lp) for lp in item.logprobs]
             )
+            if item.finished is not None:  # one message: the finishing token is identifiable
+                message.MergeFrom(_finish(item.finished))
+            yield message
+            if item.finished is not None:
+                return
 
     def Abort(self, request, context):
         aborted = self._abort(
@@ -195,7 +195,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             # NOTE: on this RPC thread, new_sequence reads only the engine's config, and
             # engine.sequences to refuse a live id, which never holds one here: admission keeps
             # an id live until its stream has ended, after the engine dropped it.
-            return self.loop.engine.new_sequence(
+            seq = self.loop.engine.new_sequence(
                 res.request_id,
                 res.prompt_ids,
                 params,
@@ -205,12 +205,30 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     stop_token_ids=tuple(request.stop_token_ids),
                     ignore_eos=request.ignore_eos,
                 ),
+                self._grammar(request),
             )
+            # Checked here, not advanced: the engine accepts it when it appends it.
+            if seq.grammar is not None and not allows(seq.grammar, request.first_token_id):
+                raise ValueError(
+                    f"first_token_id: {request.first_token_id} is not allowed by "
+                    "structured_output (the prefill must sample it under the same constraint)"
+                )
+            return seq
         except ValueError as e:
             self.admission.abort(
                 res.request_id, res.generation, f"bad request: {e}", kind=FailureKind.BAD_REQUEST
             )
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _grammar(self, request: decode_pb2.GenerateRequest) -> Grammar | None:
+        """The request's structured output, compiled on this RPC thread (it takes milliseconds;
+        the first one also loads the tokenizer and xgrammar, seconds): never on the engine's."""
+        if not request.HasField("structured_output"):
+            return None
+        try:
+            return self.loop.engine.grammars.compile(_grammar_spec(request.structured_output))
+        except ValueError as e:
+            raise ValueError(f"structured_output: {e}") from None
 
     def _hand_over(
         self,
@@ -255,12 +273,28 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             context.abort(e.code, str(e))
 
 
+def _finish(finished: Finished) -> decode_pb2.GenerateResponse:
+    usage = decode_pb2.Usage(prompt_tokens=finished.prompt_tokens,
+                             completion_tokens=finished.completion_tokens)  # fmt: skip
+    return decode_pb2.GenerateResponse(finish_reason=_FINISH[finished.reason], usage=usage)
+
+
 def _logprobs_pb(logprobs: TokenLogprobs) -> decode_pb2.TokenLogprobs:
     return decode_pb2.TokenLogprobs(
         logprob=logprobs.logprob,
         top_token_ids=logprobs.top_token_ids,
         top_logprobs=logprobs.top_logprobs,
     )
+
+
+def _grammar_spec(message: decode_pb2.StructuredOutput) -> GrammarSpec:
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("names no kind (json_schema, json_object, regex or grammar)")
+    if kind == "json_object" and not message.json_object:
+        raise ValueError("json_object: must be true when set")
+    text = "" if kind == "json_object" else getattr(message, kind)
+    return GrammarSpec(GrammarKind(kind), text, message.compact_whitespace)
 
 
 def _check_first_logprobs(request: decode_pb2.GenerateRequest) -> None:

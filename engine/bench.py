@@ -8,7 +8,9 @@ sequence's KV, over the HBM read bandwidth measured in the same run. MBU (model 
 utilization) is the usual looser count: every parameter's bytes, the embedding table whole,
 plus the KV, over that same measured bandwidth (the published MBU figures divide by the
 datasheet's bandwidth instead, which reads lower). `--peer hf` times Hugging Face
-transformers `generate` on the very same weights in the same run.
+transformers `generate` on the very same weights in the same run. `--json-schema FILE`
+constrains every sequence to that schema (structured output): run with and without it to get
+what the grammar masks cost a step (and the synchronous stepping they need).
 
     python -m engine.bench --model random:llama3-8b --device cuda --batch-sizes 1,64 \
         --context-lens 1024 --peer hf --out bench.json
@@ -21,9 +23,11 @@ import json
 import random
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
+from engine.grammar import Grammar, GrammarCompiler, GrammarKind, GrammarSpec
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from engine.model import CausalLM
 from engine.sampling import SamplingParams
@@ -84,19 +88,25 @@ def weight_bytes_per_step(engine: LLMEngine, batch: int) -> int:
 
 
 def bench_engine(
-    engine: LLMEngine, batch: int, context: int, decode_tokens: int, bandwidth: float
+    engine: LLMEngine,
+    batch: int,
+    context: int,
+    decode_tokens: int,
+    bandwidth: float,
+    grammar: Grammar | None = None,
 ) -> Result:
-    """Prefills `batch` prompts, then times `decode_tokens` steps in which all of them decode.
-    The same prefill runs once untimed first: the first batches of a shape compile kernels."""
+    """Prefills `batch` prompts, then times `decode_tokens` steps in which all of them decode
+    (each constrained to `grammar` when given). The same prefill runs once untimed first: the
+    first batches of a shape compile kernels."""
     rng = random.Random(batch * 1_000_003 + context)
     vocab = engine.model_config.vocab_size
     # Room for the decodes that run while later prompts are still prefilling, and the timed ones.
     prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
     stop = StopConditions(max_tokens=prefill_steps + decode_tokens + 2, ignore_eos=True)
     prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
-    _prefill(engine, prompts, stop, f"warm-up-b{batch}-c{context}")
+    _prefill(engine, prompts, stop, f"warm-up-b{batch}-c{context}", grammar)
     _abort_all(engine)
-    prefill_s = _prefill(engine, prompts, stop, f"b{batch}-c{context}")
+    prefill_s = _prefill(engine, prompts, stop, f"b{batch}-c{context}", grammar)
     # One step first: with async scheduling the step after each returned one is already
     # running, so the timing runs from one returned step to another, in that steady state.
     engine.step()
@@ -107,7 +117,10 @@ def bench_engine(
         kv_tokens += sum(seq.num_tokens for seq in engine.sequences.values())
         generated += len(engine.step())
     decode_s = time.perf_counter() - start
-    assert generated == batch * decode_tokens, "a sequence left the batch during timing"
+    left = "a sequence left the batch during timing"
+    if grammar is not None:
+        left += " (its grammar completed: give a schema with longer outputs)"
+    assert generated == batch * decode_tokens, left
     _abort_all(engine)
     kv_bytes = kv_tokens * engine.model_config.kv_bytes_per_token(DTYPES[engine.config.dtype])
     min_s = (weight_bytes_per_step(engine, batch) * decode_tokens + kv_bytes) / bandwidth
@@ -214,10 +227,16 @@ def _hf_fields(engine: LLMEngine) -> dict:
     return fields
 
 
-def _prefill(engine: LLMEngine, prompts: list[list[int]], stop: StopConditions, name: str) -> float:
+def _prefill(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    stop: StopConditions,
+    name: str,
+    grammar: Grammar | None = None,
+) -> float:
     """Adds the prompts and steps until every sequence has its first token: the seconds taken."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{name}-{i}", prompt, SamplingParams(), stop)
+        engine.add_request(f"{name}-{i}", prompt, SamplingParams(), stop, grammar)
     _sync(engine)
     start = time.perf_counter()
     while any(seq.num_output_tokens == 0 for seq in engine.sequences.values()):
@@ -265,16 +284,36 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128, help="timed decode steps")
     parser.add_argument("--peer", choices=["none", "hf"], default="none")
     parser.add_argument("--out", default="engine-bench.json", help="JSON results")
+    parser.add_argument(
+        "--json-schema",
+        default=None,
+        help="a JSON Schema file every sequence is constrained to (compact whitespace); its "
+        "outputs must outlast the timed steps, e.g. a string with a large minLength",
+    )
+    parser.add_argument(
+        "--grammar-tokenizer",
+        default=None,
+        help="HF folder whose tokenizer the schema is compiled for (default: --model; a random "
+        "model has none, and any tokenizer will do to time the masks)",
+    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     contexts = [int(c) for c in args.context_lens.split(",")]
     config = EngineConfig.from_cli_args(args)
     engine = LLMEngine.build(config)
+    grammar = None
+    if args.json_schema:
+        compiler = GrammarCompiler(
+            args.grammar_tokenizer or config.model, engine.model_config.vocab_size
+        )
+        schema = Path(args.json_schema).read_text()
+        grammar = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, schema, True))
     bandwidth = read_bandwidth(config.device)
     results = []
     for context in contexts:
         for batch in batches:
-            results.append(bench_engine(engine, batch, context, args.decode_tokens, bandwidth))
+            result = bench_engine(engine, batch, context, args.decode_tokens, bandwidth, grammar)
+            results.append(result)
             print(_table(results[-1:], bandwidth).splitlines()[-1], flush=True)
             if args.peer == "hf":
                 results.append(bench_hf(engine, batch, context, args.decode_tokens))
@@ -285,6 +324,7 @@ def main() -> None:
         "device_name": torch.cuda.get_device_name() if config.device.startswith("cuda") else "cpu",
         "torch": torch.__version__,
         "hbm_read_bytes_per_s": bandwidth,
+        "json_schema": args.json_schema,
         "results": [asdict(r) for r in results],
     }
     with open(args.out, "w") as f:

@@ -6,8 +6,8 @@ A request's constraint, in order:
     --Grammar.matcher-->          one xgrammar GrammarMatcher per sequence (Sequence.grammar)
   then, each step the sequence samples in: its allowed tokens filled into a bitmask and applied
   to its row of the logits (`apply_grammars`, before sampling), and the sampled token accepted
-  (LLMEngine.step). The matcher terminates when it accepts a stop token; the sequence then
-  finishes (Sequence.append).
+  when the sequence appends it (Sequence.append, from Scheduler.update). The matcher terminates
+  when it accepts a stop token, and the sequence then finishes.
 
 xgrammar is imported only when a compiler is first used (the import takes seconds), so servers
 that never see a constrained request never pay for it.
@@ -53,7 +53,9 @@ class GrammarSpec:
 
 def choice_grammar(choices: Sequence[str]) -> str:
     """The EBNF grammar matching exactly one of `choices` (vLLM's choice_as_grammar)."""
-    if not choices or not all(isinstance(c, str) for c in choices):
+    if not (
+        isinstance(choices, list | tuple) and choices and all(isinstance(c, str) for c in choices)
+    ):
         raise ValueError("choice: must be a non-empty list of strings")
     escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -112,7 +114,9 @@ class GrammarCompiler:
         try:
             compiled = _compile(compiler, spec)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"{spec.kind.value}: does not compile: {_xgrammar_message(e)}") from None
+            raise ValueError(
+                f"{spec.kind.value}: does not compile: {_xgrammar_message(e)}"
+            ) from None
         grammar = Grammar(spec, compiled, self.vocab_size)
         with self._lock:
             self._cache[spec] = grammar
@@ -132,6 +136,30 @@ class GrammarCompiler:
         return self._compiler
 
 
+def check(spec: GrammarSpec) -> None:
+    """ValueError naming the problem when `spec` does not parse. Needs no tokenizer: the router
+    checks requests with it before any backend sees them."""
+    import xgrammar as xgr
+
+    parse = {GrammarKind.JSON_SCHEMA: xgr.Grammar.from_json_schema,
+             GrammarKind.REGEX: xgr.Grammar.from_regex,
+             GrammarKind.GRAMMAR: xgr.Grammar.from_ebnf}.get(spec.kind)  # fmt: skip
+    if parse is None:  # JSON_OBJECT: a fixed grammar
+        return
+    try:
+        parse(spec.text)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"{spec.kind.value}: does not compile: {_xgrammar_message(e)}") from None
+
+
+def allows(matcher: Any, token_id: int) -> bool:
+    """Whether `matcher` accepts `token_id` next; it is left as it was either way."""
+    if not matcher.accept_token(token_id):
+        return False
+    matcher.rollback(1)
+    return True
+
+
 def apply_grammars(logits: torch.Tensor, matchers: Sequence[Any]) -> None:
     """Sets to -inf, in place, every logit of a token the row's matcher does not allow next.
     `logits`: [B, vocab] (float32), on any device; `matchers`: B entries, None for a row without
@@ -149,9 +177,7 @@ def apply_grammars(logits: torch.Tensor, matchers: Sequence[Any]) -> None:
     if len(rows) == 1:
         matchers[rows[0]].fill_next_token_bitmask(bitmask, rows[0])
     else:  # on xgrammar's threads: some 15 us a row, which a large batch would pay serially
-        _batch_matcher().batch_fill_next_token_bitmask(
-            [matchers[i] for i in rows], bitmask, rows
-        )
+        _batch_matcher().batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, rows)
     indices: list[int] | torch.Tensor | None = None if len(rows) == len(matchers) else rows
     if cuda:  # from pinned memory: the copies do not wait for the device (nor it for them)
         bitmask = bitmask.to(logits.device, non_blocking=True)
@@ -193,11 +219,10 @@ def _xgrammar_message(error: Exception) -> str:
 def _load_tokenizer(folder: str) -> Any:
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     if folder.startswith("random:") or not any((Path(folder) / n).is_file() for n in names):
-        raise ValueError(f"structured output needs the model's tokenizer; {folder} has none")
+        raise ValueError(f"needs the model's tokenizer, and {folder} has none")
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
-        raise ValueError(f"structured output: cannot load the tokenizer of {folder}: {e}") from None
-
+        raise ValueError(f"cannot load the tokenizer of {folder}: {e}") from None

@@ -6,7 +6,8 @@
         for out in engine.step(): ...
 
 The decode server admits sequences whose prompt KV was written by a remote prefill with
-`add_prefilled`; everything else is the same path.
+`add_prefilled`; everything else is the same path. A request constrained to a grammar (structured
+output) passes one compiled by `engine.grammars` (engine/grammar.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from engine import attention
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.grammar import Grammar, GrammarCompiler
 from engine.kv_cache import BlockPool, KVCache
 from engine.model import EAGER_OPS, CausalLM
 from engine.model_runner import LaunchedStep, ModelRunner
@@ -61,8 +63,9 @@ class EngineConfig:
     """Launch each decode step before the host has read the tokens of the one before it, so
     that scheduling and output processing overlap the device's work. A sequence that stops on
     a token (EOS, a stop id) then costs one more row, thrown away, in the step already launched;
-    the rest of the batch goes on. None: on with CUDA graphs, where it overlaps; off elsewhere
-    (CPU runs each step before returning)."""
+    the rest of the batch goes on. Steps run one at a time while a sequence samples with
+    penalties or under a grammar (both need the last token). None: on with CUDA graphs, where
+    it overlaps; off elsewhere (CPU runs each step before returning)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -152,6 +155,8 @@ class LLMEngine:
     runner: ModelRunner
     max_model_len: int
     async_scheduling: bool
+    grammars: GrammarCompiler
+    """Compiles structured outputs' grammars for this model's tokenizer (built at first use)."""
     sequences: dict[str, Sequence] = field(default_factory=dict)
     _in_flight: LaunchedStep | None = None
     """A step planned ahead and launched, whose tokens the next `step` returns."""
@@ -199,6 +204,7 @@ class LLMEngine:
             runner=ModelRunner(model, kv_cache, Sampler(config.seed), config.max_num_seqs, graphs),
             max_model_len=max_model_len,
             async_scheduling=async_scheduling,
+            grammars=GrammarCompiler(config.model, model_config.vocab_size),
         )
 
     @property
@@ -211,9 +217,15 @@ class LLMEngine:
         return self._in_flight is not None
 
     def new_sequence(
-        self, seq_id: str, prompt_ids: Seq[int], sampling: SamplingParams, stop: StopConditions
+        self,
+        seq_id: str,
+        prompt_ids: Seq[int],
+        sampling: SamplingParams,
+        stop: StopConditions,
+        grammar: Grammar | None = None,
     ) -> Sequence:
-        """A sequence bound to this engine's model (EOS ids, context length, device)."""
+        """A sequence bound to this engine's model (EOS ids, context length, device), whose
+        output `grammar` constrains when given."""
         if seq_id in self.sequences:
             raise ValueError(f"request_id: {seq_id!r} is already live")
         vocab = self.model_config.vocab_size
@@ -226,12 +238,25 @@ class LLMEngine:
         if sampling.seed is not None:
             seq.generator = torch.Generator(device=self.kv_cache.storage.device)
             seq.generator.manual_seed(sampling.seed)
+        if grammar is not None:
+            if grammar.vocab_size != vocab:
+                raise ValueError(
+                    f"structured_output: compiled for {grammar.vocab_size} tokens, the model "
+                    f"has {vocab}"
+                )
+            # Its stop tokens as vLLM's: EOS (ignore_eos or not) and the request's stop ids.
+            seq.grammar = grammar.matcher((*self.model_config.eos_token_ids, *stop.stop_token_ids))
         return seq
 
     def add_request(
-        self, seq_id: str, prompt_ids: Seq[int], sampling: SamplingParams, stop: StopConditions
+        self,
+        seq_id: str,
+        prompt_ids: Seq[int],
+        sampling: SamplingParams,
+        stop: StopConditions,
+        grammar: Grammar | None = None,
     ) -> Sequence:
-        seq = self.new_sequence(seq_id, prompt_ids, sampling, stop)
+        seq = self.new_sequence(seq_id, prompt_ids, sampling, stop, grammar)
         self.scheduler.add(seq)
         self.sequences[seq_id] = seq
         return seq

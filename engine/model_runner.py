@@ -1,7 +1,9 @@
 """Runs one StepPlan: packs the scheduled tokens, runs the model, samples the next tokens.
 
 Decode-only steps on CUDA replay a captured graph (engine/cuda_graphs.py); everything else
-(prefill chunks, mixed batches, CPU) runs the model eagerly.
+(prefill chunks, mixed batches, CPU) runs the model eagerly. Rows of constrained sequences
+(structured output) have their grammar's mask applied to the logits, after the graph, before
+sampling.
 
 `launch` returns as soon as the work is queued on the device: the sampled tokens (and the
 log-probabilities of the sequences that ask for them) come back to the host through pinned memory
@@ -16,6 +18,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
+from engine.grammar import apply_grammars
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sampling import LogprobTensors, Sampler, TokenLogprobs, compute_logprobs
@@ -116,11 +119,19 @@ class ModelRunner:
             hidden = hidden[torch.tensor(last_rows, device=self.device)]
             logits = self.model.compute_logits(hidden)
         rows = [item.seq.sampling_row() for item in sampling]
+        if any(item.seq.grammar is not None for item in sampling):  # on the host: no sync
+            # A mask follows from the token before it: no step planned ahead has one.
+            assert feed is None, "a constrained sequence in a step planned ahead"
+            # In place, before sampling and before the logprobs (vLLM's raw logprobs are taken
+            # after its grammar mask too); the graph's argmax saw the logits unmasked.
+            apply_grammars(logits, [item.seq.grammar for item in sampling])
+            greedy = None
         if greedy is not None and all(r.params.greedy and not r.params.penalized for r in rows):
             tokens = greedy  # the graph's own argmax: no sampler to launch
         else:
             tokens = self.sampler(logits, rows)
-        # From the logits before the sampler's penalties (which leave its input as it is).
+        # From the logits before the sampler's penalties (which leave its input as it is), after
+        # any grammar mask.
         logprobs = compute_logprobs(logits, tokens, rows)
         host = None
         if self._host_tokens:

@@ -39,7 +39,8 @@ class SamplingParams:
     logprobs: int | None = None
     """Report each sampled token's log-probability and this many (0-20) most likely tokens'
     (vLLM's `logprobs`, its default raw_logprobs mode: from the raw logits, before penalties,
-    temperature and filtering). None: nothing is computed."""
+    temperature and filtering; after a structured output's grammar mask, as in vLLM, so tokens
+    the grammar refuses have -inf). None: nothing is computed."""
 
     def __post_init__(self) -> None:
         for name, allowed in SAMPLING_RANGES.items():

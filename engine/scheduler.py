@@ -161,14 +161,15 @@ class Scheduler:
         since it was planned (their tokens there are thrown away) and those that stop on their
         length limits with that token (they finish when `plan` is updated). None when that step
         cannot be planned without the tokens: something waits to be admitted, one samples with
-        penalties (they count the tokens generated so far, that one included), none goes on,
-        or a block is needed and none is free (a normal `schedule` preempts)."""
+        penalties (they count the tokens generated so far, that one included) or under a
+        grammar (its mask follows from that token), none goes on, or a block is needed and
+        none is free (a normal `schedule` preempts)."""
         live = [item.seq for item in plan.scheduled if not item.seq.finished]
         if (
             self.waiting
             or not all(item.samples and item.num_new_tokens == 1 for item in plan.scheduled)
             or live != self.running
-            or any(seq.sampling.penalized for seq in live)
+            or any(seq.sampling.penalized or seq.grammar is not None for seq in live)
         ):
             return None
         # After the pending token: generated = num_output_tokens + 1, and likewise length.

@@ -7,17 +7,25 @@ Life cycle (SequenceStatus):
 
 A sequence admitted with its prompt KV already in its blocks (the decode server's path) starts
 RUNNING with every prompt token computed and the prefill engine's token as its first output.
+
+A constrained sequence (structured output, engine/grammar.py) carries its grammar's matcher,
+which accepts every token the sequence appends: it stops when the grammar has accepted a stop
+token, since nothing may follow one.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.sampling import SamplingParams, SamplingRow
+
+_log = logging.getLogger(__name__)
 
 
 class SequenceStatus(enum.Enum):
@@ -88,6 +96,9 @@ class Sequence:
         """Tokens whose KV is in the cache; the next forward starts at this position."""
         self.generator: torch.Generator | None = None
         """Seeded requests' own random stream, on the engine's device (set by the engine)."""
+        self.grammar: Any = None
+        """A constrained sequence's xgrammar.GrammarMatcher (set by the engine): it has accepted
+        every output token, and masks the logits of the next one (engine/grammar.py)."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -122,6 +133,13 @@ class Sequence:
     def append(self, token_id: int) -> FinishReason | None:
         """Adds a generated token; returns why the sequence stops now, if it does."""
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            if not self.grammar.accept_token(token_id):
+                # The mask allowed only what the grammar accepts: a bug, or non-finite logits.
+                _log.error("%s: its grammar refused token %d; aborting it", self.seq_id, token_id)
+                return FinishReason.ABORT
+            if self.grammar.is_terminated():  # a stop token: nothing may follow, min_tokens or not
+                return FinishReason.STOP
         generated = self.num_output_tokens
         if generated >= self.stop.min_tokens and token_id in self._stop_ids:
             return FinishReason.STOP

@@ -3,7 +3,8 @@ router cannot tell it from vLLM with tandem's connector:
 
   POST /v1/completions   token-id (or text) prompt; with `kv_transfer_params` carrying a tandem
                          ticket and max_tokens=1, the prompt's KV goes to the decode server and
-                         the reply's `kv_transfer_params` holds the first token and transfer stats
+                         the reply's `kv_transfer_params` holds the first token and transfer stats;
+                         vLLM's `structured_outputs` constrains the sampled tokens
   POST /tokenize         {"prompt": str} or {"messages": [...]} -> {"tokens": [...], "count"}
   GET  /health, GET /v1/models
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import socket
 import sys
 import time
@@ -25,6 +27,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from engine.grammar import Grammar, GrammarKind, GrammarSpec, choice_grammar
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from engine.sampling import SAMPLING_FIELDS, SamplingParams, TokenLogprobs
 from engine.sequence import StopConditions
@@ -37,8 +40,11 @@ from transport.config import KvTransportConfig
 # Completion fields accepted and ignored because they change nothing here.
 _IGNORED = {"model", "stream", "n", "echo", "return_token_ids", "user"}
 _ACCEPTED = _IGNORED | set(SAMPLING_FIELDS) | {
-    "prompt", "max_tokens", "kv_transfer_params", "return_tokens_as_token_ids"
+    "prompt", "max_tokens", "kv_transfer_params", "return_tokens_as_token_ids",
+    "structured_outputs",
 }  # fmt: skip
+# vLLM's StructuredOutputsParams constraint kinds this server supports; exactly one is given.
+_KINDS = ("json", "json_object", "regex", "grammar", "choice")
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,10 @@ class PrefillServer:
         async def completions(request: Request):
             body = await _json(request)
             job = self._job(body)
+            if body.get("structured_outputs") is not None:
+                # Off the event loop: compiling takes milliseconds (the first one seconds, as it
+                # loads xgrammar and the tokenizer).
+                job.grammar = await asyncio.to_thread(self._grammar, body["structured_outputs"])
             result = await asyncio.wrap_future(self.worker.submit(job))
             text = self.tokenizer.decode(result.token_ids) if self.tokenizer else ""
             completion = len(result.token_ids)
@@ -195,6 +205,13 @@ class PrefillServer:
             raise PrefillError(400, str(e)) from None
         return Job(list(prompt), sampling, stop, transfer)
 
+    def _grammar(self, structured_outputs: object) -> Grammar | None:
+        try:
+            spec = grammar_spec(structured_outputs)
+            return None if spec is None else self.engine.grammars.compile(spec)
+        except ValueError as e:
+            raise PrefillError(400, f"structured_outputs: {e}") from None
+
     def _token_text(self, as_token_ids: bool | None) -> Callable[[int], str]:
         """How a token is named in `logprobs`: vLLM's "token_id:<id>", or its text.
         NOTE: a random model has no tokenizer, so its tokens are always named by id."""
@@ -229,6 +246,40 @@ def completion_logprobs(
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}  # fmt: skip
+
+
+def grammar_spec(value: object) -> GrammarSpec | None:
+    """vLLM's `structured_outputs` field (StructuredOutputsParams) as the engine's spec; None
+    when absent (null). `choice` becomes an EBNF grammar, as vLLM's choice_as_grammar makes it.
+    ValueError naming the key at fault."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("must be an object")
+    unknown = set(value) - {*_KINDS, "disable_any_whitespace"}
+    if unknown:
+        raise ValueError(f"unsupported key(s): {', '.join(sorted(unknown))}")
+    kinds = [k for k in _KINDS if value.get(k) is not None]
+    if len(kinds) != 1:
+        raise ValueError(f"give exactly one of {', '.join(_KINDS)} (got {len(kinds)})")
+    compact = value.get("disable_any_whitespace") or False
+    if not isinstance(compact, bool):
+        raise ValueError(f"disable_any_whitespace: {compact!r} is not a boolean")
+    kind, given = kinds[0], value[kinds[0]]
+    if kind == "json":
+        if not isinstance(given, str | dict):
+            raise ValueError("json: must be a JSON Schema, as an object or as its text")
+        text = given if isinstance(given, str) else json.dumps(given)
+        return GrammarSpec(GrammarKind.JSON_SCHEMA, text, compact)
+    if kind == "json_object":
+        if given is not True:
+            raise ValueError(f"json_object: {given!r}; must be true when given")
+        return GrammarSpec(GrammarKind.JSON_OBJECT, "", compact)
+    if kind == "choice":
+        return GrammarSpec(GrammarKind.GRAMMAR, choice_grammar(given))
+    if not isinstance(given, str):
+        raise ValueError(f"{kind}: must be a string")
+    return GrammarSpec(GrammarKind(kind), given)
 
 
 async def _json(request: Request) -> dict:

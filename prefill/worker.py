@@ -19,6 +19,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from engine.engine_thread import EngineThread
+from engine.grammar import Grammar
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.scheduler import StepPlan
@@ -43,6 +44,8 @@ class Job:
     sampling: SamplingParams
     stop: StopConditions
     transfer: KvTransfer | None
+    grammar: Grammar | None = None
+    """Structured output: the sampled tokens are constrained to it."""
     future: Future = field(default_factory=Future)
     send: LayerwiseSend | None = None
     request_id: str = ""
@@ -119,7 +122,7 @@ class PrefillWorker(EngineThread):
                 return
         try:
             job.seq = self.engine.add_request(
-                job.request_id, job.prompt_ids, job.sampling, job.stop
+                job.request_id, job.prompt_ids, job.sampling, job.stop, job.grammar
             )
         except ValueError as e:
             job.fail(PrefillError(400, str(e)))

@@ -29,6 +29,9 @@ class Tokens:
 
     ids: list[int]
     logprobs: list[decode_pb2.TokenLogprobs] = field(default_factory=list)
+    ends_on_stop_token: bool = False
+    """The last id is the stop token (end of sequence, a stop_token_ids entry) that finished
+    the generation: its text is not part of the output (vLLM's rule)."""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from router.limiter import InFlightLimiter, QueueFull
 from router.logprobs import LogprobsFormat
 from router.metrics import RequestTimer, RouterMetrics
 from router.orchestrator import Orchestrator
+from router.output_parsing import OutputParsing
 from router.prompts import PromptTokenizer
 from router.requests import ApiRequest, Endpoint, ServedModel, generation_request, parse
 from router.streaming import Delta, collect, completion_body, sse, text_events
@@ -48,9 +49,13 @@ def create_app(
     model: ServedModel,
     api_key: str | None = None,
     max_queue: int = 0,
+    parsing: OutputParsing | None = None,
 ) -> FastAPI:
-    """`max_queue` > 0: requests beyond that many in flight get 429 with Retry-After."""
-    api = OpenAIApi(orchestrator, prompts, model, api_key, InFlightLimiter(max_queue))
+    """`max_queue` > 0: requests beyond that many in flight get 429 with Retry-After.
+    `parsing`: the configured tool-call and reasoning parsers (none: chat text is content)."""
+    parsing = parsing or OutputParsing(prompts.local.tokenizer)
+    model = dataclasses.replace(model, auto_tools=parsing.auto_tools)
+    api = OpenAIApi(orchestrator, prompts, model, api_key, InFlightLimiter(max_queue), parsing)
     app = FastAPI(title="tandem router")
     app.middleware("http")(api.gate)
     app.add_exception_handler(RequestError, _refused)
@@ -74,12 +79,14 @@ class OpenAIApi:
         model: ServedModel,
         api_key: str | None,
         limiter: InFlightLimiter,
+        parsing: OutputParsing,
     ) -> None:
         self.orchestrator = orchestrator
         self.prompts = prompts
         self.model = model
         self.api_key = api_key
         self.limiter = limiter
+        self.parsing = parsing
         self.metrics = RouterMetrics(orchestrator, limiter)
 
     async def gate(self, request: Request, call_next) -> Response:
@@ -140,7 +147,10 @@ class OpenAIApi:
         prompt_ids = await self._prompt_ids(api_request)
         generation = generation_request(api_request, prompt_ids, model.max_model_len)
         request_id = request.state.request_id
-        events = self._events(generation, api_request, request_id)
+        response = self._response(api_request, prompt_ids, f"{endpoint.id_prefix}-{request_id}")
+        skip_special = response.parser.skip_special_tokens if response.parser else (
+            api_request.skip_special_tokens)  # fmt: skip
+        events = self._events(generation, api_request, request_id, skip_special)
         try:  # admission, and failures before the first token, get an HTTP status
             first = await _unless_client_leaves(request, anext(events))
         except QueueFull as e:
@@ -150,7 +160,6 @@ class OpenAIApi:
         except ClientGone:
             return Response(status_code=CLIENT_GONE)
         events = _chain(first, events)
-        response = self._response(api_request, f"{endpoint.id_prefix}-{request_id}")
         if api_request.stream:
             return StreamingResponse(sse(events, response), media_type="text/event-stream")
         try:
@@ -161,14 +170,20 @@ class OpenAIApi:
             return Response(status_code=CLIENT_GONE)
         return JSONResponse(completion_body(response, whole, finish))
 
-    def _response(self, request: ApiRequest, response_id: str) -> StreamResponse:
-        logprobs = None
+    def _response(
+        self, request: ApiRequest, prompt_ids: list[int], response_id: str
+    ) -> StreamResponse:
+        logprobs = parser = None
         if request.sampling.HasField("logprobs"):
             logprobs = LogprobsFormat(self.prompts.local.tokenizer,
                                       chat=request.endpoint is Endpoint.CHAT,
                                       tokens_as_ids=request.tokens_as_ids)  # fmt: skip
+        if request.tools is not None:  # a chat
+            kwargs = (request.template or {}).get("chat_template_kwargs")
+            parser = self.parsing.start(request.tools, prompt_ids, request.skip_special_tokens,
+                                        kwargs)  # fmt: skip
         return StreamResponse(request.endpoint, response_id, self.model.name, int(time.time()),
-                              request.include_usage, logprobs)  # fmt: skip
+                              request.include_usage, logprobs, parser)  # fmt: skip
 
     async def _prompt_ids(self, request: ApiRequest) -> list[int]:
         try:
@@ -181,7 +196,11 @@ class OpenAIApi:
         return request.token_ids
 
     async def _events(
-        self, generation: GenerationRequest, request: ApiRequest, request_id: str
+        self,
+        generation: GenerationRequest,
+        request: ApiRequest,
+        request_id: str,
+        skip_special_tokens: bool,
     ) -> AsyncIterator[Delta | Finished]:
         """The request's text events, holding a slot of the limiter throughout: QueueFull at
         the first step when there is none."""
@@ -190,7 +209,7 @@ class OpenAIApi:
             timer = RequestTimer(self.metrics)
             tokens = timer.timed(self.orchestrator.generate(generation, request_id))
             detok = IncrementalDetokenizer(self.prompts.local.tokenizer, prompt_ids,
-                                           request.skip_special_tokens)  # fmt: skip
+                                           skip_special_tokens)  # fmt: skip
             events = text_events(tokens, detok, len(prompt_ids), request.stops,
                                  request.include_stop_str_in_output)  # fmt: skip
             async with contextlib.aclosing(events):

@@ -112,7 +112,8 @@ class Orchestrator:
             async with contextlib.aclosing(stream):
                 async for message in stream:
                     if message.token_ids:
-                        yield Tokens(list(message.token_ids), list(message.logprobs))
+                        on_stop = message.finish_reason == decode_pb2.FINISH_REASON_STOP
+                        yield Tokens(list(message.token_ids), list(message.logprobs), on_stop)
                     if message.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED:
                         usage = message.usage
                         reason = _FINISH[message.finish_reason]

@@ -22,6 +22,7 @@ from router import structured
 from router.errors import RequestError
 from router.generation import GenerationRequest
 from router.messages import chat_messages
+from router.tool_calls import ToolUse, check_tools, template_tools, tool_choice_schema
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_STOPS = 4
@@ -29,12 +30,13 @@ MAX_STOPS = 4
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
             "presence_penalty", "frequency_penalty")  # fmt: skip
 """Numbers passed to tandem.v1.SamplingParams under the same name."""
-IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 """OpenAI's fields that identify or label a request, or hint at an absent feature: accepted,
 without effect (as vLLM does)."""
 _INT64 = 2**63
 _TEMPLATE = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs",
              "reasoning_effort")  # fmt: skip
+_TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _COMMON = {"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
            "ignore_eos", "min_tokens", "logprobs", "skip_special_tokens",
@@ -45,8 +47,6 @@ _NOT_YET = {
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "logit_bias": lambda v: v == {},
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v == "none",
     "prompt_logprobs": lambda v: False,
 }
 """Known parameters tandem does not serve yet, and the values that ask for nothing."""
@@ -69,7 +69,7 @@ class Endpoint(enum.Enum):
     @property
     def parameters(self) -> frozenset[str]:
         if self is Endpoint.CHAT:
-            extra = {"messages", "max_completion_tokens", "top_logprobs", *_TEMPLATE}
+            extra = {"messages", "max_completion_tokens", "top_logprobs", *_TEMPLATE, *_TOOLS}
         else:
             extra = {"prompt", "return_tokens_as_token_ids"}
         return frozenset(_COMMON | extra | set(_NOT_YET))
@@ -83,6 +83,8 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     """Token ids are below this (the model's embedding rows)."""
+    auto_tools: bool = False
+    """tool_choice "auto" is served (a --tool-call-parser is configured)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,9 @@ class ApiRequest:
     """Chat: the template's arguments in vLLM's names (add_generation_prompt,
     continue_final_message, tools, chat_template_kwargs)."""
     structured: decode_pb2.StructuredOutput | None = None
-    """The grammar the output must follow (router/structured.py), if any."""
+    """The grammar the output must follow (router/structured.py, or a forced tool call's)."""
+    tools: ToolUse | None = None
+    """Chat: the request's tools and tool_choice, checked (router/tool_calls.py)."""
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -125,10 +129,12 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
     for name, asks_nothing in _NOT_YET.items():
         if name in body and not asks_nothing(body[name]):
             raise RequestError(400, f"{name}: {body[name]!r} is not supported yet", name)
-    text = token_ids = messages = template = None
+    text = token_ids = messages = template = tools = None
+    constraint = structured.structured_output(body)
     if endpoint is Endpoint.CHAT:
         messages = chat_messages(body.get("messages"))
         template = _template(body)
+        tools, constraint = _tools(body, model, template, constraint)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
         text, token_ids = _prompt(body.get("prompt"), model.vocab_size)
@@ -151,7 +157,8 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         template=template,
         max_tokens=max_tokens,
         sampling=_sampling(endpoint, body),
-        structured=structured.structured_output(body),
+        structured=constraint,
+        tools=tools,
         min_tokens=_integer(body, "min_tokens", 0, 2**32, 0),
         stop_token_ids=tuple(stop_ids),
         ignore_eos=flag(body, "ignore_eos", False),
@@ -277,6 +284,21 @@ def _logprobs(endpoint: Endpoint, body: dict) -> int | None:
     if top is not None and not asked:
         raise RequestError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
     return (top or 0) if asked else None
+
+
+def _tools(body: dict, model: ServedModel, template: dict, constraint):
+    """The tools (rendered by the template, as vLLM does, whatever tool_choice says) and the
+    constraint: a forced call's schema, or the client's own."""
+    tools = check_tools(*(body.get(name) for name in _TOOLS), model.auto_tools)
+    if tools.tools:
+        template["tools"] = template_tools(tools.tools)
+    if not tools.constrained:
+        return tools, constraint
+    if constraint is not None:
+        raise RequestError(400, "tool_choice: a forced tool call cannot be combined with "
+                           "response_format or structured_outputs", "tool_choice")  # fmt: skip
+    schema = tool_choice_schema(tools.tools, tools.tool_choice, tools.parallel_tool_calls)
+    return tools, structured.json_schema(schema, "tools")
 
 
 def _template(body: dict) -> dict:

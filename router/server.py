@@ -22,6 +22,7 @@ import uvicorn
 from router.clients import GrpcDecodeClient, HttpPrefillClient
 from router.openai_api import create_app
 from router.orchestrator import Orchestrator
+from router.output_parsing import OutputParsing
 from router.prompts import PromptTokenizer
 from router.requests import ServedModel
 from router.tokenization import SegmentTokenizer
@@ -64,6 +65,14 @@ def main() -> None:
     parser.add_argument("--served-model-name", default="")
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     parser.add_argument("--max-queue", type=int, default=512, help="429 beyond this many")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="vLLM's parser of tool calls in the output (hermes, llama3_json, "
+                        "pythonic, ...); needed for tool_choice auto")  # fmt: skip
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="vLLM's parser of reasoning in the output (qwen3, deepseek_r1, ...)",
+    )
     args = parser.parse_args()
     logging.basicConfig(format="router.server: %(message)s", level=logging.INFO)
     try:
@@ -89,14 +98,18 @@ def main() -> None:
         config.prefill, config.decode, HttpPrefillClient(), GrpcDecodeClient()
     )
     prompts = PromptTokenizer(tokenizer, orchestrator)
-    app = create_app(orchestrator, prompts, served, config.api_key, config.max_queue)
+    try:
+        parsing = OutputParsing(tokenizer.tokenizer, args.tool_call_parser, args.reasoning_parser)
+    except ValueError as e:
+        sys.exit(f"router.server: cannot start: {e}")
+    app = create_app(orchestrator, prompts, served, config.api_key, config.max_queue, parsing)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await orchestrator.probe(every_decode=True)  # their context lengths
         await prompts.check_parity()
         # The first structured-output request would otherwise wait seconds for this import.
-        warm = asyncio.create_task(asyncio.to_thread(importlib.import_module, "xgrammar"))
+        warm = asyncio.create_task(asyncio.to_thread(importlib.import_module, "engine.grammar"))
         probe = asyncio.create_task(orchestrator.probe_forever())
         yield
         probe.cancel()

@@ -5,9 +5,9 @@ into one tandem.v1.StructuredOutput.
   structured_outputs {json | json_object | regex | choice | grammar, disable_any_whitespace}
   guided_json | guided_regex | guided_choice | guided_grammar      (vLLM's older names)
 
-A choice list becomes an EBNF grammar, as vLLM builds it. Every grammar is compiled once here
-(without a tokenizer: xgrammar's parse of the schema, regex or EBNF), so a bad one is a 400 before
-any backend is touched; the decode server and the prefill compile it against the vocabulary.
+A choice list becomes an EBNF grammar, as vLLM builds it. Every grammar is parsed once here
+(engine/grammar.py `check`: xgrammar without a tokenizer), so a bad one is a 400 before any
+backend is touched; the decode server and the prefill compile it against the vocabulary.
 The prefill gets it in vLLM's own `structured_outputs` field (`prefill_fields`), which tandem's
 prefill server and vLLM both honour, so the first token obeys it too.
 """
@@ -15,7 +15,6 @@ prefill server and vLLM both honour, so the first token obeys it too.
 from __future__ import annotations
 
 import json
-import re
 
 from proto.tandem.v1 import decode_pb2
 from router.errors import RequestError
@@ -23,8 +22,6 @@ from router.errors import RequestError
 FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
           "guided_choice", "guided_grammar")  # fmt: skip
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
-_SOURCE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-"""The time and C++ source location xgrammar's messages start with."""
 
 
 def structured_output(body: dict) -> decode_pb2.StructuredOutput | None:
@@ -42,6 +39,11 @@ def structured_output(body: dict) -> decode_pb2.StructuredOutput | None:
     return None if spec is None else _checked(spec)
 
 
+def json_schema(schema: dict, param: str) -> decode_pb2.StructuredOutput:
+    """A constraint to `schema` (a forced tool call's), checked as a client's would be."""
+    return _checked({"json": schema, "param": param})
+
+
 def prefill_fields(structured: decode_pb2.StructuredOutput) -> dict:
     """The same constraint in vLLM's completions field."""
     kind = structured.WhichOneof("kind")
@@ -50,11 +52,6 @@ def prefill_fields(structured: decode_pb2.StructuredOutput) -> dict:
     if structured.compact_whitespace:
         spec["disable_any_whitespace"] = True
     return {"structured_outputs": spec}
-
-
-def choice_grammar(choices: list[str]) -> str:
-    """An EBNF grammar whose language is exactly `choices`."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def _from_response_format(value) -> dict | None:
@@ -99,9 +96,12 @@ def _checked(spec: dict) -> decode_pb2.StructuredOutput:
         out.json_object = True
         return out
     if kind == "choice":
-        if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
-            raise RequestError(400, f"{param}: choice must be a non-empty list of strings", param)
-        kind, value = "grammar", choice_grammar(value)
+        from engine import grammar  # NOTE: here, not at the top: it imports torch (seconds)
+
+        try:
+            kind, value = "grammar", grammar.choice_grammar(value)
+        except ValueError as e:
+            raise RequestError(400, f"{param}: {e}", param) from None
     if kind == "json":
         if isinstance(value, str):
             try:
@@ -117,14 +117,9 @@ def _checked(spec: dict) -> decode_pb2.StructuredOutput:
 
 
 def _compile(kind: str, text: str, param: str) -> None:
-    import xgrammar  # NOTE: here, not at the top: it imports torch (seconds)
+    from engine import grammar  # NOTE: here, not at the top: it imports torch (seconds)
 
-    grammar = xgrammar.Grammar
-    build = {"json_schema": grammar.from_json_schema, "regex": grammar.from_regex,
-             "grammar": grammar.from_ebnf}  # fmt: skip
     try:
-        build[kind](text)
-    except RuntimeError as e:  # "[12:00:40] /project/cpp/x.cc:83: Regex parsing error at ..."
-        message = _SOURCE.sub("", str(e).strip().split("\n")[-1])
-        raise RequestError(400, f"{param}: invalid {kind.replace('_', ' ')}: {message}",
-                           param) from None  # fmt: skip
+        grammar.check(grammar.GrammarSpec(grammar.GrammarKind(kind), text))
+    except ValueError as e:
+        raise RequestError(400, f"{param}: {e}", param) from None

@@ -154,6 +154,123 @@ def test_chat_logprobs_streamed_or_not(client):
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
 
 
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def _text(client, stream: bool, **kwargs) -> tuple[str, str]:
+    """(text, finish reason) of a chat, streamed or not."""
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        return choice.message.content, choice.finish_reason
+    chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    return text, chunks[-1].choices[0].finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_output_parses_and_validates(client, stream):
+    text, finish = _text(
+        client, stream, model=MODEL, max_tokens=64, temperature=0,
+        messages=[{"role": "user", "content": "Invent a person. Reply in JSON: name, age."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person",
+                                                                "schema": PERSON}},
+    )  # fmt: skip
+    person = json.loads(text)
+    assert set(person) == {"name", "age"} and finish == "stop"
+    assert isinstance(person["name"], str) and len(person["name"]) <= 16
+    assert type(person["age"]) is int
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_constrains_the_whole_output(client, stream):
+    text, finish = _text(
+        client, stream, model=MODEL, max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": "Is the sky green?"}],
+        extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe so"]}},
+    )  # fmt: skip
+    assert text in ("yes", "no", "maybe so") and finish == "stop"
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_call_has_valid_arguments(client, stream):
+    kwargs = {"model": MODEL, "messages": ASK, "max_tokens": 32, "temperature": 0,
+              "tools": [WEATHER],
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+    if stream:
+        calls = [c for chunk in client.chat.completions.create(**kwargs, stream=True)
+                 if chunk.choices for c in chunk.choices[0].delta.tool_calls or ()]  # fmt: skip
+        name = calls[0].function.name
+        arguments = "".join(c.function.arguments or "" for c in calls)
+    else:
+        (call,) = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+        name, arguments = call.function.name, call.function.arguments
+    assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str)
+
+
+HERMES_CALL = (
+    r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,9}"\}\}'
+    r"\n</tool_call>"
+)
+THINKING = r"<think>[a-z ]{1,20}</think>[A-Z][a-z ]{1,20}\."
+
+
+@pytest.fixture(scope="module")
+def parsing_client(backends):
+    """A router with vLLM's hermes tool-call parser and qwen3 reasoning parser."""
+    proc, url = start_router(*backends, "--tool-call-parser", "hermes",
+                             "--reasoning-parser", "qwen3")  # fmt: skip
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_auto_parses_a_hermes_completion(parsing_client, stream):
+    """The output is forced into hermes's format by a regex; the parser finds the call."""
+    extra = {"structured_outputs": {"regex": HERMES_CALL},
+             "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    kwargs = {"model": MODEL, "messages": ASK, "max_tokens": 96, "temperature": 0,
+              "tools": [WEATHER], "extra_body": extra}  # fmt: skip
+    if stream:
+        chunks = [c for c in parsing_client.chat.completions.create(**kwargs, stream=True)
+                  if c.choices]  # fmt: skip
+        calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or ()]
+        name, finish = calls[0].function.name, chunks[-1].choices[0].finish_reason
+        arguments = "".join(c.function.arguments or "" for c in calls)
+    else:
+        choice = parsing_client.chat.completions.create(**kwargs).choices[0]
+        (call,) = choice.message.tool_calls
+        name, arguments, finish = call.function.name, call.function.arguments, choice.finish_reason
+    assert name == "get_weather" and finish == "tool_calls"
+    assert set(json.loads(arguments)) == {"city"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_is_split_from_the_content(parsing_client, stream):
+    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 48, "temperature": 0,
+              "extra_body": {"structured_outputs": {"regex": THINKING}}}  # fmt: skip
+    if stream:
+        chunks = parsing_client.chat.completions.create(**kwargs, stream=True)
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        reasoning = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+    else:
+        message = parsing_client.chat.completions.create(**kwargs).choices[0].message
+        reasoning, content = message.reasoning, message.content
+    assert reasoning and "<think>" not in reasoning and "</think>" not in reasoning
+    assert content and content.endswith(".") and "think>" not in content
+
+
 BAD_INPUT = [
     (b"{not json", 400, None),
     (b"[" * 50000, 400, None),

@@ -179,6 +179,26 @@ def test_logprobs_without_the_first_tokens_are_refused(stack):
     )
 
 
+def test_structured_output_without_a_kind_or_a_tokenizer_is_refused(stack):
+    """The tiny random model has no tokenizer, which xgrammar needs (the positive paths are in
+    structured_output_test.py, with a real tokenizer)."""
+    refusals = [
+        (decode_pb2.StructuredOutput(compact_whitespace=True),
+         "structured_output: names no kind (json_schema, json_object, regex or grammar)"),
+        (decode_pb2.StructuredOutput(json_object=False),
+         "structured_output: json_object: must be true when set"),
+        (decode_pb2.StructuredOutput(regex="[0-9]+"),
+         "structured_output: needs the model's tokenizer, and random:tiny has none"),
+    ]  # fmt: skip
+    for i, (constraint, message) in enumerate(refusals):
+        ticket, first = stack.ready(f"so{i}", PROMPTS[0])
+        call = lambda t=ticket, f=first, c=constraint: list(  # noqa: E731
+            stack.generate(t, f, structured_output=c)
+        )
+        assert _code(call) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+        assert _code(call) == (grpc.StatusCode.ABORTED, f"bad request: {message}")
+
+
 def _busy(stack: Stack, request_id: str):
     """A request decoding (for up to 300 tokens), its first message read."""
     ticket, first = stack.ready(request_id, PROMPTS[1])

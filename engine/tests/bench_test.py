@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from engine import bench
+from engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
 from engine.llm_engine import EngineConfig, LLMEngine
 
 
@@ -43,3 +44,15 @@ def test_roofline_counts_the_bytes_of_the_model_and_of_a_step(preset):
     # A step gathers one embedding row per sequence; a tied lm_head reads the whole table.
     read = params - (0 if c.tie_word_embeddings else table) + 3 * c.hidden_size
     assert bench.weight_bytes_per_step(engine, batch=3) == 4 * read
+
+
+def test_a_json_schema_constrains_every_sequence_through_the_timed_steps():
+    """--json-schema's path; SmolLM2's tokenizer cut to the tiny model's 256 tokens (its specials
+    and single characters) will do, as any tokenizer does to time the masks."""
+    engine = LLMEngine.build(EngineConfig(model="random:tiny", dtype="float32", kv_cache_gb=0.01))
+    compiler = GrammarCompiler("tools/smollm2-135m-instruct", engine.model_config.vocab_size)
+    text = {"type": "string", "minLength": 64}  # longer than the run: no sequence completes
+    schema = {"type": "object", "properties": {"text": text}, "required": ["text"]}
+    grammar = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema), True))
+    result = bench.bench_engine(engine, 3, 20, 4, float("nan"), grammar)
+    assert result.decode_tok_s > 0

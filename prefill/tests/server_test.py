@@ -1,19 +1,27 @@
 """tandem's prefill server in this process (its FastAPI app, a random tiny model on the CPU):
-what it answers when its engine fails, that a request given up on does not fail it, and its
-completions' logprobs in vLLM's shape."""
+what it answers when its engine fails, that a request given up on does not fail it, its
+completions' logprobs in vLLM's shape, and vLLM's `structured_outputs` (with SmolLM2's tokenizer
+cut to the tiny model's 256 tokens, its specials and single characters, where a grammar is
+compiled)."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
 
+from engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
 from engine.llm_engine import EngineConfig
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.sequence import StopConditions
-from prefill.server import PrefillServer, PrefillServerConfig, completion_logprobs
+from prefill.server import PrefillServer, PrefillServerConfig, completion_logprobs, grammar_spec
 from prefill.worker import Job
+
+TOKENIZER = Path("tools/smollm2-135m-instruct")  # Bazel data: //tools:smollm2
 
 
 @pytest.fixture()
@@ -135,3 +143,75 @@ def test_completion_logprobs_put_the_token_first_then_the_most_likely():
         "top_logprobs": [{"ab": -3.0, "<7>": -0.5, "<8>": -1.0}, {"<6>": -9999.0, "<9>": -0.1}],
         "text_offset": [0, 2],
     }
+
+
+@pytest.mark.parametrize(
+    ("given", "spec"),
+    [
+        (None, None),
+        ({"json": {"type": "object"}}, GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "object"}')),
+        ({"json": '{"type":"integer"}', "disable_any_whitespace": True},
+         GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type":"integer"}', compact_whitespace=True)),
+        ({"json_object": True, "regex": None}, GrammarSpec(GrammarKind.JSON_OBJECT)),
+        ({"regex": "[0-9]+"}, GrammarSpec(GrammarKind.REGEX, "[0-9]+")),
+        ({"grammar": 'root ::= "a"'}, GrammarSpec(GrammarKind.GRAMMAR, 'root ::= "a"')),
+        ({"choice": ["yes", 'n"o']}, GrammarSpec(GrammarKind.GRAMMAR, r'root ::= "yes" | "n\"o"')),
+    ],
+)  # fmt: skip
+def test_structured_outputs_shapes_vllm_accepts(given, spec):
+    assert grammar_spec(given) == spec
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("json", "must be an object"),
+        ({}, "give exactly one of json, json_object, regex, grammar, choice (got 0)"),
+        ({"json": {}, "regex": "a"}, "give exactly one of json, json_object, regex, grammar, "
+         "choice (got 2)"),
+        ({"structural_tag": "{}", "whitespace_pattern": " "},
+         "unsupported key(s): structural_tag, whitespace_pattern"),
+        ({"json": 5}, "json: must be a JSON Schema, as an object or as its text"),
+        ({"json_object": False}, "json_object: False; must be true when given"),
+        ({"regex": 5}, "regex: must be a string"),
+        ({"regex": ""}, "regex: the text must not be empty"),
+        ({"choice": []}, "choice: must be a non-empty list of strings"),
+        ({"choice": "yes"}, "choice: must be a non-empty list of strings"),
+        ({"regex": "a", "disable_any_whitespace": "yes"},
+         "disable_any_whitespace: 'yes' is not a boolean"),
+    ],
+)  # fmt: skip
+def test_structured_outputs_shapes_refused(given, message):
+    with pytest.raises(ValueError) as err:
+        grammar_spec(given)
+    assert str(err.value) == message
+
+
+def test_structured_outputs_constrain_the_tokens_or_get_400(server):
+    client = TestClient(server.app)
+
+    def complete(structured_outputs: dict, **fields):
+        body = {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, **fields,
+                "structured_outputs": structured_outputs}  # fmt: skip
+        return _bounded(lambda: client.post("/v1/completions", json=body))
+
+    reply = complete({"regex": "[0-9]+"})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["message"] == (
+        "structured_outputs: needs the model's tokenizer, and random:tiny has none"
+    )
+    vocab = server.engine.model_config.vocab_size
+    server.engine.grammars = GrammarCompiler(str(TOKENIZER), vocab)
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    choices = ["12", "345"]
+    for fields in ({}, {"temperature": 1.0, "seed": 3}):
+        reply = complete({"choice": choices}, **fields)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        assert tokenizer.decode(choice["token_ids"][:-1]) in choices
+    reply = complete({"json": json.dumps({"type": "objekt"})})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["message"] == (
+        'structured_outputs: json_schema: does not compile: Unsupported type "objekt"'
+    )

@@ -10,11 +10,12 @@ import json
 import grpc
 import httpx
 
+from proto.tandem.v1 import decode_pb2
 from router.openai_api import ClientGone, _unless_client_leaves, create_app
 from router.orchestrator import Orchestrator
 from router.prompts import PromptTokenizer
 from router.requests import ServedModel
-from router.tests.fakes import CharTokenizer, FakeDecode, FakePrefill, answer, rpc_error
+from router.tests.fakes import CharTokenizer, FakeDecode, FakePrefill, answer, ids, rpc_error
 from router.tokenization import SegmentTokenizer
 
 MODEL = "tiny"
@@ -71,7 +72,7 @@ def test_a_streamed_chat_with_usage():
         chunks = _sse(await router.post("/v1/chat/completions", body))
         deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
         assert deltas[0]["role"] == "assistant"
-        assert "".join(d["content"] for d in deltas) == "Paris"
+        assert "".join(d.get("content", "") for d in deltas) == "Paris"
         assert chunks[-1]["usage"]["completion_tokens"] == 5
         assert {c["id"] for c in chunks} == {chunks[0]["id"]} and chunks[0]["id"][:9] == "chatcmpl-"
 
@@ -282,3 +283,45 @@ def test_work_is_cancelled_when_the_client_leaves_first():
             raise AssertionError("no ClientGone")
 
     asyncio.run(test())
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+
+
+def test_a_named_tool_choice_constrains_the_output_and_answers_a_tool_call():
+    async def test(router: Router):
+        arguments = '{"city": "Paris"}'
+        router.decode.tokens = [ids(arguments[:5]), ids(arguments[5:])]
+        router.decode.finish = decode_pb2.FINISH_REASON_STOP
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        body = {**CHAT, "max_tokens": 18, "tools": [WEATHER], "tool_choice": named}
+        reply = await router.post("/v1/chat/completions", body)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"] == {"name": "get_weather", "arguments": arguments}
+        assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+        assert choice["finish_reason"] == "stop" and not choice["message"]["content"]
+        generate = next(r for rpc, _, r in router.decode.calls if rpc == "Generate")
+        schema = json.loads(generate.structured_output.json_schema)
+        assert schema == WEATHER["function"]["parameters"]
+        assert router.prefill.prefilled[-1].structured == generate.structured_output
+        assert router.prefill.prefilled[-1].prompt_ids[:7] == ids("tools: ")  # rendered
+
+        chunks = _sse(await router.post("/v1/chat/completions", {**body, "stream": True}))
+        streamed = [c for chunk in chunks for c in chunk["choices"][0]["delta"].get(
+            "tool_calls", [])]  # fmt: skip
+        assert streamed[0]["function"]["name"] == "get_weather"
+        assert "".join(c["function"].get("arguments", "") for c in streamed) == arguments
+
+    _run(test)
+
+
+def test_tool_choice_auto_needs_a_parser():
+    async def test(router: Router):
+        reply = await router.post("/v1/chat/completions", {**CHAT, "tools": [WEATHER]})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "tool_choice"
+        assert "--tool-call-parser" in reply.json()["error"]["message"]
+
+    _run(test)

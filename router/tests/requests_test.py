@@ -154,10 +154,10 @@ def test_chat_messages_as_clients_send_them(messages, expected):
          "response_format.json_schema.schema: a JSON Schema object is required"),
         (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format",
-         'response_format: invalid json schema: Unsupported type "nonsense"'),
+         'response_format: json_schema: does not compile: Unsupported type "nonsense"'),
         (COMPLETIONS, {"prompt": "x", "structured_outputs": {"regex": "("}}, 400,
-         "structured_outputs", "structured_outputs: invalid regex: Regex parsing error at "
-         "position 2: The parenthesis is not closed."),
+         "structured_outputs", "structured_outputs: regex: does not compile: Regex parsing error "
+         "at position 2: The parenthesis is not closed."),
         (COMPLETIONS, {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
          400, "structured_outputs", "structured_outputs: give exactly one constraint (json, "
          "json_object, regex, choice or grammar), in one field"),
@@ -165,12 +165,12 @@ def test_chat_messages_as_clients_send_them(messages, expected):
                 "guided_regex": "a+"}, 400, "guided_regex", "guided_regex: give exactly one "
          "constraint (json, json_object, regex, choice or grammar), in one field"),
         (COMPLETIONS, {"prompt": "x", "guided_choice": []}, 400, "guided_choice",
-         "guided_choice: choice must be a non-empty list of strings"),
+         "guided_choice: choice: must be a non-empty list of strings"),
         (COMPLETIONS, {"prompt": "x", "guided_json": "{oops"}, 400, "guided_json",
          "guided_json: the JSON Schema is not JSON"),
         (COMPLETIONS, {"prompt": "x", "structured_outputs": {"grammar": "root ::= "}}, 400,
-         "structured_outputs", "structured_outputs: invalid grammar: EBNF parser error at line "
-         "1, column 10: Expect element, but got"),
+         "structured_outputs", "structured_outputs: grammar: does not compile: EBNF parser error "
+         "at line 1, column 10: Expect element, but got"),
         (COMPLETIONS, {"prompt": 42}, 400, "prompt",
          "prompt: a string or a non-empty list of token ids below 1000"),
         (COMPLETIONS, {}, 400, "prompt",

@@ -60,7 +60,8 @@ def _events(upstream: Upstream, stops=(), prompt_tokens: int = 4) -> list:
 
 def test_text_then_a_finished_with_the_routers_own_token_counts():
     upstream = Upstream(["Hel", "lo"], Finished("length", 99, 99))
-    assert _events(upstream) == [Delta("Hel"), Delta("lo"), Finished("length", 4, 5)]
+    assert _events(upstream) == [Delta("Hel", ids("Hel")), Delta("lo", ids("lo")),
+                                 Finished("length", 4, 5)]  # fmt: skip
     assert not upstream.closed_early
 
 
@@ -74,7 +75,7 @@ def test_a_stop_string_across_tokens_ends_the_text_and_closes_upstream():
 
 def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot():
     upstream = Upstream(["ab", "c", "d"], Finished("stop", 0, 0))
-    texts = [Delta("a"), Delta("b"), Delta("c"), Delta("d")]
+    texts = [Delta("a", ids("ab")), Delta("b", ids("c")), Delta("c", ids("d")), Delta("d")]
     assert _events(upstream, stops=["cX"]) == [*texts, Finished("stop", 4, 4)]
 
 
@@ -145,7 +146,7 @@ def test_collect_and_the_whole_bodies():
     events = text_events(Upstream(["Hi", "!"], Finished("length", 0, 0)).stream(),
                          IncrementalDetokenizer(CharTokenizer()), 2, ())  # fmt: skip
     whole, finish = asyncio.run(collect(events))
-    assert (whole, finish) == (Delta("Hi!"), Finished("length", 2, 3))
+    assert (whole, finish) == (Delta("Hi!", ids("Hi!")), Finished("length", 2, 3))
     usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
     head = {"id": "id-1", "created": 1700, "model": "tiny", "usage": usage}
     assert completion_body(_response(COMPLETIONS), whole, finish) == {
@@ -184,3 +185,16 @@ def test_streamed_logprobs_come_with_their_chunks():
     assert [c["choices"][0]["logprobs"] and c["choices"][0]["logprobs"]["tokens"]
             for c in chunks] == [["H", "i"], ["!"], None]  # fmt: skip
     assert chunks[1]["choices"][0]["logprobs"]["text_offset"] == [2]  # runs on across chunks
+
+
+def test_the_stop_token_that_ended_the_generation_adds_no_text_unless_asked():
+    async def upstream():
+        yield Tokens(ids("Hi"))
+        yield Tokens(ids("!#"), ends_on_stop_token=True)  # "#": the end-of-sequence token
+        yield Finished("stop", 0, 4)
+
+    for include_stop, text in ((False, "Hi!"), (True, "Hi!#")):
+        detok = IncrementalDetokenizer(CharTokenizer())
+        events = asyncio.run(_list(text_events(upstream(), detok, 1, (), include_stop)))
+        assert "".join(e.text for e in events if isinstance(e, Delta)) == text
+        assert events[-1] == Finished("stop", 1, 4)  # the stop token counts
