@@ -11,6 +11,7 @@ vLLM must answer as vLLM alone does."""
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,6 +27,12 @@ from tests.servers import MODEL, start_router
 from tests.vllm_servers import MAX_BATCHED_TOKENS, counter, start_decode, start_vllm, stop
 
 NEW_TOKENS = 12
+PERSON = {
+    "type": "object",
+    "required": ["name", "age"],
+    "additionalProperties": False,
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+}
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers, K and V, KV heads, head_dim, float32
 LONG = (
@@ -224,12 +231,19 @@ def test_the_router_cannot_tell_vllm_from_tandems_prefill(stack, reference):
     """tandem's router in front of vLLM as it is in front of tandem's prefill server: its
     tokenizer check against /tokenize, then chat through Reserve, prefill and Generate; with
     logprobs, the first token's from vLLM and the rest from the decode server, equal to vLLM's
-    own."""
+    own; and a JSON Schema that both constrain (vLLM the first token, the decode server the
+    rest)."""
     _, address, _, http = stack
     proc, url = start_router([str(http.base_url)], [address])
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         assert _chat(client, client.models.list().data[0].id) == reference["chat_text"]
+        schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        reply = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=48, temperature=0, response_format=schema
+        )
+        person = json.loads(reply.choices[0].message.content)
+        assert set(person) == {"name", "age"} and type(person["age"]) is int
         logprobs = _chat_logprobs(client, MODEL)
         expected = reference["chat_logprobs"]
         assert [(t, top) for t, _, top in logprobs] == [(t, top) for t, _, top in expected]
