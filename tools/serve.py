@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--num-prefill", type=int, default=1)
     parser.add_argument("--num-decode", type=int, default=1)
     parser.add_argument("--kv-cache-gb", default="1")
+    parser.add_argument("--tool-call-parser", default=None, help="the router's (hermes, ...)")
+    parser.add_argument("--reasoning-parser", default=None, help="the router's (qwen3, ...)")
     args = parser.parse_args()
     if args.num_prefill < 1 or args.num_decode < 1:
         sys.exit("serve: --num-prefill and --num-decode must be at least 1")
@@ -96,9 +98,12 @@ def main() -> None:
                 url = m.group(1)
             procs.append(proc)
             prefills += ["--prefill", url]
+        parsers = [f"--{name.replace('_', '-')}={value}" for name, value in (
+            ("tool_call_parser", args.tool_call_parser),
+            ("reasoning_parser", args.reasoning_parser)) if value]  # fmt: skip
         proc, m = start(["router.server", "--model", model, "--host", args.host,
                          "--port", str(args.port), "--served-model-name", Path(model).name,
-                         *prefills, *decodes],
+                         *prefills, *decodes, *parsers],
                         r"serving on (http://\S+)", timeout=300)  # fmt: skip
         procs.append(proc)
     except RuntimeError as e:
