@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import threading
 import time
@@ -39,6 +40,31 @@ def start_router(prefill_urls: list[str], decode_addresses: list[str], *extra: s
         args += ["--decode", address]
     proc, m = start(args, r"serving on (http://[\d.:]+)")
     return proc, m.group(1)
+
+
+@contextlib.contextmanager
+def running_backends(backend: str = "tcp"):
+    """A decode and a prefill server over `backend`: ([prefill URL], [decode address]); both
+    stopped at the end."""
+    decode, address = start_decode(backend)
+    prefill, prefill_url = start_prefill(backend)
+    try:
+        yield [prefill_url], [address]
+    finally:
+        for proc in (prefill, decode):
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def running_router(prefill_urls: list[str], decode_addresses: list[str], *extra: str):
+    """A router in front of them: its URL; stopped at the end."""
+    proc, url = start_router(prefill_urls, decode_addresses, *extra)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def decode_pool_free(address: str, within: float = 5.0) -> decode_pb2.StatsResponse | None:
