@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
 
+from engine.chat_template import render_chat
 from engine.grammar import Grammar, GrammarKind, GrammarSpec, choice_grammar
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from engine.sampling import SAMPLING_FIELDS, SamplingParams, TokenLogprobs
@@ -134,11 +136,11 @@ class PrefillServer:
             body = await _json(request)
             if self.tokenizer is None:
                 return _error(400, "this model folder has no tokenizer")
-            if "messages" in body:
-                text = self.tokenizer.apply_chat_template(
-                    body["messages"], tokenize=False,
-                    add_generation_prompt=body.get("add_generation_prompt", True),
-                )  # fmt: skip
+            if "messages" in body:  # with the template arguments vLLM's /tokenize takes
+                try:
+                    text = render_chat(self.tokenizer, body["messages"], body)
+                except (TemplateError, TypeError, ValueError) as e:
+                    return _error(400, f"chat template: {e}")
                 tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             elif isinstance(body.get("prompt"), str):
                 add = body.get("add_special_tokens", True)

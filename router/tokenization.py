@@ -14,6 +14,8 @@ import re
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from engine.chat_template import render_chat
+
 SAMPLE_CONVERSATIONS = [
     [
         {"role": "system", "content": "You are a careful assistant."},
@@ -44,18 +46,8 @@ class SegmentTokenizer:
         self.misses = 0
 
     def render(self, messages: Sequence[dict], template: dict | None = None) -> str:
-        """The conversation rendered by the chat template. `template`: the request's template
-        arguments in vLLM's names (add_generation_prompt, default true; continue_final_message;
-        tools; chat_template_kwargs, passed to the template as variables)."""
-        template = template or {}
-        arguments = dict(template.get("chat_template_kwargs", {}))
-        for name in ("continue_final_message", "tools"):  # only when set: few templates know them
-            if template.get(name):
-                arguments[name] = template[name]
-        add = template.get("add_generation_prompt", True)
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add, **arguments
-        )
+        """The conversation rendered by the chat template (engine/chat_template.py)."""
+        return render_chat(self.tokenizer, messages, template)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a rendered prompt (special tokens are already in its text)."""

@@ -215,3 +215,15 @@ def test_structured_outputs_constrain_the_tokens_or_get_400(server):
     assert reply.json()["error"]["message"] == (
         'structured_outputs: json_schema: does not compile: Unsupported type "objekt"'
     )
+
+
+def test_tokenize_renders_with_vllms_template_arguments(server):
+    """/tokenize takes what vLLM's does: a conversation whose last message continues."""
+    server.tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    reply = TestClient(server.app).post("/tokenize", json=body)
+    assert reply.status_code == 200, reply.text
+    assert server.tokenizer.decode(reply.json()["tokens"]).endswith("assistant\nIt is")
+    bad = TestClient(server.app).post("/tokenize", json={**body, "add_generation_prompt": True})
+    assert bad.status_code == 400 and "chat template" in bad.json()["error"]["message"]
