@@ -8,9 +8,9 @@ sequence's KV, over the HBM read bandwidth measured in the same run. MBU (model 
 utilization) is the usual looser count: every parameter's bytes, the embedding table whole,
 plus the KV, over that same measured bandwidth (the published MBU figures divide by the
 datasheet's bandwidth instead, which reads lower). `--peer hf` times Hugging Face
-transformers `generate` on the very same weights in the same run. `--json-schema FILE`
-constrains every sequence to that schema (structured output): run with and without it to get
-what the grammar masks cost a step (and the synchronous stepping they need).
+transformers `generate` on the very same weights in the same run. `--json-schema FILE` (or
+`--grammar FILE`, EBNF) constrains every sequence to it (structured output): run with and
+without it to get what the grammar masks cost a step (and the synchronous stepping they need).
 
     python -m engine.bench --model random:llama3-8b --device cuda --batch-sizes 1,64 \
         --context-lens 1024 --peer hf --out bench.json
@@ -291,6 +291,12 @@ def main() -> None:
         "outputs must outlast the timed steps, e.g. a string with a large minLength",
     )
     parser.add_argument(
+        "--grammar",
+        default=None,
+        help="instead: an EBNF grammar file (xgrammar's syntax, a `root` rule), e.g. "
+        "`root ::= [a-z ] root`, whose outputs never end",
+    )
+    parser.add_argument(
         "--grammar-tokenizer",
         default=None,
         help="HF folder whose tokenizer the schema is compiled for (default: --model; a random "
@@ -302,12 +308,13 @@ def main() -> None:
     config = EngineConfig.from_cli_args(args)
     engine = LLMEngine.build(config)
     grammar = None
-    if args.json_schema:
+    if args.json_schema or args.grammar:
         compiler = GrammarCompiler(
             args.grammar_tokenizer or config.model, engine.model_config.vocab_size
         )
-        schema = Path(args.json_schema).read_text()
-        grammar = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, schema, True))
+        kind = GrammarKind.JSON_SCHEMA if args.json_schema else GrammarKind.GRAMMAR
+        text = Path(args.json_schema or args.grammar).read_text()
+        grammar = compiler.compile(GrammarSpec(kind, text, kind is GrammarKind.JSON_SCHEMA))
     bandwidth = read_bandwidth(config.device)
     results = []
     for context in contexts:
@@ -325,6 +332,7 @@ def main() -> None:
         "torch": torch.__version__,
         "hbm_read_bytes_per_s": bandwidth,
         "json_schema": args.json_schema,
+        "grammar": args.grammar,
         "results": [asdict(r) for r in results],
     }
     with open(args.out, "w") as f:
