@@ -31,7 +31,8 @@ from jinja2 import TemplateError
 from engine.chat_template import render_chat
 from engine.grammar import Grammar, GrammarKind, GrammarSpec, choice_grammar
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
-from engine.sampling import SAMPLING_FIELDS, SamplingParams, TokenLogprobs
+from engine.openai_logprobs import completion_logprobs
+from engine.sampling import SAMPLING_FIELDS, SamplingParams
 from engine.sequence import StopConditions
 from prefill.kv_sender import KvSender
 from prefill.publisher import KvPublisher
@@ -225,29 +226,6 @@ class PrefillServer:
         self.worker.stop()
         self.sender.close()
         self.agent.close()
-
-
-def completion_logprobs(
-    token_ids: list[int], logprobs: list[TokenLogprobs], token_text: Callable[[int], str]
-) -> dict:
-    """A completion choice's `logprobs`, shaped as vLLM's (serving_completion's
-    `_create_completion_logprobs`): per token its text, its logprob, {text: logprob} of the token
-    itself then the most likely ones (so N + 1 entries, N when it is one of them), and where its
-    text starts in the completion's. Logprobs are clamped at -9999 as vLLM's are (JSON has no
-    -inf)."""
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    offset = 0
-    for token_id, lp in zip(token_ids, logprobs, strict=True):
-        text = token_text(token_id)
-        tokens.append(text)
-        token_logprobs.append(max(lp.logprob, -9999.0))
-        # By id first, the token itself first (a top entry for it keeps that place), as vLLM.
-        by_id = {token_id: lp.logprob, **dict(zip(lp.top_token_ids, lp.top_logprobs, strict=True))}
-        top_logprobs.append({token_text(t): max(v, -9999.0) for t, v in by_id.items()})
-        text_offset.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": text_offset}  # fmt: skip
 
 
 def grammar_spec(value: object) -> GrammarSpec | None:

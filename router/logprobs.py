@@ -10,14 +10,12 @@ The router asks the prefill for `return_tokens_as_token_ids`, so its reply names
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
+from engine.openai_logprobs import clamped, completion_logprobs
 from proto.tandem.v1 import decode_pb2
 
 TOKEN_ID_PREFIX = "token_id:"
-_FLOOR = -9999.0
-"""What a log-probability of -inf is reported as (JSON has no infinity; vLLM does the same)."""
 
 
 class LogprobsError(ValueError):
@@ -71,21 +69,11 @@ class LogprobsFormat:
         return {"content": content}
 
     def _completion(self, entries: Sequence[tuple[int, decode_pb2.TokenLogprobs]]) -> dict:
-        """{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}: each
-        top_logprobs entry holds the top alternatives and the sampled token, as vLLM's does."""
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token_id, lp in entries:
-            token = self.token(token_id)
-            top = {
-                self.token(t): _finite(v)
-                for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-            }
-            top[token] = _finite(lp.logprob)
-            out["tokens"].append(token)
-            out["token_logprobs"].append(_finite(lp.logprob))
-            out["top_logprobs"].append(top)
-            out["text_offset"].append(self._offset)
-            self._offset += len(token)
+        """vLLM's completions shape (engine/openai_logprobs.py), offsets running on."""
+        out = completion_logprobs([t for t, _ in entries], [lp for _, lp in entries],
+                                  self.token, self._offset)  # fmt: skip
+        if out["tokens"]:
+            self._offset = out["text_offset"][-1] + len(out["tokens"][-1])
         return out
 
     def token(self, token_id: int) -> str:
@@ -95,12 +83,4 @@ class LogprobsFormat:
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict:
         token = self.token(token_id)
-        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
-
-
-def _top(lp: decode_pb2.TokenLogprobs) -> list[tuple[int, float]]:
-    return list(zip(lp.top_token_ids, lp.top_logprobs, strict=True))
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else _FLOOR
+        return {"token": token, "logprob": clamped(logprob), "bytes": list(token.encode())}

@@ -16,9 +16,10 @@ from transformers import AutoTokenizer
 
 from engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
 from engine.llm_engine import EngineConfig
+from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.sequence import StopConditions
-from prefill.server import PrefillServer, PrefillServerConfig, completion_logprobs, grammar_spec
+from prefill.server import PrefillServer, PrefillServerConfig, grammar_spec
 from prefill.worker import Job
 
 TOKENIZER = Path("tools/smollm2-135m-instruct")  # Bazel data: //tools:smollm2
