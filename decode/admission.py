@@ -266,6 +266,15 @@ class Admission:
                 self._fail_locked(res, Failure(kind, reason), writers_possible)
             return found
 
+    def live_state(self, request_id: str, generation: int = 0) -> RequestState | None:
+        """The state of the live request (any generation if `generation` is 0); None when no
+        live request matched. Changes nothing."""
+        with self._cond:
+            res = self._live.get(request_id)
+            if res is None or (generation and generation != res.generation):
+                return None
+            return res.state
+
     # -- bookkeeping --------------------------------------------------------------------------
 
     def expire(self) -> None:

@@ -1,20 +1,23 @@
 """The decode server's engine thread (engine.engine_thread): it alone steps the LLMEngine. RPC
-threads talk to it with commands on its queue, read tokens from one stream per sequence, and
+threads talk to it with commands on its queue, read tokens from one stream per request, and
 read what it publishes (`snapshot`), never the engine itself.
 
-  submit(seq, blocks, first_token, first_logprobs) -> TokenStream
-                                  AddSequence: the sequence joins the batch
-  abort(seq_id)                   AbortSequence: the sequence is dropped
+  submit(group, choices, block_ids) -> TokenStream
+                                  AddChoices: a request's choices (OpenAI's n, one sequence
+                                  each, sharing the prompt's KV) join the batch
+  abort(group, choices)           AbortChoices: those choices (all by default) are dropped
 
-Commands are handled in the order they were put, so an abort put after the submit of its
-sequence finds it (or finds it finished), whether or not the thread had admitted it yet.
+Commands are handled in the order they were put, so an abort put after the submit of its group
+finds its sequences (or finds them finished), whether or not the thread had admitted them yet.
 
 After each admit and each step the thread publishes a new EngineSnapshot, and only then hands
 out that admit's or step's tokens and outcomes: whoever reads a token sees a snapshot at least as
-new. A stream yields Tokens (everything generated since the reader last looked, so a slow reader
-gets several per message, each with its log-probabilities when the sequence asked for them) and
-ends with exactly one Finished or EngineFailed; its `on_end` runs on the engine thread just
-before that last item is put.
+new. A stream multiplexes its choices: it yields Tokens of one choice at a time (everything that
+choice generated since the reader last looked, so a slow reader gets several per message, each
+with its log-probabilities when the sequence asked for them), the last of each choice carrying
+its Finished, and stops once every choice has finished; or it ends with one EngineFailed. Its
+`on_end` runs once, on the engine thread, just before the last choice's end (or the failure) is
+put.
 
 If the engine raises (a CUDA error, a bug), its state is lost: every open stream ends with
 EngineFailed at once, and so does every later submit, instead of waiting on a stream that no
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from engine.engine_thread import EngineThread
@@ -47,99 +51,142 @@ class EngineFailed:
 
 @dataclass(frozen=True)
 class Tokens:
-    """A stream's new tokens, in order."""
+    """A choice's new tokens, in order."""
 
+    index: int
+    """The choice: its position in the submitted list."""
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
     """One per token_ids entry, in the same order, when the sequence asked; else empty."""
     finished: Finished | None = None
-    """Set when the last of these tokens ended the sequence: the stream ends here, and the
-    reader knows which token did it (a stop token's text is no part of the output)."""
+    """Set when the choice has ended: with the token that ended it last, if one did (a stop
+    token's text is no part of the output), or with no token at all (an abort)."""
 
 
 _Token = tuple[int, TokenLogprobs | None]
 
 
-class TokenStream:
-    def __init__(self, on_end: Callable[[], None] | None = None) -> None:
-        self._queue: queue.SimpleQueue[_Token | Finished | EngineFailed] = queue.SimpleQueue()
-        self._on_end = on_end
-        self._ended = False
-
-    def put(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
-        self._queue.put((token_id, logprobs))
-
-    def end(self, outcome: Finished | EngineFailed, last: _Token | None = None) -> None:
-        """The stream's last item, with `last`, the token that ended it, if one did (one queue
-        item: a reader sees both together); later ends are ignored (a command whose admission
-        raised is both live and refused). `on_end` runs first, so whoever reads the outcome
-        sees what on_end did."""
-        if self._ended:
-            return
-        self._ended = True
-        if self._on_end is not None:
-            self._on_end()
-        self._queue.put(_End(outcome, last))
-
-    def __iter__(self) -> Iterator[Tokens | Finished | EngineFailed]:
-        """Batches of tokens as they come, then the end: the last batch carrying its Finished,
-        or a Finished alone, or an EngineFailed."""
-        while True:
-            batch: list[_Token] = []
-            item = self._queue.get()
-            while True:
-                if isinstance(item, _End):
-                    batch += [item.last] if item.last is not None else []
-                    if isinstance(item.outcome, Finished) and batch:
-                        yield _tokens(batch, item.outcome)
-                        return
-                    if batch:
-                        yield _tokens(batch)
-                    yield item.outcome
-                    return
-                batch.append(item)
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            yield _tokens(batch)
+@dataclass(frozen=True)
+class _Put:
+    index: int
+    token: _Token
 
 
 @dataclass(frozen=True)
 class _End:
-    outcome: Finished | EngineFailed
+    index: int
+    finished: Finished
     last: _Token | None
 
 
-def _tokens(batch: list[_Token], finished: Finished | None = None) -> Tokens:
+class TokenStream:
+    """Written by the engine thread only; read by one reader."""
+
+    def __init__(self, num_choices: int = 1, on_end: Callable[[], None] | None = None) -> None:
+        self._queue: queue.SimpleQueue[_Put | _End | EngineFailed] = queue.SimpleQueue()
+        self._num_choices = num_choices
+        self._open = set(range(num_choices))
+        """Choices not ended yet, as the writer sees them."""
+        self._on_end = on_end
+
+    def put(self, index: int, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        self._queue.put(_Put(index, (token_id, logprobs)))
+
+    def end(self, index: int, finished: Finished, last: _Token | None = None) -> None:
+        """Choice `index`'s last item, with `last`, the token that ended it, if one did (one
+        queue item: a reader sees both together); a later end of it is ignored. The last
+        choice's end runs `on_end` first, so whoever reads it sees what on_end did."""
+        if index not in self._open:
+            return
+        self._open.remove(index)
+        if not self._open and self._on_end is not None:
+            self._on_end()
+        self._queue.put(_End(index, finished, last))
+
+    def fail(self, failure: EngineFailed) -> None:
+        """Ends every choice at once (after `on_end`); ignored once every choice has ended (a
+        command whose admission raised is both live and refused)."""
+        if not self._open:
+            return
+        self._open.clear()
+        if self._on_end is not None:
+            self._on_end()
+        self._queue.put(failure)
+
+    def __iter__(self) -> Iterator[Tokens | EngineFailed]:
+        """Batches of one choice's tokens as they come, each choice's last carrying its
+        Finished, until every choice has finished; or up to an EngineFailed, which is last."""
+        left = self._num_choices
+        while left:
+            batches: dict[int, list[_Token]] = {}  # choice -> tokens, in order of arrival
+            ends: dict[int, Finished] = {}
+            failure = None
+            for item in self._drain():
+                match item:
+                    case _Put(index, token):
+                        batches.setdefault(index, []).append(token)
+                    case _End(index, finished, last):
+                        batches.setdefault(index, []).extend([last] if last is not None else [])
+                        ends[index] = finished
+                    case EngineFailed():
+                        failure = item
+            for index, batch in batches.items():
+                yield _tokens(index, batch, ends.get(index))
+            if failure is not None:
+                yield failure
+                return
+            left -= len(ends)
+
+    def _drain(self) -> list[_Put | _End | EngineFailed]:
+        """What is queued, waiting for one item if none is."""
+        items = [self._queue.get()]
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                return items
+
+
+def _tokens(index: int, batch: list[_Token], finished: Finished | None = None) -> Tokens:
     logprobs = [lp for _, lp in batch if lp is not None]
     # A sequence that asks has every token's, its first (the prefill's) included.
     assert not logprobs or len(logprobs) == len(batch)
-    return Tokens([token for token, _ in batch], logprobs, finished)
+    return Tokens(index, [token for token, _ in batch], logprobs, finished)
 
 
 @dataclass(frozen=True)
-class AddSequence:
-    """Join `seq`, whose prompt KV is in `block_ids`, to the running batch."""
+class Choice:
+    """One choice of a submitted request: a sequence and where it starts."""
 
     seq: Sequence
-    block_ids: list[int]
-    """Owned by the engine from here on: it frees them when the sequence ends."""
     first_token: int
-    """The prefill's token: the sequence's first output, the first item of its stream."""
-    stream: TokenStream
+    """The prefill's token: the choice's first output, the first token of its stream."""
     first_logprobs: TokenLogprobs | None = None
     """first_token's, as the prefill reported them (when the sequence asks for logprobs)."""
 
 
 @dataclass(frozen=True)
-class AbortSequence:
-    """Drop the sequence (its stream ends with ABORT); nothing if it has finished already."""
+class AddChoices:
+    """Join the choices of one prompt, whose KV is in `block_ids`, to the running batch."""
 
-    seq_id: str
+    group: str
+    """The caller's name for them, unique among the groups with a live choice."""
+    choices: tuple[Choice, ...]
+    block_ids: list[int]
+    """Owned by the engine from here on (engine.LLMEngine.add_prefilled_choices)."""
+    stream: TokenStream
 
 
-Command = AddSequence | AbortSequence
+@dataclass(frozen=True)
+class AbortChoices:
+    """Drop these choices of the group (each ends with ABORT), every one when `indexes` is None.
+    Choices out of range or finished already, and groups not live, are passed over."""
+
+    group: str
+    indexes: tuple[int, ...] | None = None
+
+
+Command = AddChoices | AbortChoices
 
 
 @dataclass(frozen=True)
@@ -154,39 +201,65 @@ class EngineSnapshot:
     """Tokens the live sequences may still generate (max_tokens less those generated)."""
 
 
+@dataclass(frozen=True)
+class _LiveChoice:
+    seq: Sequence
+    group: str
+    index: int
+    stream: TokenStream
+
+
 class EngineLoop(EngineThread):
     def __init__(self, engine: LLMEngine) -> None:
-        self._live: dict[str, tuple[Sequence, TokenStream]] = {}
+        self._live: dict[str, _LiveChoice] = {}
+        """seq_id -> its choice, until the choice has ended."""
+        self._groups: dict[str, list[str]] = {}
+        """group -> the seq_ids of its choices, in order, until every one has ended."""
         self.snapshot = EngineSnapshot()
         """Replaced, never changed, by the engine thread: other threads read it as it is."""
         super().__init__(engine, server="decode", thread_name="engine-loop")
 
     def submit(
         self,
-        seq: Sequence,
+        group: str,
+        choices: Seq[Choice],
         block_ids: list[int],
-        first_token: int,
-        first_logprobs: TokenLogprobs | None = None,
         on_end: Callable[[], None] | None = None,
     ) -> TokenStream:
-        stream = TokenStream(on_end)
-        self._put(AddSequence(seq, block_ids, first_token, stream, first_logprobs))
+        stream = TokenStream(len(choices), on_end)
+        self._put(AddChoices(group, tuple(choices), block_ids, stream))
         return stream
 
-    def abort(self, seq_id: str) -> None:
-        self._put(AbortSequence(seq_id))
+    def abort(self, group: str, indexes: Seq[int] | None = None) -> None:
+        self._put(AbortChoices(group, None if indexes is None else tuple(indexes)))
 
     def _admit(self, command: Command) -> None:
         delivered = []
         match command:
-            case AddSequence(seq, block_ids, first_token, stream, first_logprobs):
-                self._live[seq.seq_id] = (seq, stream)
-                admitted = self.engine.add_prefilled(seq, block_ids, first_token)
-                reason = None if admitted else seq.finish_reason  # the first token finished it
-                delivered.append(self._delivery(seq.seq_id, first_token, reason, first_logprobs))
-            case AbortSequence(seq_id):
-                if self.engine.abort(seq_id):
-                    delivered.append(self._delivery(seq_id, None, FinishReason.ABORT))
+            case AddChoices(group, choices, block_ids, stream):
+                assert group not in self._groups, group
+                self._groups[group] = [choice.seq.seq_id for choice in choices]
+                for index, choice in enumerate(choices):
+                    self._live[choice.seq.seq_id] = _LiveChoice(choice.seq, group, index, stream)
+                admitted = self.engine.add_prefilled_choices(
+                    [choice.seq for choice in choices],
+                    block_ids,
+                    [choice.first_token for choice in choices],
+                )
+                for choice, joined in zip(choices, admitted, strict=True):
+                    reason = None if joined else choice.seq.finish_reason  # its first token did
+                    delivered.append(
+                        self._delivery(
+                            choice.seq.seq_id, choice.first_token, reason, choice.first_logprobs
+                        )
+                    )
+            case AbortChoices(group, indexes):
+                picked = self._groups.get(group, [])
+                if indexes is not None:
+                    picked = [picked[i] for i in dict.fromkeys(indexes) if 0 <= i < len(picked)]
+                for seq_id in picked:
+                    if self.engine.abort(seq_id):
+                        delivered.append(self._delivery(seq_id, None, FinishReason.ABORT))
         self._publish(delivered)
 
     def _step(self) -> None:
@@ -200,12 +273,14 @@ class EngineLoop(EngineThread):
 
     def _fail_live(self, failure: str) -> None:
         self.snapshot = EngineSnapshot()  # the engine's state is lost: nothing runs
-        for seq_id in list(self._live):
-            self._live.pop(seq_id)[1].end(EngineFailed(failure))
+        for live in self._live.values():
+            live.stream.fail(EngineFailed(failure))  # once per stream: later ones are ignored
+        self._live.clear()
+        self._groups.clear()
 
     def _refuse(self, command: Command, failure: str) -> None:
-        if isinstance(command, AddSequence):
-            command.stream.end(EngineFailed(failure))
+        if isinstance(command, AddChoices):
+            command.stream.fail(EngineFailed(failure))
 
     def _delivery(
         self,
@@ -214,13 +289,16 @@ class EngineLoop(EngineThread):
         reason: FinishReason | None,
         logprobs: TokenLogprobs | None = None,
     ) -> _Delivery:
-        """A token for the sequence's stream, and its end if `reason` finished it (it leaves)."""
-        seq, stream = self._live[seq_id]
+        """A token for the choice's stream, and its end if `reason` finished it (it leaves, and
+        its group with its last choice)."""
+        live = self._live[seq_id]
         if reason is None:
-            return _Delivery(stream, token_id, logprobs)
+            return _Delivery(live.stream, live.index, token_id, logprobs)
         del self._live[seq_id]
-        finished = Finished(reason, seq.num_prompt_tokens, seq.num_output_tokens)
-        return _Delivery(stream, token_id, logprobs, finished)
+        if not any(other in self._live for other in self._groups[live.group]):
+            del self._groups[live.group]
+        finished = Finished(reason, live.seq.num_prompt_tokens, live.seq.num_output_tokens)
+        return _Delivery(live.stream, live.index, token_id, logprobs, finished)
 
     def _publish(self, delivered: list[_Delivery]) -> None:
         """A new snapshot, then what the admit or step gave each stream: whoever reads a token
@@ -230,22 +308,24 @@ class EngineLoop(EngineThread):
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
             outstanding_tokens=sum(
-                seq.stop.max_tokens - seq.num_output_tokens for seq, _ in self._live.values()
+                live.seq.stop.max_tokens - live.seq.num_output_tokens
+                for live in self._live.values()
             ),
         )
         for delivery in delivered:
             token = None if delivery.token_id is None else (delivery.token_id, delivery.logprobs)
             if delivery.finished is not None:
-                delivery.stream.end(delivery.finished, token)
+                delivery.stream.end(delivery.index, delivery.finished, token)
             elif token is not None:
-                delivery.stream.put(*token)
+                delivery.stream.put(delivery.index, *token)
 
 
 @dataclass(frozen=True)
 class _Delivery:
-    """What one admit or step gives one stream, once the snapshot is published."""
+    """What one admit or step gives one choice's stream, once the snapshot is published."""
 
     stream: TokenStream
+    index: int
     token_id: int | None = None
     logprobs: TokenLogprobs | None = None
     finished: Finished | None = None

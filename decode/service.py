@@ -4,22 +4,30 @@ whose message names the values. Once the engine has failed, Reserve, Generate an
 UNAVAILABLE with its failure (the router then marks the instance down, and its Stats probe keeps
 it down until a restart).
 
+Generate admits a request's choices (OpenAI's n: choice 0 from first_token_id, choice i from
+other_choices[i - 1]) as one group of engine sequences sharing the ticket's KV, and streams them
+interleaved: each message names its choice (`index`), and each choice's last one carries its
+finish reason and its own usage; the stream ends after the last choice's. Every choice is
+validated before any runs: a refused one fails the ticket.
+
 An Abort (or the Generate's client going away) takes effect in every state: a RESERVED or READY
 ticket fails in admission; a RUNNING one is dropped by the engine loop, whose stream then ends
-with ABORT. Generate's hand-over (take, then submit) and Abort's look-up are one critical
-section, so an Abort never falls between admission letting a request go and the engine loop
-having it queued.
+each choice with ABORT. An Abort naming `choices` stops only those choices of a RUNNING request
+(the others go on) and leaves a request in any other state as it is. Generate's hand-over (take,
+then submit) and Abort's look-up are one critical section, so an Abort never falls between
+admission letting a request go and the engine loop having it queued.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
 import grpc
 
 from decode.admission import Admission, RequestState, Reservation
-from decode.engine_loop import EngineFailed, EngineLoop, Finished, TokenStream
+from decode.engine_loop import Choice, EngineFailed, EngineLoop, Tokens, TokenStream
 from decode.failures import AdmissionError, FailureKind
 from decode.metrics import DecodeMetrics
 from engine.grammar import Grammar, GrammarKind, GrammarSpec, allows
@@ -121,14 +129,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         started = time.monotonic()
         res = self._call(context, self.admission.wait_ready, request.request_id, request.generation)
         self._check_engine(context)
-        seq = self._new_sequence(res, request, context)
-        first_logprobs = None
-        if seq.sampling.logprobs is not None:
-            reported = request.first_token_logprobs
-            first_logprobs = TokenLogprobs(
-                reported.logprob, tuple(reported.top_token_ids), tuple(reported.top_logprobs)
-            )
-        stream = self._hand_over(res, seq, request.first_token_id, first_logprobs, context)
+        stream = self._hand_over(res, self._new_choices(res, request, context), context)
 
         def client_gone() -> None:  # the RPC has ended: a no-op unless the request is live
             self._abort(res.request_id, res.generation, "client gone")
@@ -139,30 +140,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         for item in stream:
             if isinstance(item, EngineFailed):
                 context.abort(grpc.StatusCode.UNAVAILABLE, item.message)
-            if isinstance(item, Finished):
-                yield _finish(item)
-                return
             if first:
                 self.metrics.handover_seconds.observe(time.monotonic() - started)
                 first = False
             self.metrics.tokens_generated.inc(len(item.token_ids))
             self._tokens_generated += len(item.token_ids)
-            message = decode_pb2.GenerateResponse(
-                token_ids=item.token_ids, logprobs=[_logprobs_pb(lp) for lp in item.logprobs]
-            )
-            if item.finished is not None:  # one message: the finishing token is identifiable
-                message.MergeFrom(_finish(item.finished))
-            yield message
-            if item.finished is not None:
-                return
+            yield _response(item)
 
     def Abort(self, request, context):
-        aborted = self._abort(
-            request.request_id,
-            request.generation,
-            request.reason or "aborted by client",
-            writers_possible=not request.ticket_undelivered,
-        )
+        if request.choices:
+            aborted = self._abort_choices(
+                request.request_id, request.generation, list(request.choices)
+            )
+        else:
+            aborted = self._abort(
+                request.request_id,
+                request.generation,
+                request.reason or "aborted by client",
+                writers_possible=not request.ticket_undelivered,
+            )
         return decode_pb2.AbortResponse(aborted=aborted)
 
     def Stats(self, request, context):
@@ -183,19 +179,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             max_model_len=self.admission.max_model_len,
         )
 
-    def _new_sequence(self, res: Reservation, request, context) -> Sequence:
-        """The engine's sequence for a READY ticket; a refused parameter fails the ticket."""
+    def _new_choices(self, res: Reservation, request, context) -> list[Choice]:
+        """The engine's sequences for a READY ticket's choices, each with its first token; a
+        refused parameter of any choice fails the ticket."""
+        # Choice 0's start is the request's own fields, named as a ChoiceStart's.
+        starts = [("", request)]
+        starts += [(f"other_choices[{i}].", start) for i, start in enumerate(request.other_choices)]
         sampling = request.sampling
         try:
             params = SamplingParams(
                 **{f: getattr(sampling, f) for f in SAMPLING_FIELDS if sampling.HasField(f)}
             )
-            if params.logprobs is not None:
-                _check_first_logprobs(request)
-            # NOTE: on this RPC thread, new_sequence reads only the engine's config, and
+            first_logprobs = [
+                None if params.logprobs is None else _first_logprobs(prefix, start)
+                for prefix, start in starts
+            ]
+            # NOTE: on this RPC thread, new_choices reads only the engine's config, and
             # engine.sequences to refuse a live id, which never holds one here: admission keeps
-            # an id live until its stream has ended, after the engine dropped it.
-            seq = self.loop.engine.new_sequence(
+            # an id live until its stream has ended, after the engine dropped its sequences.
+            seqs = self.loop.engine.new_choices(
                 res.request_id,
                 res.prompt_ids,
                 params,
@@ -205,20 +207,34 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     stop_token_ids=tuple(request.stop_token_ids),
                     ignore_eos=request.ignore_eos,
                 ),
+                len(starts),
                 self._grammar(request),
             )
-            # Checked here, not advanced: the engine accepts it when it appends it.
-            if seq.grammar is not None and not allows(seq.grammar, request.first_token_id):
-                raise ValueError(
-                    f"first_token_id: {request.first_token_id} is not allowed by "
-                    "structured_output (the prefill must sample it under the same constraint)"
-                )
-            return seq
+            for seq, (prefix, start) in zip(seqs, starts, strict=True):
+                self._check_first_token(seq, prefix, start.first_token_id)
         except ValueError as e:
             self.admission.abort(
                 res.request_id, res.generation, f"bad request: {e}", kind=FailureKind.BAD_REQUEST
             )
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return [
+            Choice(seq, start.first_token_id, logprobs)
+            for seq, (_, start), logprobs in zip(seqs, starts, first_logprobs, strict=True)
+        ]
+
+    def _check_first_token(self, seq: Sequence, prefix: str, token: int) -> None:
+        """A choice's first token must be one the model (and its grammar) can continue from."""
+        vocab = self.loop.engine.model_config.vocab_size
+        if token >= vocab:
+            raise ValueError(
+                f"{prefix}first_token_id: {token} is outside the vocabulary [0, {vocab})"
+            )
+        # Checked here, not advanced: the engine accepts it when it appends it.
+        if seq.grammar is not None and not allows(seq.grammar, token):
+            raise ValueError(
+                f"{prefix}first_token_id: {token} is not allowed by structured_output (the "
+                "prefill must sample it under the same constraint)"
+            )
 
     def _grammar(self, request: decode_pb2.GenerateRequest) -> Grammar | None:
         """The request's structured output, compiled on this RPC thread (it takes milliseconds;
@@ -230,20 +246,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except ValueError as e:
             raise ValueError(f"structured_output: {e}") from None
 
-    def _hand_over(
-        self,
-        res: Reservation,
-        seq: Sequence,
-        first_token: int,
-        first_logprobs: TokenLogprobs | None,
-        context,
-    ) -> TokenStream:
-        """READY -> RUNNING: the ticket's blocks go to the engine loop with its sequence."""
+    def _hand_over(self, res: Reservation, choices: list[Choice], context) -> TokenStream:
+        """READY -> RUNNING: the ticket's blocks go to the engine loop with its choices, a group
+        named by the request id (admission keeps it live until the group's stream has ended)."""
         with self._handover:
             blocks = self._call(context, self.admission.take, res)
-            return self.loop.submit(
-                seq, blocks, first_token, first_logprobs, on_end=lambda: self.admission.finish(res)
-            )
+            on_end = functools.partial(self.admission.finish, res)
+            return self.loop.submit(res.request_id, choices, blocks, on_end)
 
     def _abort(
         self, request_id: str, generation: int, reason: str, writers_possible: bool = True
@@ -256,6 +265,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 # loop has the sequence by the time it handles this, or has finished it.
                 self.loop.abort(request_id)
         return found is not None
+
+    def _abort_choices(self, request_id: str, generation: int, choices: list[int]) -> bool:
+        """Stops these choices of a RUNNING request; False (and nothing done) in any other
+        state. Choices out of range or finished are passed over by the engine loop."""
+        with self._handover:  # as `_abort`: put after the submit, if there was one
+            running = self.admission.live_state(request_id, generation) is RequestState.RUNNING
+            if running:
+                self.loop.abort(request_id, choices)
+        return running
 
     def _device(self) -> dict:
         device = self.kv_cache.storage.device
@@ -273,10 +291,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             context.abort(e.code, str(e))
 
 
-def _finish(finished: Finished) -> decode_pb2.GenerateResponse:
-    usage = decode_pb2.Usage(prompt_tokens=finished.prompt_tokens,
-                             completion_tokens=finished.completion_tokens)  # fmt: skip
-    return decode_pb2.GenerateResponse(finish_reason=_FINISH[finished.reason], usage=usage)
+def _response(tokens: Tokens) -> decode_pb2.GenerateResponse:
+    message = decode_pb2.GenerateResponse(
+        index=tokens.index,
+        token_ids=tokens.token_ids,
+        logprobs=[_logprobs_pb(lp) for lp in tokens.logprobs],
+    )
+    finished = tokens.finished
+    if finished is not None:  # with the tokens: the finishing one is identifiable
+        message.finish_reason = _FINISH[finished.reason]
+        message.usage.prompt_tokens = finished.prompt_tokens
+        message.usage.completion_tokens = finished.completion_tokens
+    return message
 
 
 def _logprobs_pb(logprobs: TokenLogprobs) -> decode_pb2.TokenLogprobs:
@@ -297,14 +323,15 @@ def _grammar_spec(message: decode_pb2.StructuredOutput) -> GrammarSpec:
     return GrammarSpec(GrammarKind(kind), text, message.compact_whitespace)
 
 
-def _check_first_logprobs(request: decode_pb2.GenerateRequest) -> None:
-    """The first token's entry of the stream is the prefill's: without it the stream's logprobs
-    would not line up with its tokens."""
-    if not request.HasField("first_token_logprobs"):
-        raise ValueError("first_token_logprobs: required when sampling.logprobs is set")
-    first = request.first_token_logprobs
+def _first_logprobs(prefix: str, start) -> TokenLogprobs:
+    """A choice's first entry of the stream is the prefill's (a ChoiceStart's, or the request's
+    own): without it the stream's logprobs would not line up with its tokens."""
+    if not start.HasField("first_token_logprobs"):
+        raise ValueError(f"{prefix}first_token_logprobs: required when sampling.logprobs is set")
+    first = start.first_token_logprobs
     if len(first.top_token_ids) != len(first.top_logprobs):
         raise ValueError(
-            f"first_token_logprobs: {len(first.top_token_ids)} top_token_ids but "
+            f"{prefix}first_token_logprobs: {len(first.top_token_ids)} top_token_ids but "
             f"{len(first.top_logprobs)} top_logprobs"
         )
+    return TokenLogprobs(first.logprob, tuple(first.top_token_ids), tuple(first.top_logprobs))

@@ -2,7 +2,9 @@
 
 A block's life: free in the pool -> `allocate` gives it to one owner (refcount 1) -> `incref` for
 each further owner that shares it -> `free` by every owner; at refcount 0 it is free again.
-The pool knows nothing of sequences or tensors; the cache knows nothing of owners.
+The pool knows nothing of sequences or tensors; the cache knows nothing of owners. `fork_blocks`
+uses both to give more owners the KV of a run of tokens: they share its full blocks and each
+gets a copy of a partial last one, which its owner goes on writing into.
 """
 
 import bisect
@@ -76,6 +78,18 @@ class KVCache:
     def head_stride_bytes(self) -> int:
         """Bytes from one head to the next within a block: one contiguous run per head."""
         return self.storage.stride(3) * self.storage.element_size()
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copies block src[i] into block dst[i], every layer's K and V, on the cache's device (in
+        stream order with the forwards). dst's ids must be distinct."""
+        assert len(src) == len(dst), (src, dst)
+        if not dst:
+            return
+        device = self.storage.device
+        src_ids = torch.tensor(src, dtype=torch.long, device=device)
+        dst_ids = torch.tensor(dst, dtype=torch.long, device=device)
+        # One gather and one scatter over [layer, K|V, block, ...]: the block dim is 2.
+        self.storage[:, :, dst_ids] = self.storage[:, :, src_ids]
 
     def region(self) -> tuple[int, int]:
         """(address, nbytes) of the whole cache, every layer's K and V inside it."""
@@ -198,3 +212,27 @@ class BlockPool:
             del self._starts[bisect.bisect_left(self._starts, block_id + 1)]
         self._run_len[start] = length
         self._run_at_end[start + length] = start
+
+
+def fork_blocks(
+    pool: BlockPool, cache: KVCache, block_ids: list[int], num_tokens: int, count: int
+) -> list[list[int] | None]:
+    """`count` block lists, each holding the KV of tokens [0, num_tokens) of `block_ids`: their
+    full blocks shared (one more reference each), a partial last block copied into a block of
+    the list's own. None for each list that found no free block for its copy."""
+    full, partial = divmod(num_tokens, cache.block_size)
+    assert len(block_ids) * cache.block_size >= num_tokens, (block_ids, num_tokens)
+    shared = block_ids[:full]
+    forks: list[list[int] | None] = []
+    copies: list[int] = []
+    for _ in range(count):
+        own = pool.allocate(1) if partial else []
+        if own is None:
+            forks.append(None)
+            continue
+        pool.incref(shared)
+        copies += own
+        forks.append(shared + own)
+    if copies:
+        cache.copy_blocks([block_ids[full]] * len(copies), copies)
+    return forks

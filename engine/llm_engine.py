@@ -6,8 +6,10 @@
         for out in engine.step(): ...
 
 The decode server admits sequences whose prompt KV was written by a remote prefill with
-`add_prefilled`; everything else is the same path. A request constrained to a grammar (structured
-output) passes one compiled by `engine.grammars` (engine/grammar.py).
+`add_prefilled`; everything else is the same path. The n choices of one such prompt (OpenAI's n,
+built by `new_choices`) are admitted together with `add_prefilled_choices`: they share the
+prompt's full blocks, and each has its own copy of a partial last one. A request constrained to
+a grammar (structured output) passes one compiled by `engine.grammars` (engine/grammar.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.grammar import Grammar, GrammarCompiler
-from engine.kv_cache import BlockPool, KVCache
+from engine.kv_cache import BlockPool, KVCache, fork_blocks
 from engine.model import EAGER_OPS, CausalLM
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
@@ -248,6 +250,28 @@ class LLMEngine:
             seq.grammar = grammar.matcher((*self.model_config.eos_token_ids, *stop.stop_token_ids))
         return seq
 
+    def new_choices(
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        sampling: SamplingParams,
+        stop: StopConditions,
+        n: int,
+        grammar: Grammar | None = None,
+    ) -> list[Sequence]:
+        """The n choices of one request, `new_sequence`s with ids f"{request_id}#{i}"; choice i
+        samples with seed + i (mod 2**64) when `sampling` has a seed, as vLLM's n does, and has
+        a grammar matcher of its own."""
+        assert n >= 1, n
+        # NOTE: a suffix on every id, choice 0's included, keeps ids distinct across requests:
+        # with none on choice 0, request "x#1" would collide with choice 1 of "x".
+        return [
+            self.new_sequence(
+                f"{request_id}#{i}", prompt_ids, sampling.for_choice(i), stop, grammar
+            )
+            for i in range(n)
+        ]
+
     def add_request(
         self,
         seq_id: str,
@@ -263,11 +287,29 @@ class LLMEngine:
 
     def add_prefilled(self, seq: Sequence, block_ids: list[int], first_token: int) -> bool:
         """Admits a sequence whose prompt KV is already in `block_ids` (taken over by the
-        engine). Returns False if first_token already finished it."""
+        engine; none: the prompt is recomputed). Returns False if first_token already finished
+        it."""
         if self.scheduler.add_prefilled(seq, block_ids, first_token):
             self.sequences[seq.seq_id] = seq
             return True
         return False
+
+    def add_prefilled_choices(
+        self, seqs: Seq[Sequence], block_ids: list[int], first_tokens: Seq[int]
+    ) -> list[bool]:
+        """Admits the choices of one prompt (see `new_choices`), whose prompt KV is in
+        `block_ids`, each with its own first token. Choice 0 takes the blocks over (as
+        `add_prefilled`); every other one shares the prompt's full blocks and gets a copy of a
+        partial last block, or, when no block is free for that copy, recomputes its prompt (as a
+        preempted sequence does). Returns, per choice, False if its first token finished it."""
+        assert len(seqs) == len(first_tokens) >= 1
+        # Shared and copied before choice 0 is admitted: a first token that finishes it at
+        # once frees its blocks.
+        num_tokens = seqs[0].num_prompt_tokens
+        forks = fork_blocks(self.pool, self.kv_cache, block_ids, num_tokens, len(seqs) - 1)
+        owned = [list(block_ids), *(fork or [] for fork in forks)]  # []: recomputes its prompt
+        starts = zip(seqs, owned, first_tokens, strict=True)
+        return [self.add_prefilled(seq, ids, token) for seq, ids, token in starts]
 
     def abort(self, seq_id: str) -> bool:
         self.sequences.pop(seq_id, None)

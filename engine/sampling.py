@@ -9,11 +9,11 @@ batch at once (one [B, V] pass per knob), and only pays for the knobs some row u
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-from engine.sampling_ranges import SAMPLING_RANGES, range_problem
+from engine.sampling_ranges import SAMPLING_RANGES, SEED_END, range_problem
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,13 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unsupported sampling parameter(s): {', '.join(unknown)}")
         return cls(**{k: v for k, v in values.items() if v is not None})
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice `index`'s params among a request's n (OpenAI's n): a seed becomes seed + index
+        (mod 2**64), as vLLM gives its child requests; unseeded choices are independent draws."""
+        if self.seed is None or index == 0:
+            return self
+        return replace(self, seed=(self.seed + index) % SEED_END)
 
     @property
     def greedy(self) -> bool:

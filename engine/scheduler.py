@@ -5,7 +5,9 @@ Each step is planned in this order, under a token budget (max_num_batched_tokens
      takes what the budget leaves; when a running sequence needs a block and none is free, the
      newest running sequence is preempted (blocks freed, KV recomputed later from its tokens);
   2. waiting sequences, oldest first, while the budget, max_num_seqs and free blocks allow.
-     A waiting sequence may already hold KV (admitted prefilled, see `add_prefilled`).
+     A waiting sequence may already hold KV (admitted prefilled, see `add_prefilled`), or hold
+     none and have output tokens to feed with its prompt (preempted, or admitted prefilled
+     without its prompt's KV).
 A plan counts its tokens as computed when it is made (the forward will write their KV); after the
 forward, `update` feeds back the sampled tokens and frees finished sequences' blocks.
 
@@ -87,13 +89,15 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_prefilled(self, seq: Sequence, block_ids: list[int], first_token: int) -> bool:
-        """Queues a sequence whose prompt KV is already in `block_ids` (owned by the sequence
-        from now on) and whose first token was sampled elsewhere. Returns False when that token
+        """Queues a sequence whose prompt KV is already in `block_ids` (one reference to each
+        is the sequence's from now on, dropped when it is preempted or finishes) and whose first
+        token was sampled elsewhere. Empty `block_ids`: the KV is not here, and the prompt is
+        recomputed with the first token, as after a preemption. Returns False when that token
         already finishes it (the blocks are then freed)."""
         assert seq.status is SequenceStatus.WAITING and seq.num_output_tokens == 0
-        assert len(block_ids) * self.config.block_size >= seq.num_prompt_tokens
+        assert not block_ids or len(block_ids) * self.config.block_size >= seq.num_prompt_tokens
         seq.block_ids = list(block_ids)
-        seq.num_computed = seq.num_prompt_tokens
+        seq.num_computed = seq.num_prompt_tokens if block_ids else 0
         reason = seq.append(first_token)
         if reason is not None:
             self._finish(seq, reason)

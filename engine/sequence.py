@@ -6,7 +6,11 @@ Life cycle (SequenceStatus):
      +------- preempted ------+   (blocks freed; its KV is recomputed from prompt + output)
 
 A sequence admitted with its prompt KV already in its blocks (the decode server's path) starts
-RUNNING with every prompt token computed and the prefill engine's token as its first output.
+with every prompt token computed and the prefill engine's token as its first output. The choices
+of one prompt (OpenAI's n) are sequences of their own, "<request id>#<choice>", that hold one
+reference each to the prompt's full blocks (engine/kv_cache.py) and a block of their own for a
+partial last one; a choice that found no free block for that copy starts with no blocks and its
+first token, and recomputes its prompt as a preempted sequence does.
 
 A constrained sequence (structured output, engine/grammar.py) carries its grammar's matcher,
 which accepts every token the sequence appends: it stops when the grammar has accepted a stop

@@ -4,7 +4,9 @@ router cannot tell it from vLLM with tandem's connector:
   POST /v1/completions   token-id (or text) prompt; with `kv_transfer_params` carrying a tandem
                          ticket and max_tokens=1, the prompt's KV goes to the decode server and
                          the reply's `kv_transfer_params` holds the first token and transfer stats;
-                         vLLM's `structured_outputs` constrains the sampled tokens
+                         `n` choices, choice i seeded seed + i as vLLM's n does, the KV sent once
+                         whatever n (with choice 0); vLLM's `structured_outputs` constrains the
+                         sampled tokens
   POST /tokenize         {"prompt": str} or {"messages": [...]} -> {"tokens": [...], "count"}
   GET  /health, GET /v1/models
 
@@ -37,15 +39,17 @@ from engine.sequence import StopConditions
 from prefill.kv_sender import KvSender
 from prefill.publisher import KvPublisher
 from prefill.ticket import PREFILL_LAYOUT, KvTransfer, TicketError, dtype_name, layout_descriptor
-from prefill.worker import Job, PrefillError, PrefillWorker
+from prefill.worker import Job, PrefillError, PrefillWorker, Result
 from transport.config import KvTransportConfig
 
 # Completion fields accepted and ignored because they change nothing here.
-_IGNORED = {"model", "stream", "n", "echo", "return_token_ids", "user"}
+_IGNORED = {"model", "stream", "echo", "return_token_ids", "user"}
 _ACCEPTED = _IGNORED | set(SAMPLING_FIELDS) | {
-    "prompt", "max_tokens", "kv_transfer_params", "return_tokens_as_token_ids",
+    "prompt", "max_tokens", "n", "kv_transfer_params", "return_tokens_as_token_ids",
     "structured_outputs",
 }  # fmt: skip
+MAX_N = 16384
+"""Choices a request may ask for at most (vLLM's default VLLM_MAX_N_SEQUENCES)."""
 # vLLM's StructuredOutputsParams constraint kinds this server supports; exactly one is given.
 _KINDS = ("json", "json_object", "regex", "grammar", "choice")
 
@@ -118,7 +122,7 @@ class PrefillServer:
 
         @app.exception_handler(PrefillError)
         async def refused(request: Request, error: PrefillError) -> JSONResponse:
-            return _error(error.status, str(error))
+            return _error(error.status, str(error), error.param)
 
         @app.get("/health")
         async def health():
@@ -154,34 +158,50 @@ class PrefillServer:
         @app.post("/v1/completions")
         async def completions(request: Request):
             body = await _json(request)
-            job = self._job(body)
+            jobs = self._jobs(body)
             if body.get("structured_outputs") is not None:
                 # Off the event loop: compiling takes milliseconds (the first one seconds, as it
                 # loads xgrammar and the tokenizer).
-                job.grammar = await asyncio.to_thread(self._grammar, body["structured_outputs"])
-            result = await asyncio.wrap_future(self.worker.submit(job))
-            text = self.tokenizer.decode(result.token_ids) if self.tokenizer else ""
-            completion = len(result.token_ids)
-            logprobs = None
-            if result.logprobs is not None:
-                token_text = self._token_text(body.get("return_tokens_as_token_ids", False))
-                logprobs = completion_logprobs(result.token_ids, result.logprobs, token_text)
-            reply = {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": self.name,
-                "choices": [{"index": 0, "text": text, "token_ids": result.token_ids,
-                             "finish_reason": result.finish_reason, "logprobs": logprobs}],
-                "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
-                          "total_tokens": result.prompt_tokens + completion},
-                "kv_transfer_params": result.kv_transfer_params,
-            }  # fmt: skip
-            return reply
+                grammar = await asyncio.to_thread(self._grammar, body["structured_outputs"])
+                for job in jobs:  # one compiled grammar; each sequence gets its own matcher
+                    job.grammar = grammar
+            # Any choice failing fails the request: the first failure is the answer.
+            futures = self.worker.submit(jobs)
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+            return self._reply(results, body.get("return_tokens_as_token_ids"))
 
         return app
 
-    def _job(self, body: dict) -> Job:
+    def _reply(self, results: list[Result], as_token_ids: bool | None) -> dict:
+        """The completion: one choice per result, in order; the prompt is counted once, and the
+        transfer's `kv_transfer_params` are choice 0's (the only choice that sends)."""
+        token_text = self._token_text(as_token_ids)
+        choices = []
+        for index, result in enumerate(results):
+            logprobs = None
+            if result.logprobs is not None:
+                logprobs = completion_logprobs(result.token_ids, result.logprobs, token_text)
+            text = self.tokenizer.decode(result.token_ids) if self.tokenizer else ""
+            choices.append({
+                "index": index, "text": text, "token_ids": result.token_ids,
+                "finish_reason": result.finish_reason, "logprobs": logprobs,
+            })  # fmt: skip
+        prompt = results[0].prompt_tokens
+        completion = sum(len(result.token_ids) for result in results)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.name,
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                      "total_tokens": prompt + completion},
+            "kv_transfer_params": results[0].kv_transfer_params,
+        }  # fmt: skip
+
+    def _jobs(self, body: dict) -> list[Job]:
+        """The request's choices as jobs; only choice 0's carries the ticket (the KV is sent
+        once, whatever n). PrefillError (400) naming what the request got wrong."""
         prompt = body.get("prompt")
         if isinstance(prompt, str) and self.tokenizer is not None:
             prompt = self.tokenizer(prompt)["input_ids"]
@@ -206,7 +226,11 @@ class PrefillServer:
             stop = StopConditions(max_tokens=int(max_tokens))
         except (ValueError, TypeError) as e:
             raise PrefillError(400, str(e)) from None
-        return Job(list(prompt), sampling, stop, transfer)
+        n = choice_count(body.get("n", 1))
+        return [
+            Job(list(prompt), sampling.for_choice(i), stop, transfer if i == 0 else None)
+            for i in range(n)
+        ]
 
     def _grammar(self, structured_outputs: object) -> Grammar | None:
         try:
@@ -226,6 +250,14 @@ class PrefillServer:
         self.worker.stop()
         self.sender.close()
         self.agent.close()
+
+
+def choice_count(n: object) -> int:
+    """OpenAI's `n`, checked: an integer (not a boolean) in [1, MAX_N]; PrefillError (400)
+    naming `n` otherwise."""
+    if type(n) is not int or not 1 <= n <= MAX_N:
+        raise PrefillError(400, f"n: {n!r} is not an integer in [1, {MAX_N}]", param="n")
+    return n
 
 
 def grammar_spec(value: object) -> GrammarSpec | None:
@@ -272,11 +304,11 @@ async def _json(request: Request) -> dict:
     return body
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     """OpenAI's error body with the router's types (router/errors.py: no component imports the
     router, so these three lines are the prefill server's own)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
 
 

@@ -1,6 +1,10 @@
 """The prefill engine's thread (engine.engine_thread): runs prompts, sends their KV layer by
 layer to the decode server named in each request's ticket, and commits.
 
+A job is one choice of a completion (one sequence in the engine); a request's choices are
+submitted together and admitted in one go, so they prefill in the same forward (as far as the
+scheduler's token budget allows). At most one of them carries the ticket: see `submit`.
+
 A job's life: submit() -> queued -> admitted (ticket: a KvSender session opens; Hello and
 connect go on in the background) -> prefilled in the engine's next steps, its layers handed to
 the sender as they are computed -> sampled -> (ticket: the sender waits for the writes and
@@ -31,19 +35,24 @@ from prefill.ticket import KvTransfer
 
 
 class PrefillError(Exception):
-    """The request cannot be served; `status` is the HTTP status to answer with."""
+    """The request cannot be served; `status` is the HTTP status to answer with, `param` the
+    request field at fault, if one is."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.param = param
 
 
 @dataclass
 class Job:
+    """One choice of a completion request: one sequence in the engine."""
+
     prompt_ids: list[int]
     sampling: SamplingParams
     stop: StopConditions
     transfer: KvTransfer | None
+    """The ticket to send the prompt's KV to; None: sample only."""
     grammar: Grammar | None = None
     """Structured output: the sampled tokens are constrained to it."""
     future: Future = field(default_factory=Future)
@@ -80,6 +89,13 @@ class Result:
 
 
 @dataclass(frozen=True)
+class _Admit:
+    """Engine-thread command: one request's choices, admitted together."""
+
+    jobs: tuple[Job, ...]
+
+
+@dataclass(frozen=True)
 class _ReleaseBlocks:
     """Engine-thread command: a sent job's blocks, held while its writes were in flight."""
 
@@ -104,15 +120,25 @@ class PrefillWorker(EngineThread):
         self._ids = iter(range(1, 1 << 62))
         super().__init__(engine, server="prefill", thread_name="prefill-engine")
 
-    def submit(self, job: Job) -> Future:
-        self._put(job)
-        return job.future
+    def submit(self, jobs: list[Job]) -> list[Future]:
+        """Queues one request's choices; their futures, in the same order. The prompt's KV goes
+        once, with the one job that carries the ticket. NOTE: each choice prefills the prompt
+        itself (this engine has no prefix cache), so n choices cost n prompts' compute, batched
+        into one forward. vLLM's n does the same with prefix caching off; with it on (its
+        default) the children after the first reuse the first's full blocks, which vLLM caches
+        as it allocates them, in the same step."""
+        assert sum(job.transfer is not None for job in jobs) <= 1, "one KV transfer a request"
+        self._put(_Admit(tuple(jobs)))
+        return [job.future for job in jobs]
 
-    def _admit(self, item: Job | _ReleaseBlocks) -> None:
+    def _admit(self, item: _Admit | _ReleaseBlocks) -> None:
         if isinstance(item, _ReleaseBlocks):
             self.engine.pool.free(item.block_ids)
             return
-        job = item
+        for job in item.jobs:
+            self._admit_job(job)
+
+    def _admit_job(self, job: Job) -> None:
         job.request_id = f"p{next(self._ids)}"
         if job.transfer is not None:
             session = self.sender.open(job.transfer)
@@ -153,9 +179,11 @@ class PrefillWorker(EngineThread):
             job.fail(PrefillError(503, failure))
         self._live.clear()
 
-    def _refuse(self, item: Job | _ReleaseBlocks, failure: str) -> None:
-        if isinstance(item, Job):
-            item.fail(PrefillError(503, failure))
+    def _refuse(self, item: _Admit | _ReleaseBlocks, failure: str) -> None:
+        if isinstance(item, _Admit):
+            # Jobs of it admitted before the engine failed were failed with the live ones.
+            for job in item.jobs:
+                job.fail(PrefillError(503, failure))
 
     def _arm(self, plan: StepPlan) -> None:
         """Before a forward: the sends of prompts that complete in it post each layer."""

@@ -58,10 +58,11 @@ class PrefillClient(Protocol):
         transfer_params: dict,
         sampling: decode_pb2.SamplingParams,
         structured: decode_pb2.StructuredOutput | None = None,
+        n: int = 1,
     ) -> PrefillReply:
         """Prefills `prompt_ids` on instance `url`, handing it the ticket in `transfer_params`;
-        a 200's JSON carries kv_transfer_params.first_token_id, sampled with `sampling` under
-        the `structured` constraint."""
+        a 200's JSON has `n` choices, each with the first token it sampled (`token_ids`) with
+        `sampling` under the `structured` constraint, and the connector's kv_transfer_params."""
         ...
 
     async def tokenize(self, url: str, body: dict) -> PrefillReply:
@@ -111,9 +112,10 @@ class HttpPrefillClient:
         transfer_params: dict,
         sampling: decode_pb2.SamplingParams,
         structured: decode_pb2.StructuredOutput | None = None,
+        n: int = 1,
     ) -> PrefillReply:
-        body = {"prompt": prompt_ids, "max_tokens": 1, "kv_transfer_params": transfer_params,
-                **_prefill_sampling(sampling)}  # fmt: skip
+        body = {"prompt": prompt_ids, "max_tokens": 1, "n": n, "return_token_ids": True,
+                "kv_transfer_params": transfer_params, **_prefill_sampling(sampling)}  # fmt: skip
         if structured is not None:
             body.update(prefill_fields(structured))
         return await self._post(url, "/v1/completions", body)

@@ -1,5 +1,6 @@
 """The contract between the HTTP side and the orchestrator: a validated GenerationRequest goes
-in; Tokens, then one Finished, come out."""
+in; Tokens and one Finished per choice come out (the choices' items interleave; each carries its
+choice's `index`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ class GenerationRequest:
     ignore_eos: bool = False
     structured: decode_pb2.StructuredOutput | None = None
     """The grammar the output follows, first token included (the prefill is told too)."""
+    n: int = 1
+    """Choices: independent generations from the one prompt (OpenAI's n)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class Tokens:
     ends_on_stop_token: bool = False
     """The last id is the stop token (end of sequence, a stop_token_ids entry) that finished
     the generation: its text is not part of the output (vLLM's rule)."""
+    index: int = 0
+    """The choice these tokens belong to."""
 
 
 @dataclass(frozen=True)
@@ -39,3 +44,6 @@ class Finished:
     finish_reason: str  # "stop" | "length" | "abort"
     prompt_tokens: int
     completion_tokens: int
+    """The choice's own."""
+    index: int = 0
+    """The choice that finished."""

@@ -34,7 +34,7 @@ from router.orchestrator import Orchestrator
 from router.output_parsing import OutputParsing
 from router.prompts import PromptTokenizer
 from router.requests import ApiRequest, Endpoint, ServedModel, generation_request, parse
-from router.streaming import Delta, collect, completion_body, sse, text_events
+from router.streaming import ChoiceText, Delta, collect, completion_body, sse, text_events
 from router.streaming import Response as StreamResponse
 from router.tokenize_api import detokenize, tokenize
 
@@ -148,8 +148,8 @@ class OpenAIApi:
         generation = generation_request(api_request, prompt_ids, model.max_model_len)
         request_id = request.state.request_id
         response = self._response(api_request, prompt_ids, f"{endpoint.id_prefix}-{request_id}")
-        skip_special = response.parser.skip_special_tokens if response.parser else (
-            api_request.skip_special_tokens)  # fmt: skip
+        parser = response.parser(0)
+        skip_special = parser.skip_special_tokens if parser else api_request.skip_special_tokens
         events = self._events(generation, api_request, request_id, skip_special)
         try:  # admission, and failures before the first token, get an HTTP status
             first = await _unless_client_leaves(request, anext(events))
@@ -163,27 +163,30 @@ class OpenAIApi:
         if api_request.stream:
             return StreamingResponse(sse(events, response), media_type="text/event-stream")
         try:
-            whole, finish = await _unless_client_leaves(request, collect(events))
+            choices = await _unless_client_leaves(request, collect(events))
         except BackendError as e:
             return error_response(e.status, str(e))
         except ClientGone:
             return Response(status_code=CLIENT_GONE)
-        return JSONResponse(completion_body(response, whole, finish))
+        return JSONResponse(completion_body(response, choices))
 
     def _response(
         self, request: ApiRequest, prompt_ids: list[int], response_id: str
     ) -> StreamResponse:
-        logprobs = parser = None
+        """The response's framing, with a logprobs writer and an output parser per choice."""
+        logprobs = parsers = ()
         if request.sampling.HasField("logprobs"):
-            logprobs = LogprobsFormat(self.prompts.local.tokenizer,
-                                      chat=request.endpoint is Endpoint.CHAT,
-                                      tokens_as_ids=request.tokens_as_ids)  # fmt: skip
+            logprobs = tuple(LogprobsFormat(self.prompts.local.tokenizer,
+                                            chat=request.endpoint is Endpoint.CHAT,
+                                            tokens_as_ids=request.tokens_as_ids)
+                             for _ in range(request.n))  # fmt: skip
         if request.tools is not None:  # a chat
             kwargs = (request.template or {}).get("chat_template_kwargs")
-            parser = self.parsing.start(request.tools, prompt_ids, request.skip_special_tokens,
-                                        kwargs)  # fmt: skip
+            parsers = tuple(self.parsing.start(request.tools, prompt_ids,
+                                               request.skip_special_tokens, kwargs)
+                            for _ in range(request.n))  # fmt: skip
         return StreamResponse(request.endpoint, response_id, self.model.name, int(time.time()),
-                              request.include_usage, logprobs, parser)  # fmt: skip
+                              request.include_usage, logprobs, parsers)  # fmt: skip
 
     async def _prompt_ids(self, request: ApiRequest) -> list[int]:
         try:
@@ -207,11 +210,14 @@ class OpenAIApi:
         prompt_ids = generation.prompt_ids
         with self.limiter.slot():
             timer = RequestTimer(self.metrics)
-            tokens = timer.timed(self.orchestrator.generate(generation, request_id))
-            detok = IncrementalDetokenizer(self.prompts.local.tokenizer, prompt_ids,
-                                           skip_special_tokens)  # fmt: skip
-            events = text_events(tokens, detok, len(prompt_ids), request.stops,
-                                 request.include_stop_str_in_output)  # fmt: skip
+            started = self.orchestrator.generate(generation, request_id)
+            choices = [
+                ChoiceText(i, IncrementalDetokenizer(self.prompts.local.tokenizer, prompt_ids,
+                                                     skip_special_tokens),
+                           len(prompt_ids), request.stops, request.include_stop_str_in_output)
+                for i in range(generation.n)
+            ]  # fmt: skip
+            events = text_events(timer.timed(started), choices, started.stop_choice)
             async with contextlib.aclosing(events):
                 async for event in events:
                     yield event

@@ -1,11 +1,13 @@
 """One request through the disaggregated stack (docs/design.md, steps 2-5):
 
   pick a decode instance (least outstanding tokens) -> Reserve -> pick a prefill instance (least
-  in flight) -> prefill with the ticket (on failure: once more, on another prefill)
-  -> Generate, streamed back as lists of token ids, then a Finished.
+  in flight) -> prefill with the ticket (on failure: once more, on another prefill), which
+  samples every choice's first token and sends the prompt's KV once
+  -> Generate, streamed back as lists of token ids, then a Finished, per choice.
 
 Cancelling the consumer (client gone) aborts the request on the decode server, and so does a
-prefill failure (the reservation is released at once instead of at its deadline). A decode
+prefill failure (the reservation is released at once instead of at its deadline); a consumer
+done with one choice (a stop string) stops that one alone. A decode
 instance whose RPC fails with UNAVAILABLE is marked down until a Stats probe answers; a prefill
 instance that cannot be reached or answers 503 (its engine failed) is marked down until its
 health check answers 200.
@@ -81,58 +83,63 @@ class Orchestrator:
         self.decode_client = decode_client
         self._ids = itertools.count(1)
 
-    async def generate(
-        self, request: GenerationRequest, request_id: str
+    def generate(self, request: GenerationRequest, request_id: str) -> Generation:
+        """The request's generation, started when first iterated: Tokens as the decode server
+        streams them and a Finished per choice; a failure raises BackendError with the HTTP
+        status to answer."""
+        return Generation(self, request, request_id)
+
+    async def _generate(
+        self, request: GenerationRequest, request_id: str, placed: Generation
     ) -> AsyncIterator[Tokens | Finished]:
-        """Tokens as the decode server streams them, then a Finished; a failure raises
-        BackendError with the HTTP status to answer."""
         decode = self._pick_decode()
-        decode.outstanding_tokens += request.max_tokens
+        outstanding = request.max_tokens * request.n
+        decode.outstanding_tokens += outstanding
         rid = f"{request_id}-{next(self._ids)}"
         reserved = None
-        finished = False
+        live = set(range(request.n))
         try:
             reserved = await self.decode_client.reserve(decode.address, decode_pb2.ReserveRequest(
                 request_id=rid, prompt_token_ids=request.prompt_ids, num_senders=1,
                 max_tokens=request.max_tokens))  # fmt: skip
+            placed.placement = (decode, rid)
             try:
-                first, first_logprobs = await self._prefill(
-                    reserved.ticket, decode.address, request
-                )
+                firsts = await self._prefill(reserved.ticket, decode.address, request)
             except PrefillFailed as e:
                 undelivered = not e.ticket_delivered
                 await asyncio.shield(self._abort(decode, rid, "prefill failed", undelivered))
                 raise
-            stream = self.decode_client.generate(decode.address, decode_pb2.GenerateRequest(
-                request_id=rid, generation=reserved.ticket.generation, first_token_id=first,
-                sampling=request.sampling, max_tokens=request.max_tokens,
-                min_tokens=request.min_tokens, stop_token_ids=request.stop_token_ids,
-                ignore_eos=request.ignore_eos, first_token_logprobs=first_logprobs,
-                structured_output=request.structured))  # fmt: skip
+            stream = self.decode_client.generate(
+                decode.address, _generate_request(request, rid, reserved.ticket, firsts)
+            )
             async with contextlib.aclosing(stream):
                 async for message in stream:
+                    index = message.index
                     if message.token_ids:
                         on_stop = message.finish_reason == decode_pb2.FINISH_REASON_STOP
-                        yield Tokens(list(message.token_ids), list(message.logprobs), on_stop)
+                        yield Tokens(list(message.token_ids), list(message.logprobs), on_stop,
+                                     index)  # fmt: skip
                     if message.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED:
                         usage = message.usage
-                        reason = _FINISH[message.finish_reason]
-                        # NOTE: consumers close the stream on this Finished, without reading
-                        # past it: that is no client gone, and nothing is left to abort.
-                        finished = True
-                        yield Finished(reason, usage.prompt_tokens, usage.completion_tokens)
-                        return
+                        # NOTE: consumers close the stream after the last Finished, without
+                        # reading past it: that is no client gone, and nothing is left to abort.
+                        live.discard(index)
+                        yield Finished(_FINISH[message.finish_reason], usage.prompt_tokens,
+                                       usage.completion_tokens, index)  # fmt: skip
+                        if not live:
+                            return
             raise BackendError(502, f"decode server {decode.address} ended the stream early")
         except grpc.aio.AioRpcError as e:
             raise self._failed(decode, e) from None
         except (asyncio.CancelledError, GeneratorExit):
             # The client is gone: stop decoding for it, or release its reservation (kept
             # quarantined by the decode server until a prefill still writing into it commits).
-            if reserved is not None and not finished:
+            if reserved is not None and live:
                 await asyncio.shield(self._abort(decode, rid, "client gone"))
             raise
         finally:
-            decode.outstanding_tokens -= request.max_tokens
+            placed.placement = None
+            decode.outstanding_tokens -= outstanding
 
     async def close(self) -> None:
         await self.prefill_client.close()
@@ -192,9 +199,9 @@ class Orchestrator:
 
     async def _prefill(
         self, ticket: decode_pb2.Ticket, decode_address: str, request: GenerationRequest
-    ) -> tuple[int, decode_pb2.TokenLogprobs | None]:
-        """The first token id, and its log-probabilities if the request asks for them, from
-        the first prefill instance to prefill the request."""
+    ) -> list[FirstToken]:
+        """Each choice's first token, from the first prefill instance to prefill the
+        request."""
         params = transfer_params(ticket, decode_address)
         error = "no prefill instance is available"
         delivered = False
@@ -202,20 +209,16 @@ class Orchestrator:
         for prefill in self._prefill_order():
             prefill.in_flight += 1
             try:
-                reply = await self.prefill_client.complete(
-                    prefill.url, request.prompt_ids, params, request.sampling, request.structured
-                )
+                reply = await self.prefill_client.complete(prefill.url, request.prompt_ids,
+                    params, request.sampling, request.structured, request.n)  # fmt: skip
                 delivered = True
                 if reply.status == 200:
                     try:
-                        return _first_token(reply.json or {}, request.sampling)
+                        return _first_tokens(reply.json or {}, request.sampling, request.n)
                     except LogprobsError as e:
                         error = f"prefill {prefill.url}: {e}"
-                    except (TypeError, ValueError):
-                        error = (
-                            f"prefill {prefill.url} answered without a first_token_id: is it "
-                            "tandem's prefill server, or vLLM with TandemConnector?"
-                        )
+                    except FirstTokenMissing as e:
+                        error = f"prefill {prefill.url}: {e}"
                     status = 502
                     break
                 error = f"prefill {prefill.url} answered {reply.status}: {reply.text[:200]}"
@@ -253,24 +256,96 @@ class Orchestrator:
         return BackendError(502, f"decode server {decode.address}: {error.details()}")
 
     async def _abort(
-        self, decode: DecodeInstance, rid: str, reason: str, ticket_undelivered: bool = False
+        self,
+        decode: DecodeInstance,
+        rid: str,
+        reason: str,
+        ticket_undelivered: bool = False,
+        choices: Sequence[int] = (),
     ) -> None:
         # A failure means the decode server is gone or done with it: nothing left to stop.
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.decode_client.abort(decode.address, decode_pb2.AbortRequest(
-                request_id=rid, reason=reason, ticket_undelivered=ticket_undelivered))  # fmt: skip
+                request_id=rid, reason=reason, ticket_undelivered=ticket_undelivered,
+                choices=choices))  # fmt: skip
 
 
-def _first_token(reply: dict, sampling: decode_pb2.SamplingParams):
-    """(first token id, its logprobs or None) from a prefill's 200 reply; ValueError or
-    TypeError when it has no first_token_id, LogprobsError when it lacks asked-for logprobs."""
-    first = (reply.get("kv_transfer_params") or {}).get("first_token_id")
-    if not isinstance(first, int) or isinstance(first, bool):
-        raise ValueError("no first_token_id")
-    if not sampling.HasField("logprobs"):
-        return first, None
-    choices = reply.get("choices") or [{}]
-    return first, first_token_logprobs(choices[0], sampling.logprobs)
+class Generation:
+    """One request on its way through the stack: iterate it for its Tokens and Finished (it
+    starts then); `stop_choice` ends one of its choices early, and closing it ends them all."""
+
+    def __init__(
+        self, orchestrator: Orchestrator, request: GenerationRequest, request_id: str
+    ) -> None:
+        self._orchestrator = orchestrator
+        self.placement: tuple[DecodeInstance, str] | None = None
+        """The decode instance and request id while the request lives there."""
+        self._items = orchestrator._generate(request, request_id, self)
+
+    def __aiter__(self) -> AsyncIterator[Tokens | Finished]:
+        return self._items
+
+    async def __anext__(self) -> Tokens | Finished:
+        return await anext(self._items)
+
+    async def aclose(self) -> None:
+        await self._items.aclose()
+
+    async def stop_choice(self, index: int) -> None:
+        """Stops generating choice `index` (the client has what it wants of it, e.g. up to a
+        stop string); its remaining Tokens and its Finished may still come and mean nothing."""
+        if self.placement is not None:
+            decode, rid = self.placement
+            await self._orchestrator._abort(decode, rid, "choice done", choices=[index])
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """Where one choice starts: the prefill's token, and its logprobs when asked."""
+
+    token_id: int
+    logprobs: decode_pb2.TokenLogprobs | None
+
+
+class FirstTokenMissing(ValueError):
+    """A prefill's 200 reply without the first tokens asked for."""
+
+
+def _first_tokens(reply: dict, sampling: decode_pb2.SamplingParams, n: int) -> list[FirstToken]:
+    """Each choice's first token from a prefill's 200 reply (its `token_ids`, which vLLM returns
+    with return_token_ids); FirstTokenMissing or LogprobsError when something asked for is
+    missing. The connector's kv_transfer_params must be there too: without it no KV was sent."""
+    if not isinstance((reply.get("kv_transfer_params") or {}).get("first_token_id"), int):
+        raise FirstTokenMissing(
+            "answered without kv_transfer_params.first_token_id: is it tandem's prefill "
+            "server, or vLLM with TandemConnector?"
+        )
+    choices = {c.get("index"): c for c in reply.get("choices") or [] if isinstance(c, dict)}
+    firsts = []
+    for index in range(n):
+        token_ids = choices.get(index, {}).get("token_ids")
+        if not (isinstance(token_ids, list) and token_ids and type(token_ids[0]) is int):
+            raise FirstTokenMissing(f"answered without choices[{index}].token_ids")
+        logprobs = None
+        if sampling.HasField("logprobs"):
+            logprobs = first_token_logprobs(choices[index], sampling.logprobs)
+        firsts.append(FirstToken(token_ids[0], logprobs))
+    return firsts
+
+
+def _generate_request(
+    request: GenerationRequest, rid: str, ticket: decode_pb2.Ticket, firsts: list[FirstToken]
+) -> decode_pb2.GenerateRequest:
+    first, *others = firsts
+    return decode_pb2.GenerateRequest(
+        request_id=rid, generation=ticket.generation, first_token_id=first.token_id,
+        first_token_logprobs=first.logprobs, sampling=request.sampling,
+        max_tokens=request.max_tokens, min_tokens=request.min_tokens,
+        stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+        structured_output=request.structured,
+        other_choices=[decode_pb2.ChoiceStart(first_token_id=c.token_id,
+                                              first_token_logprobs=c.logprobs) for c in others],
+    )  # fmt: skip
 
 
 def _refusal(reply: PrefillReply) -> str:

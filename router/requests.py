@@ -27,6 +27,8 @@ from router.tool_calls import ToolUse, check_tools, template_tools, tool_choice_
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_STOPS = 4
 """Stop strings per request at most (vLLM's default VLLM_MAX_STOP_STRINGS, OpenAI's limit)."""
+MAX_CHOICES = 128
+"""`n` at most (OpenAI's limit)."""
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
             "presence_penalty", "frequency_penalty")  # fmt: skip
 """Numbers passed to tandem.v1.SamplingParams under the same name."""
@@ -42,7 +44,6 @@ _COMMON = {"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_op
            "ignore_eos", "min_tokens", "logprobs", "skip_special_tokens",
            "include_stop_str_in_output", *SAMPLING, *IGNORED, *structured.FIELDS}  # fmt: skip
 _NOT_YET = {
-    "n": lambda v: v == 1,
     "best_of": lambda v: v == 1,
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
@@ -121,6 +122,8 @@ class ApiRequest:
     stream: bool = False
     include_usage: bool = False
     """Streaming: end with a chunk that carries the usage."""
+    n: int = 1
+    """Choices to generate."""
 
 
 def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
@@ -149,6 +152,11 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
     options = body.get("stream_options", {})
     if not isinstance(options, dict):
         raise RequestError(400, "stream_options: must be an object", "stream_options")
+    sampling = _sampling(endpoint, body)
+    n = _integer(body, "n", 1, MAX_CHOICES + 1, 1)
+    if n > 1 and not sampling.temperature:  # unset or 0: greedy
+        raise RequestError(400, f"n: {n} choices need sampling (a temperature above 0); greedy "
+                           "ones would all be the same", "n")  # fmt: skip
     return ApiRequest(
         endpoint=endpoint,
         text=text,
@@ -156,7 +164,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         messages=messages,
         template=template,
         max_tokens=max_tokens,
-        sampling=_sampling(endpoint, body),
+        sampling=sampling,
         structured=constraint,
         tools=tools,
         min_tokens=_integer(body, "min_tokens", 0, 2**32, 0),
@@ -168,6 +176,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         tokens_as_ids=flag(body, "return_tokens_as_token_ids", False),
         stream=flag(body, "stream", False),
         include_usage=flag(options, "include_usage", False),
+        n=n,
     )
 
 
@@ -201,6 +210,7 @@ def generation_request(
         stop_token_ids=request.stop_token_ids,
         ignore_eos=request.ignore_eos,
         structured=request.structured,
+        n=request.n,
     )
 
 

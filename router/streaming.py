@@ -1,20 +1,20 @@
 """From token ids to OpenAI responses:
 
-  Tokens, then a Finished  --text_events-->  Deltas (text, and the logprobs of the tokens it
-      covers), then a Finished
+  Tokens and a Finished per choice  --text_events-->  Deltas (text, and the logprobs of the
+      tokens it covers) and a Finished per choice, each with its choice's index
       --sse-->      "data: {chunk}\\n\\n" events, then "data: [DONE]\\n\\n"   (stream: true)
-      --collect-->  (Delta, Finished) --completion_body--> one JSON body         (stream: false)
+      --collect-->  (Delta, Finished) per choice --completion_body--> one JSON body (stream: false)
 
-Stop strings end the generation in `text_events` (and are not returned unless asked). A
-BackendError raised mid-stream becomes an error event in `sse`; `collect` lets it through for an
-HTTP status.
+Stop strings end a choice in `text_events` (and are not returned unless asked); the decode
+server is told to stop it. A BackendError raised mid-stream becomes an error event in `sse`;
+`collect` lets it through for an HTTP status.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from proto.tandem.v1 import decode_pb2
@@ -33,47 +33,91 @@ class Delta:
     """The tokens consumed since the previous Delta (output parsers read them)."""
     logprobs: list[tuple[int, decode_pb2.TokenLogprobs]] = field(default_factory=list)
     """(token id, its logprobs) of those tokens, when asked."""
+    index: int = 0
+    """The choice."""
+
+
+class ChoiceText:
+    """One choice's tokens as text: `add` and `end` return its next Deltas, and its Finished
+    (counting `prompt_tokens` and the tokens consumed) once it is `done`. A stop string ends it
+    (the stop token that ended a generation adds no text unless `include_stop`: vLLM's
+    include_stop_str_in_output)."""
+
+    def __init__(
+        self,
+        index: int,
+        detok: IncrementalDetokenizer,
+        prompt_tokens: int,
+        stops: Sequence[str],
+        include_stop: bool = False,
+    ) -> None:
+        self.index = index
+        self.detok = detok
+        self.prompt_tokens = prompt_tokens
+        self.stops = stops
+        self.include_stop = include_stop
+        self.done = False
+        self.completion = 0
+        self._held = ""  # text that could still be the start of a stop string
+        self._keep = max((len(s) - 1 for s in stops), default=0)
+        self._ids: list[int] = []
+        self._pending: list[tuple[int, decode_pb2.TokenLogprobs]] = []
+
+    def add(self, tokens: Tokens) -> list[Delta | Finished]:
+        self.completion += len(tokens.ids)
+        self._ids.extend(tokens.ids)
+        self._pending.extend(zip(tokens.ids, tokens.logprobs, strict=False))  # none unless asked
+        stop_token = tokens.ends_on_stop_token and not self.include_stop
+        self._held += self.detok.add(tokens.ids[:-1] if stop_token else tokens.ids)
+        for stop in self.stops:
+            if stop in self._held:
+                end = self._held.index(stop) + (len(stop) if self.include_stop else 0)
+                return self._last(self._held[:end], "stop")
+        if len(self._held) <= self._keep:
+            return []
+        cut = len(self._held) - self._keep
+        return [self._delta(cut)]
+
+    def end(self, finished: Finished) -> list[Delta | Finished]:
+        """The choice's end, as the decode server reported it."""
+        return self._last(self._held + self.detok.flush(), finished.finish_reason)
+
+    def _delta(self, cut: int) -> Delta:
+        delta = Delta(self._held[:cut], self._ids, self._pending, self.index)
+        self._held, self._ids, self._pending = self._held[cut:], [], []
+        return delta
+
+    def _last(self, text: str, reason: str) -> list[Delta | Finished]:
+        self.done = True
+        events: list[Delta | Finished] = []
+        if text or self._ids:
+            events.append(Delta(text, self._ids, self._pending, self.index))
+        return [*events, Finished(reason, self.prompt_tokens, self.completion, self.index)]
 
 
 async def text_events(
     tokens: AsyncIterator[Tokens | Finished],
-    detok: IncrementalDetokenizer,
-    prompt_tokens: int,
-    stops: Sequence[str],
-    include_stop: bool = False,
+    choices: Sequence[ChoiceText],
+    stop_choice: Callable[[int], Awaitable[None]] | None = None,
 ) -> AsyncIterator[Delta | Finished]:
-    """Deltas, then a Finished counting `prompt_tokens` and the tokens consumed. Closes
-    `tokens` however it ends: after a stop string, that aborts the generation upstream. The stop
-    token that ended the generation adds no text unless `include_stop` (vLLM's
-    include_stop_str_in_output)."""
-    completion = 0
-    held = ""  # text that could still be the start of a stop string
-    ids: list[int] = []
-    pending: list[tuple[int, decode_pb2.TokenLogprobs]] = []
-    keep = max((len(s) - 1 for s in stops), default=0)
+    """Every choice's Deltas, then its Finished, until all are done. A choice ended by a stop
+    string is stopped upstream (`stop_choice`), and whatever it still sends is passed over.
+    Closes `tokens` however it ends: once every choice is done, that aborts what is left."""
+    live = len(choices)
     try:
         async for item in tokens:
-            if isinstance(item, Finished):
-                if (tail := held + detok.flush()) or ids:
-                    yield Delta(tail, ids, pending)
-                yield Finished(item.finish_reason, prompt_tokens, completion)
-                return
-            completion += len(item.ids)
-            ids.extend(item.ids)
-            pending.extend(zip(item.ids, item.logprobs, strict=False))  # none unless asked
-            shown = item.ids[:-1] if item.ends_on_stop_token and not include_stop else item.ids
-            held += detok.add(shown)
-            for stop in stops:
-                if stop in held:
-                    end = held.index(stop) + (len(stop) if include_stop else 0)
-                    if held[:end] or ids:
-                        yield Delta(held[:end], ids, pending)
-                    yield Finished("stop", prompt_tokens, completion)
+            choice = choices[item.index]
+            if choice.done:
+                continue
+            events = choice.end(item) if isinstance(item, Finished) else choice.add(item)
+            for event in events:
+                yield event
+            if choice.done:
+                live -= 1
+                if not live:
                     return
-            if len(held) > keep:
-                cut = len(held) - keep
-                yield Delta(held[:cut], ids, pending)
-                held, ids, pending = held[cut:], [], []
+                if stop_choice is not None and not isinstance(item, Finished):
+                    await stop_choice(choice.index)
     finally:
         await tokens.aclose()
 
@@ -88,100 +132,118 @@ class Response:
     created: int
     include_usage: bool = False
     """Streaming: a last chunk with the usage."""
-    logprobs: LogprobsFormat | None = None
-    """Set when the client asked for logprobs."""
-    parser: ChoiceParser | None = None
-    """Chat: splits the text into content, reasoning and tool calls (router/output_parsing.py);
-    None: the text is the content."""
+    logprobs: tuple[LogprobsFormat, ...] = ()
+    """One per choice when the client asked for logprobs; none otherwise."""
+    parsers: tuple[ChoiceParser, ...] = ()
+    """Chat: one per choice, splitting its text into content, reasoning and tool calls
+    (router/output_parsing.py); none: the text is the content."""
 
     def head(self, chunk: bool) -> dict:
         kind = self.endpoint.chunk_object if chunk else self.endpoint.value
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def logprobs_of(self, delta: Delta) -> dict | None:
-        return self.logprobs.render(delta.logprobs) if self.logprobs else None
+        return self.logprobs[delta.index].render(delta.logprobs) if self.logprobs else None
 
-    def finish_reason(self, reason: str) -> str:
-        return self.parser.finish_reason(reason) if self.parser else reason
+    def parser(self, index: int) -> ChoiceParser | None:
+        return self.parsers[index] if self.parsers else None
+
+    def finish_reason(self, finish: Finished) -> str:
+        parser = self.parser(finish.index)
+        return parser.finish_reason(finish.finish_reason) if parser else finish.finish_reason
 
 
 async def sse(events: AsyncIterator[Delta | Finished], response: Response) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per delta (none for text an output parser holds back), one
-    with the finish reason, a usage chunk if asked, then [DONE]; a BackendError on the way ends
-    it with an error event, then [DONE]."""
+    """Server-sent events: a chunk per delta (none for text an output parser holds back) and
+    one with the finish reason, per choice; a usage chunk if asked, then [DONE]. A BackendError
+    on the way ends it with an error event, then [DONE]."""
     head = response.head(chunk=True)
-    first = True
+    started: set[int] = set()
+    """Choices with a chunk sent: the first one carries the role."""
+    finished: list[Finished] = []
     try:
         async with contextlib.aclosing(events):  # a client gone closes this, and `events`
             async for event in events:
+                first = event.index not in started
                 if isinstance(event, Finished):
-                    reason = response.finish_reason(event.finish_reason)
-                    choice = _chunk_choice(response, None, first, reason)
+                    finished.append(event)
+                    reason = response.finish_reason(event)
+                    choice = _chunk_choice(response, event.index, None, first, reason)
                     yield _event({**head, "choices": [choice]})
-                    if response.include_usage:
-                        yield _event({**head, "choices": [], "usage": _usage(event)})
-                elif (choice := _chunk_choice(response, event, first, None)) is not None:
+                elif (choice := _chunk_choice(response, event.index, event, first)) is not None:
                     yield _event({**head, "choices": [choice]})
-                    first = False
+                    started.add(event.index)
+        if response.include_usage:
+            yield _event({**head, "choices": [], "usage": _usage(finished)})
     except BackendError as e:
         yield _event(error_body(e.status, str(e)))
     yield "data: [DONE]\n\n"
 
 
-async def collect(events: AsyncIterator[Delta | Finished]) -> tuple[Delta, Finished]:
-    """The whole text, its tokens and every logprob, and the Finished; a BackendError
-    propagates."""
-    text: list[str] = []
-    ids: list[int] = []
-    logprobs: list[tuple[int, decode_pb2.TokenLogprobs]] = []
-    finish = None
+async def collect(events: AsyncIterator[Delta | Finished]) -> list[tuple[Delta, Finished]]:
+    """Each choice's whole text, its tokens and every logprob (one Delta), and its Finished, in
+    choice order; a BackendError propagates."""
+    deltas: dict[int, list[Delta]] = {}
+    finished: dict[int, Finished] = {}
     async for event in events:
         if isinstance(event, Finished):
-            finish = event
+            finished[event.index] = event
         else:
-            text.append(event.text)
-            ids.extend(event.token_ids)
-            logprobs.extend(event.logprobs)
-    assert finish is not None, "an event stream ends with a Finished"
-    return Delta("".join(text), ids, logprobs), finish
+            deltas.setdefault(event.index, []).append(event)
+    return [(_joined(deltas.get(i, []), i), finished[i]) for i in sorted(finished)]
 
 
-def completion_body(response: Response, whole: Delta, finish: Finished) -> dict:
+def completion_body(response: Response, choices: list[tuple[Delta, Finished]]) -> dict:
     """The non-streaming response."""
+    bodies = [_whole_choice(response, whole, finish) for whole, finish in choices]
+    usage = _usage([finish for _, finish in choices])
+    return {**response.head(chunk=False), "choices": bodies, "usage": usage}
+
+
+def _joined(deltas: list[Delta], index: int) -> Delta:
+    return Delta("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
+                 [lp for d in deltas for lp in d.logprobs], index)  # fmt: skip
+
+
+def _whole_choice(response: Response, whole: Delta, finish: Finished) -> dict:
+    index = whole.index
     if response.endpoint is Endpoint.CHAT:
-        fields = response.parser.whole(whole.text) if response.parser else {"content": whole.text}
-        choice = {"index": 0, "message": {"role": "assistant", **_present(fields)}}
+        parser = response.parser(index)
+        fields = parser.whole(whole.text) if parser else {"content": whole.text}
+        choice = {"index": index, "message": {"role": "assistant", **_present(fields)}}
     else:
-        choice = {"index": 0, "text": whole.text}
-    choice.update(logprobs=response.logprobs_of(whole),
-                  finish_reason=response.finish_reason(finish.finish_reason))  # fmt: skip
-    return {**response.head(chunk=False), "choices": [choice], "usage": _usage(finish)}
+        choice = {"index": index, "text": whole.text}
+    choice.update(
+        logprobs=response.logprobs_of(whole), finish_reason=response.finish_reason(finish)
+    )
+    return choice
 
 
 def _chunk_choice(
-    response: Response, delta: Delta | None, first: bool, finish: str | None
+    response: Response, index: int, delta: Delta | None, first: bool, finish: str | None = None
 ) -> dict | None:
-    """The chunk's choice for `delta` (None: the end, with `finish`), or None when there is
-    nothing to send (an output parser held the text back, and no logprobs came)."""
+    """Choice `index`'s part of a chunk for `delta` (None: its end, with `finish`), or None when
+    there is nothing to send (an output parser held the text back, and no logprobs came)."""
     logprobs = response.logprobs_of(delta) if delta and delta.logprobs else None
     if response.endpoint is not Endpoint.CHAT:
         text = delta.text if delta else ""
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    message = _chat_delta(response, delta)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    parser = response.parser(index)
+    message = _chat_delta(parser, delta)
     if message is None and logprobs is None and finish is None:
         return None
-    message = message or ({"content": ""} if delta or not response.parser else {})
+    message = message or ({"content": ""} if delta or not parser else {})
     if first:
         message = {"role": "assistant", **message}
-    return {"index": 0, "delta": message, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish}
 
 
-def _chat_delta(response: Response, delta: Delta | None) -> dict | None:
-    if response.parser is None:
+def _chat_delta(parser: ChoiceParser | None, delta: Delta | None) -> dict | None:
+    if parser is None:
         return {"content": delta.text} if delta else None
     if delta is None:
-        return response.parser.finish()
-    return response.parser.feed(delta.text, delta.token_ids)
+        return parser.finish()
+    return parser.feed(delta.text, delta.token_ids)
 
 
 def _present(fields: dict) -> dict:
@@ -189,9 +251,12 @@ def _present(fields: dict) -> dict:
     return {k: v for k, v in fields.items() if v is not None or k == "content"}
 
 
-def _usage(finish: Finished) -> dict:
-    return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
-            "total_tokens": finish.prompt_tokens + finish.completion_tokens}  # fmt: skip
+def _usage(finished: list[Finished]) -> dict:
+    """Every choice's completion tokens, the prompt's once (vLLM's usage for n > 1)."""
+    prompt = finished[0].prompt_tokens if finished else 0
+    completion = sum(f.completion_tokens for f in finished)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
 
 
 def _event(payload: dict) -> str:

@@ -1,13 +1,18 @@
-"""OpenAI API parity through real prefill and decode servers, driven by the official `openai`
-client: content parts and null fields, logprobs (equal to Hugging Face's log-softmax), JSON
-Schema and choice constraints, tool calls (named, and auto through vLLM's hermes parser),
-reasoning split by vLLM's qwen3 parser, /tokenize and /detokenize; a bad-input suite where every
-answer is a fast 4xx with OpenAI's body; non-streaming clients that time out free their slot."""
+"""OpenAI API parity through `//tools:serve` (real prefill and decode servers and the router;
+a second router on them with vLLM's hermes tool-call and qwen3 reasoning parsers), driven by the
+official `openai` client: content parts and null fields, logprobs (equal to Hugging Face's
+log-softmax), n choices from one KV transfer, JSON Schema and choice constraints, tool calls
+(named, and auto through the hermes parser), reasoning split by the qwen3 parser, /tokenize and
+/detokenize; a bad-input suite where every answer is a fast 4xx with OpenAI's body;
+non-streaming clients that time out free their slot."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -17,21 +22,38 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
-from tests.servers import MODEL, decode_pool_free, running_backends, running_router
+from tests.servers import MODEL, counter, decode_pool_free, running_router
+from tools.launch import start
 
+SERVED = Path(MODEL).name
+"""The model's name as `//tools:serve` serves it."""
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def backends():
-    with running_backends() as backends:
-        yield backends
+def stack(tmp_path_factory):
+    """`//tools:serve` as a user runs it: (router URL, decode address, decode metrics URL,
+    prefill URL)."""
+    # The bundled model comes from the conversion cache: seed it with Bazel's converted folder.
+    cache = tmp_path_factory.mktemp("cache")
+    (cache / SERVED).symlink_to(Path(MODEL).resolve())
+    os.environ["TANDEM_CACHE_DIR"] = str(cache)
+    proc, m = start(["tools.serve", "--port", "0", "--kv-cache-gb", "0.1"],
+                    r"tandem ready: (http://\S+) \(decode metrics: (\S+)\)",
+                    timeout=300)  # fmt: skip
+    url = m.group(1)
+    try:
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        (decode,), (prefill,) = health["decode"], health["prefill"]
+        yield url, decode, m.group(2), prefill
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
-def router(backends):
-    with running_router(*backends) as url:
-        yield url
+def router(stack):
+    return stack[0]
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +68,13 @@ def hf_model():
 
 def test_content_parts_and_unset_fields_sent_as_null(client):
     """What many clients send: content as a list of text parts, every optional field null."""
-    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+    plain = client.chat.completions.create(model=SERVED, messages=MESSAGES, max_tokens=8,
                                            temperature=0)  # fmt: skip
     parts = [{"type": "text", "text": MESSAGES[0]["content"]}]
     nulls = {"logprobs": None, "top_logprobs": None, "stop": None, "seed": None, "n": None,
              "response_format": None, "tools": None, "user": None}  # fmt: skip
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=8, temperature=0,
+        model=SERVED, messages=[{"role": "user", "content": parts}], max_tokens=8, temperature=0,
         extra_body=nulls,
     )  # fmt: skip
     assert reply.choices[0].message.content == plain.choices[0].message.content
@@ -67,7 +89,7 @@ def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 def test_completion_logprobs_equal_hugging_faces(client, hf_model):
     prompt = [504, 3458, 2767, 28]
     reply = client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+        model=SERVED, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
         extra_body={"return_tokens_as_token_ids": True},
     )  # fmt: skip
     lp = reply.choices[0].logprobs
@@ -84,7 +106,7 @@ def test_completion_logprobs_equal_hugging_faces(client, hf_model):
 
 
 def test_chat_logprobs_streamed_or_not(client):
-    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "temperature": 0,
+    kwargs = {"model": SERVED, "messages": MESSAGES, "max_tokens": 8, "temperature": 0,
               "logprobs": True, "top_logprobs": 2}  # fmt: skip
     whole = client.chat.completions.create(**kwargs)
     content = whole.choices[0].logprobs.content
@@ -98,6 +120,29 @@ def test_chat_logprobs_streamed_or_not(client):
                 if chunk.choices and chunk.choices[0].logprobs
                 for e in chunk.choices[0].logprobs.content]  # fmt: skip
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_n_choices_share_one_kv_transfer_and_sample_with_their_own_seeds(client, stack):
+    """n=3 with a seed: one prefill and one KV transfer for all (from the decode server's
+    metrics), three different texts (seeds 7, 8, 9), the same again when streamed."""
+    transferred = stack[2]
+    kwargs = {"model": SERVED, "prompt": "Once upon a time", "max_tokens": 10,
+              "temperature": 1.0, "seed": 7, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    before = counter(transferred, "tandem_decode_transfer_bytes_total")
+    client.completions.create(**kwargs)
+    one = counter(transferred, "tandem_decode_transfer_bytes_total") - before
+    reply = client.completions.create(**kwargs, n=3)
+    three = counter(transferred, "tandem_decode_transfer_bytes_total") - before - one
+    assert three == one > 0  # the prompt's KV went over once for three choices
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    texts = [c.text for c in reply.choices]
+    assert len(set(texts)) == 3
+    assert reply.usage.completion_tokens == 30  # every choice's
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(**kwargs, n=3, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
 
 
 PERSON = {
@@ -121,7 +166,7 @@ def _text(client, stream: bool, **kwargs) -> tuple[str, str]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_output_parses_and_validates(client, stream):
     text, finish = _text(
-        client, stream, model=MODEL, max_tokens=64, temperature=0,
+        client, stream, model=SERVED, max_tokens=64, temperature=0,
         messages=[{"role": "user", "content": "Invent a person. Reply in JSON: name, age."}],
         response_format={"type": "json_schema", "json_schema": {"name": "person",
                                                                 "schema": PERSON}},
@@ -135,7 +180,7 @@ def test_json_schema_output_parses_and_validates(client, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_choice_constrains_the_whole_output(client, stream):
     text, finish = _text(
-        client, stream, model=MODEL, max_tokens=8, temperature=0,
+        client, stream, model=SERVED, max_tokens=8, temperature=0,
         messages=[{"role": "user", "content": "Is the sky green?"}],
         extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe so"]}},
     )  # fmt: skip
@@ -149,7 +194,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_tool_call_has_valid_arguments(client, stream):
-    kwargs = {"model": MODEL, "messages": ASK, "max_tokens": 32, "temperature": 0,
+    kwargs = {"model": SERVED, "messages": ASK, "max_tokens": 32, "temperature": 0,
               "tools": [WEATHER],
               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
     if stream:
@@ -171,10 +216,12 @@ THINKING = r"<think>[a-z ]{1,20}</think>[A-Z][a-z ]{1,20}\."
 
 
 @pytest.fixture(scope="module")
-def parsing_client(backends):
-    """A router with vLLM's hermes tool-call parser and qwen3 reasoning parser."""
+def parsing_client(stack):
+    """A second router, on the same servers, with vLLM's hermes tool-call parser and qwen3
+    reasoning parser (which takes a chat's text for reasoning until it has seen </think>)."""
+    _, decode, _, prefill = stack
     parsers = ("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    with running_router(*backends, *parsers) as url:
+    with running_router([prefill], [decode], "--served-model-name", SERVED, *parsers) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
@@ -183,7 +230,7 @@ def test_tool_choice_auto_parses_a_hermes_completion(parsing_client, stream):
     """The output is forced into hermes's format by a regex; the parser finds the call."""
     extra = {"structured_outputs": {"regex": HERMES_CALL},
              "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
-    kwargs = {"model": MODEL, "messages": ASK, "max_tokens": 96, "temperature": 0,
+    kwargs = {"model": SERVED, "messages": ASK, "max_tokens": 96, "temperature": 0,
               "tools": [WEATHER], "extra_body": extra}  # fmt: skip
     if stream:
         chunks = [c for c in parsing_client.chat.completions.create(**kwargs, stream=True)
@@ -201,7 +248,7 @@ def test_tool_choice_auto_parses_a_hermes_completion(parsing_client, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_reasoning_is_split_from_the_content(parsing_client, stream):
-    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 48, "temperature": 0,
+    kwargs = {"model": SERVED, "messages": MESSAGES, "max_tokens": 48, "temperature": 0,
               "extra_body": {"structured_outputs": {"regex": THINKING}}}  # fmt: skip
     if stream:
         chunks = parsing_client.chat.completions.create(**kwargs, stream=True)
@@ -241,7 +288,8 @@ BAD_INPUT = [
     ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
-    ({"prompt": "hi", "n": 3}, 400, "n"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"prompt": "hi", "wizardry": 1}, 400, "wizardry"),
     ({"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
@@ -260,7 +308,7 @@ def _post_bad(router: str, body: dict | bytes) -> httpx.Response:
     if isinstance(body, bytes):
         return httpx.post(f"{router}/v1/completions", content=body, timeout=30)
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    return httpx.post(f"{router}{path}", json={"model": MODEL, **body}, timeout=30)
+    return httpx.post(f"{router}{path}", json={"model": SERVED, **body}, timeout=30)
 
 
 @pytest.mark.parametrize(("body", "status", "param"), BAD_INPUT)
@@ -277,30 +325,30 @@ def test_bad_input_gets_a_4xx_with_openai_error_bodies_fast(router, body, status
 def test_the_stack_serves_normally_after_the_bad_input(router, client):
     for body, status, _ in BAD_INPUT:
         assert _post_bad(router, body).status_code == status
-    ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    ok = client.completions.create(model=SERVED, prompt="Hi", max_tokens=2, temperature=0)
     assert ok.choices[0].text is not None
 
 
-def test_non_streaming_clients_that_time_out_free_their_decode_slot(router, backends):
+def test_non_streaming_clients_that_time_out_free_their_decode_slot(router, stack):
     """A client gives up (its HTTP timeout) on long non-streaming requests: the router aborts
     them, so its in-flight count and the decode pool are back to baseline within 2 s."""
-    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 1500, "ignore_eos": True}
+    body = {"model": SERVED, "prompt": "Count:", "max_tokens": 1500, "ignore_eos": True}
     for _ in range(3):
         with pytest.raises(httpx.TimeoutException):
             httpx.post(f"{router}/v1/completions", json=body, timeout=1.0)
-    assert decode_pool_free(backends[1][0], within=2.0) is not None
+    assert decode_pool_free(stack[1], within=2.0) is not None
     metrics = httpx.get(f"{router}/metrics").text
     assert "tandem_router_in_flight 0.0" in metrics.splitlines()
 
 
-def test_tokenize_detokenize_and_the_decode_servers_context(router, backends):
+def test_tokenize_detokenize_and_the_decode_servers_context(router, stack):
     reply = httpx.post(f"{router}/tokenize", json={"prompt": "Hello world"}).json()
     assert reply["count"] == len(reply["tokens"]) > 0
     again = httpx.post(f"{router}/detokenize", json={"tokens": reply["tokens"]}).json()
     assert again == {"prompt": "Hello world"}
     chat = httpx.post(f"{router}/tokenize", json={"messages": MESSAGES}).json()
     assert chat["count"] > reply["count"]
-    with grpc.insecure_channel(backends[1][0]) as channel:
+    with grpc.insecure_channel(stack[1]) as channel:
         stats = decode_pb2_grpc.DecodeServiceStub(channel).Stats(decode_pb2.StatsRequest())
     card = httpx.get(f"{router}/v1/models").json()["data"][0]
     assert card["max_model_len"] == reply["max_model_len"] == stats.max_model_len > 0

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import threading
 import time
 
 import grpc
+import httpx
 
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tools.launch import start
@@ -16,12 +18,34 @@ MODEL = "tools/smollm2-135m-instruct"  # Bazel data: //tools:smollm2
 COMMON = ["--model", MODEL, "--dtype", "float32", "--block-size", "16", "--kv-cache-gb", "0.1"]
 
 
-def start_decode(backend: str) -> tuple[subprocess.Popen, str]:
+_METRICS: dict[str, str] = {}
+"""gRPC address of every decode server started -> its Prometheus /metrics URL."""
+
+
+def start_decode(backend: str, dtype: str = "float32") -> tuple[subprocess.Popen, str]:
+    """A decode server, its metrics served too (`metrics_url`): (process, gRPC address)."""
+    args = list(COMMON)
+    args[args.index("--dtype") + 1] = dtype
     proc, m = start(
-        ["decode.server", *COMMON, "--transport", backend, "--grpc-port", "0"],
-        r"serving gRPC on [\d.]+:(\d+)",
-    )
-    return proc, f"127.0.0.1:{m.group(1)}"
+        ["decode.server", *args, "--transport", backend, "--grpc-port", "0",
+         "--metrics-port", "0"],
+        r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
+    )  # fmt: skip
+    address = f"127.0.0.1:{m.group(1)}"
+    _METRICS[address] = f"http://127.0.0.1:{m.group(2)}/metrics"
+    return proc, address
+
+
+def metrics_url(decode_address: str) -> str:
+    """The /metrics URL of the decode server started at `decode_address`."""
+    return _METRICS[decode_address]
+
+
+def counter(url: str, name: str) -> float:
+    """The value of a Prometheus counter at /metrics `url` (summed over its label sets)."""
+    text = httpx.get(url, timeout=10).text
+    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$"
+    return sum(float(v) for v in re.findall(pattern, text, flags=re.MULTILINE))
 
 
 def start_prefill(backend: str) -> tuple[subprocess.Popen, str]:

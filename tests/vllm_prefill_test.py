@@ -23,8 +23,8 @@ from transformers import AutoTokenizer
 
 from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
-from tests.servers import MODEL, start_router
-from tests.vllm_servers import MAX_BATCHED_TOKENS, counter, start_decode, start_vllm, stop
+from tests.servers import MODEL, counter, metrics_url, start_decode, start_router
+from tests.vllm_servers import MAX_BATCHED_TOKENS, start_vllm, stop
 
 NEW_TOKENS = 12
 PERSON = {
@@ -93,7 +93,8 @@ def reference(prompts) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def stack():
     """A decode server and vLLM with TandemConnector, both over tcp."""
-    decode, address, metrics = start_decode("tcp")
+    decode, address = start_decode("tcp")
+    metrics = metrics_url(address)
     vllm, url = start_vllm("tcp")
     channel = grpc.insecure_channel(address)
     http = httpx.Client(base_url=url, timeout=120)
@@ -208,7 +209,8 @@ def test_a_decode_server_with_another_kv_dtype_fails_the_request_at_once(stack, 
     The refusal's message, naming both dtypes, is the commit's error; a Generate arriving after
     that commit gets it back (ABORTED)."""
     _, _, _, http = stack
-    decode, address, metrics = start_decode("tcp", dtype="bfloat16")
+    decode, address = start_decode("tcp", dtype="bfloat16")
+    metrics = metrics_url(address)
     try:
         with grpc.insecure_channel(address) as channel:
             stub = decode_pb2_grpc.DecodeServiceStub(channel)
@@ -231,9 +233,10 @@ def test_the_router_cannot_tell_vllm_from_tandems_prefill(stack, reference):
     """tandem's router in front of vLLM as it is in front of tandem's prefill server: its
     tokenizer check against /tokenize, then chat through Reserve, prefill and Generate; with
     logprobs, the first token's from vLLM and the rest from the decode server, equal to vLLM's
-    own; and a JSON Schema that both constrain (vLLM the first token, the decode server the
-    rest)."""
-    _, address, _, http = stack
+    own; a JSON Schema that both constrain (vLLM the first token, the decode server the
+    rest); and n=2 with a seed: two choices from one KV transfer (vLLM's two child requests
+    send it once)."""
+    _, address, metrics, http = stack
     proc, url = start_router([str(http.base_url)], [address])
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -249,5 +252,21 @@ def test_the_router_cannot_tell_vllm_from_tandems_prefill(stack, reference):
         assert [(t, top) for t, _, top in logprobs] == [(t, top) for t, _, top in expected]
         assert [lp for _, lp, _ in logprobs] == pytest.approx([lp for _, lp, _ in expected],
                                                               abs=1e-3)  # fmt: skip
+        _assert_n_choices_share_one_transfer(client, metrics)
     finally:
         stop(proc)
+
+
+def _assert_n_choices_share_one_transfer(client: openai.OpenAI, metrics: str) -> None:
+    kwargs = {"model": MODEL, "prompt": LONG[:200], "max_tokens": 8, "temperature": 1.0,
+              "seed": 3, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    before = counter(metrics, "tandem_decode_transfer_bytes_total")
+    one = client.completions.create(**kwargs)
+    once = _settled(lambda: counter(metrics, "tandem_decode_transfer_bytes_total") - before, 1)
+    two = client.completions.create(**kwargs, n=2)
+    total = _settled(lambda: counter(metrics, "tandem_decode_transfer_bytes_total") - before,
+                     2 * once)  # fmt: skip
+    assert total == 2 * once == 2 * one.usage.prompt_tokens * KV_BYTES_PER_TOKEN
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].text != two.choices[1].text  # seeds 3 and 4
+    assert two.usage.completion_tokens == 16

@@ -1,16 +1,13 @@
 """Starting stock vLLM (the CPU build) for the integration suites, with tandem's connector or
-without, and decode servers whose Prometheus metrics are served (for the bytes committed)."""
+without."""
 
 from __future__ import annotations
 
 import atexit
 import os
-import re
 import shutil
 import subprocess
 import tempfile
-
-import httpx
 
 from prefill.vllm_launch import READY, free_port, vllm_args
 from tests.servers import MODEL
@@ -48,21 +45,3 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def start_decode(backend: str, dtype: str = "float32") -> tuple[subprocess.Popen, str, str]:
-    """A decode server: (process, gRPC address, metrics URL)."""
-    proc, m = start(
-        ["decode.server", "--model", MODEL, "--dtype", dtype, "--block-size", "16",
-         "--kv-cache-gb", "0.1", "--transport", backend, "--grpc-port", "0",
-         "--metrics-port", "0"],
-        r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
-    )  # fmt: skip
-    return proc, f"127.0.0.1:{m.group(1)}", f"http://127.0.0.1:{m.group(2)}/metrics"
-
-
-def counter(metrics_url: str, name: str) -> float:
-    """The value of a Prometheus counter (summed over its label sets)."""
-    text = httpx.get(metrics_url, timeout=10).text
-    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$"
-    return sum(float(v) for v in re.findall(pattern, text, flags=re.MULTILINE))

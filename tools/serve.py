@@ -5,7 +5,8 @@ ports, with the bundled SmolLM2 unless --model names a Hugging Face folder.
     ./bazelw run //tools:serve -- --model DIR --device cuda --transport nixl --port 8000
     ./bazelw run //tools:serve -- --prefill vllm    # stock vLLM prefills, with tandem's connector
 
-Prints `tandem ready: http://HOST:PORT` once the router answers; Ctrl-C (or SIGTERM) stops every
+Prints `tandem ready: http://HOST:PORT` once the router answers (and the decode servers'
+Prometheus /metrics URLs; the router serves its own at /metrics); Ctrl-C (or SIGTERM) stops every
 component. If one cannot start, or dies, everything stops with its last words.
 """
 
@@ -83,12 +84,14 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(0)))
     try:
-        decodes, prefills = [], []
+        decodes, prefills, metrics = [], [], []
         for _ in range(args.num_decode):
-            proc, m = start(["decode.server", *common, "--grpc-port", "0"],
-                            r"serving gRPC on [\d.]+:(\d+)", timeout=900)  # fmt: skip
+            proc, m = start(["decode.server", *common, "--grpc-port", "0", "--metrics-port", "0"],
+                            r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
+                            timeout=900)  # fmt: skip
             procs.append(proc)
             decodes += ["--decode", f"{args.host}:{m.group(1)}"]
+            metrics.append(f"http://{args.host}:{m.group(2)}/metrics")
         for _ in range(args.num_prefill):
             if args.prefill == "vllm":
                 proc, url = _start_vllm(model, args.host, dtype, args.transport, args.kv_cache_gb)
@@ -109,7 +112,7 @@ def main() -> None:
     except RuntimeError as e:
         stop_all()
         sys.exit(f"serve: a component could not start: {e}")
-    print(f"tandem ready: {m.group(1)}", flush=True)
+    print(f"tandem ready: {m.group(1)} (decode metrics: {' '.join(metrics)})", flush=True)
     try:
         while not stopping.is_set():
             for proc in procs:

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 import transport
-from decode.engine_loop import EngineFailed
+from decode.engine_loop import Choice, EngineFailed
 from decode.server import DecodeServer, DecodeServerConfig
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
@@ -328,7 +328,8 @@ def test_an_engine_failure_ends_every_stream_and_refuses_new_work():
         # A submit that raced the failure past the RPC's check still ends at once.
         late = server.engine.new_sequence("late", PROMPTS[1], SamplingParams(), StopConditions(2))
         with ThreadPoolExecutor(1) as pool:
-            items = pool.submit(list, server.loop.submit(late, [], 7)).result(timeout=10)
+            stream = server.loop.submit("late", [Choice(late, 7)], [])
+            items = pool.submit(list, stream).result(timeout=10)
         assert items == [EngineFailed(server.loop.failure)]
         scrape = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read()
         assert b"tandem_decode_engine_up 0.0" in scrape

@@ -1,6 +1,7 @@
 """Structured output through the real tandem.v1.DecodeService: a first token the grammar refuses
-fails Generate with INVALID_ARGUMENT (and the ticket, as a bad request); an allowed one streams
-output that stays in the grammar and stops when it is complete.
+fails Generate with INVALID_ARGUMENT (and the ticket, as a bad request), any choice's; an allowed
+one streams output that stays in the grammar and stops when it is complete, each choice under a
+grammar matcher of its own.
 
 The tiny random-weight stack (decode/tests/stack.py) with SmolLM2's tokenizer cut to the tiny
 model's 256 tokens: those are its special tokens and single characters, digits included, enough
@@ -58,4 +59,24 @@ def test_a_refused_first_token_fails_and_an_allowed_one_streams_the_grammar(stac
     text = tokenizer.decode(tokens[:-1])
     assert len(text) == 3 and text.isdigit()
     assert messages[-1].finish_reason == decode_pb2.FINISH_REASON_STOP
+    stack.assert_empty()
+
+
+def test_every_choice_keeps_to_the_grammar_from_its_own_first_token(stack, tokenizer):
+    [letter], [four], [seven] = (tokenizer.encode(c) for c in "A47")
+    ticket, _ = stack.ready("choices-letter", PROMPT)
+    starts = [decode_pb2.ChoiceStart(first_token_id=t) for t in (seven, letter)]
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.generate(ticket, four, structured_output=DIGITS, other_choices=starts))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"other_choices[1].first_token_id: {letter} is not")
+
+    ticket, _ = stack.ready("choices", PROMPT)
+    starts = [decode_pb2.ChoiceStart(first_token_id=seven)]
+    messages = list(stack.generate(ticket, four, structured_output=DIGITS, other_choices=starts))
+    for index, first in enumerate((four, seven)):
+        tokens = [t for m in messages if m.index == index for t in m.token_ids]
+        assert tokens[0] == first and tokens[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+        text = tokenizer.decode(tokens[:-1])
+        assert len(text) == 3 and text.isdigit()
     stack.assert_empty()

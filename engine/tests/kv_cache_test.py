@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.kv_cache import BlockPool, KVCache
+from engine.kv_cache import BlockPool, KVCache, fork_blocks
 
 
 def _assert_empty(pool):
@@ -136,3 +136,23 @@ def test_kv_cache_rejects_bad_sizes():
         KVCache(config, num_blocks=0, block_size=4, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="block_size"):
         KVCache(config, num_blocks=4, block_size=0, dtype=torch.float32, device="cpu")
+
+
+def test_fork_blocks_shares_full_blocks_and_copies_a_partial_last_one():
+    config = ModelConfig.preset("tiny")
+    cache = KVCache(config, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu")
+    pool = BlockPool(6)
+    ids = pool.allocate(3)  # 10 tokens: two full blocks, 2 tokens in the third
+    cache.storage[:, :, 2] = torch.arange(2 * 2 * 2 * 4 * 16.0).view(2, 2, 2, 4, 16)
+    assert fork_blocks(pool, cache, ids, 10, 2) == [[0, 1, 3], [0, 1, 4]]
+    assert [pool.refcount(i) for i in range(6)] == [3, 3, 1, 1, 1, 0]
+    for copy in (3, 4):
+        assert torch.equal(cache.storage[:, :, copy], cache.storage[:, :, 2])
+    assert int((cache.storage[:, :, 5] != 0).sum()) == 0  # nothing else written
+    last = pool.allocate(1)
+    assert fork_blocks(pool, cache, ids, 10, 1) == [None]  # no block free for the copy
+    assert fork_blocks(pool, cache, ids, 8, 2) == [[0, 1], [0, 1]]  # full blocks only: shared
+    assert [pool.refcount(i) for i in range(6)] == [5, 5, 1, 1, 1, 1]
+    for owner in ([0, 1], [0, 1], [0, 1, 3], [0, 1, 4], ids, last):
+        pool.free(owner)
+    _assert_empty(pool)

@@ -172,3 +172,9 @@ def test_no_logprobs_are_computed_when_no_row_asks():
     logits = torch.randn(2, 50, generator=_seeded(10))
     rows = _rows(SamplingParams(temperature=1.0), 2)
     assert compute_logprobs(logits, Sampler()(logits, rows), rows) is None
+
+
+def test_each_choice_of_n_gets_the_next_seed_modulo_2_to_the_64():
+    sampling = SamplingParams(temperature=1.0, seed=2**64 - 1)
+    assert [sampling.for_choice(i).seed for i in range(3)] == [2**64 - 1, 0, 1]
+    assert SamplingParams().for_choice(5) == SamplingParams()  # unseeded: independent draws

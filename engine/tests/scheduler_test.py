@@ -169,6 +169,39 @@ def test_prefilled_sequence_finished_by_its_first_token_frees_its_blocks():
     _assert_empty(sched)
 
 
+def test_prefilled_sequence_without_blocks_recomputes_prompt_and_first_token():
+    sched = _scheduler()
+    seq = _seq("p", 6)
+    assert sched.add_prefilled(seq, [], first_token=40)
+    plan = sched.schedule()
+    assert _shape(plan) == [("p", 7, True)] and plan.scheduled[0].start == 0
+    assert seq.block_ids == [0, 1]
+    sched.update(plan, {"p": 41})
+    assert seq.output_ids == [40, 41]
+    sched.abort("p")
+    _assert_empty(sched)
+
+
+def test_preempting_and_finishing_drop_one_reference_to_shared_blocks():
+    sched = _scheduler(num_blocks=3, block_size=4, budget=16)
+    shared = sched.pool.allocate(1)  # a prompt of 4 tokens, whose 2 choices share its block
+    sched.pool.incref(shared)
+    a, b = _seq("a", 4, max_tokens=6), _seq("b", 4, max_tokens=6)
+    assert sched.add_prefilled(a, shared, first_token=7)
+    assert sched.add_prefilled(b, shared, first_token=8)
+    plan = sched.schedule()  # position 4 opens a block of its own for each
+    assert (a.block_ids, b.block_ids) == ([0, 1], [0, 2])
+    while not plan.preempted:  # until a's position 8 needs a third block
+        sched.update(plan, {s.seq.seq_id: 7 for s in plan.scheduled})
+        plan = sched.schedule()
+    assert plan.preempted == (b,) and b.block_ids == [] and a.block_ids == [0, 1, 2]
+    assert sched.pool.refcount(0) == 1  # a's alone
+    sched.update(plan, {"a": 7})
+    _run_to_end(sched)
+    assert b.output_ids == [8] + [7] * 5 and b.finish_reason is FinishReason.LENGTH
+    _assert_empty(sched)
+
+
 @pytest.mark.parametrize(
     ("stop", "tokens", "expected_len", "reason"),
     [

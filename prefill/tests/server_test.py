@@ -1,26 +1,34 @@
 """tandem's prefill server in this process (its FastAPI app, a random tiny model on the CPU):
 what it answers when its engine fails, that a request given up on does not fail it, its
-completions' logprobs in vLLM's shape, and vLLM's `structured_outputs` (with SmolLM2's tokenizer
-cut to the tiny model's 256 tokens, its specials and single characters, where a grammar is
-compiled)."""
+completions' logprobs in vLLM's shape, `n` choices (seeded as vLLM seeds them, the prompt's KV
+sent once to a stand-in decode server), and vLLM's `structured_outputs` (with SmolLM2's
+tokenizer cut to the tiny model's 256 tokens, its specials and single characters, where a
+grammar is compiled)."""
 
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
+import transport
 from engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
 from engine.llm_engine import EngineConfig
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.sequence import StopConditions
 from prefill.server import PrefillServer, PrefillServerConfig, grammar_spec
+from prefill.tests.fake_decode import FakeDecode
+from prefill.ticket import DECODE_LAYOUT, layout_descriptor, transfer_params
 from prefill.worker import Job
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 
 TOKENIZER = Path("tools/smollm2-135m-instruct")  # Bazel data: //tools:smollm2
 
@@ -72,7 +80,7 @@ def test_a_request_given_up_on_leaves_the_engine_serving(server):
     must not take the engine down with it."""
     gone = Job([1] * 100_000, SamplingParams(), StopConditions(max_tokens=1), None)  # too long
     gone.future.cancel()
-    server.worker.submit(gone)
+    server.worker.submit([gone])
     client = TestClient(server.app)
     body = {"prompt": [1, 2, 3, 4], "max_tokens": 2, "temperature": 0}
     reply = _bounded(lambda: client.post("/v1/completions", json=body))
@@ -94,6 +102,101 @@ def test_a_request_whose_admission_fails_the_engine_gets_503(server):
     assert reply.status_code == 503
     assert "RuntimeError: CUDA error: out of memory" in reply.json()["error"]["message"]
     assert server.worker.failure is not None
+
+
+@pytest.fixture()
+def decode(server):
+    """A stand-in decode server for `server`'s model: a cache [layer, K|V, block, head, token,
+    dim] (blocks of 4 tokens) behind a TCP agent, and the stand-in gRPC service."""
+    model = server.engine.model_config
+    layout = layout_descriptor(
+        model_name="tiny", num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim, kv_dtype="float32", block_size=4, layout=DECODE_LAYOUT,
+        transport="tcp",
+    )  # fmt: skip
+    agent = transport.create("tcp")
+    cache = torch.zeros(model.num_layers, 2, 4, model.num_kv_heads, 4, model.head_dim)
+    agent.register(cache.data_ptr(), cache.numel() * 4)
+    service = FakeDecode(layout)
+    grpc_server = grpc.server(ThreadPoolExecutor(4))
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(service, grpc_server)
+    address = f"127.0.0.1:{grpc_server.add_insecure_port('127.0.0.1:0')}"
+    grpc_server.start()
+    yield service, lambda num_tokens: _ticket(agent, cache, layout, address, num_tokens)
+    grpc_server.stop(None)
+    agent.close()
+
+
+def _ticket(agent, cache, layout, address: str, num_tokens: int) -> dict:
+    """kv_transfer_params with a ticket for `num_tokens` tokens into the decode cache."""
+    regions = [
+        layout_pb2.LayerRegions(
+            k=layout_pb2.KvRegion(addr=layer[0].data_ptr(), nbytes=layer[0].numel() * 4),
+            v=layout_pb2.KvRegion(addr=layer[1].data_ptr(), nbytes=layer[1].numel() * 4),
+        )
+        for layer in cache
+    ]
+    heads = layout_pb2.HeadRange(start=0, end=cache.shape[3])
+    endpoint = layout_pb2.TransportEndpoint(transport="tcp", metadata=agent.endpoint())
+    ticket = decode_pb2.Ticket(
+        request_id="t", generation=1, num_tokens=num_tokens, block_ids=[2, 0, 3],
+        block_stride_bytes=cache.stride(2) * 4, head_stride_bytes=cache.stride(3) * 4,
+        shards=[decode_pb2.KvShard(rank=0, heads=heads, endpoint=endpoint, layers=regions)],
+        layout=layout, num_senders=1, deadline_unix_ms=int((time.time() + 30) * 1000),
+    )  # fmt: skip
+    return transfer_params(ticket, address)
+
+
+def test_n_choices_send_the_prompts_kv_once(server, decode):
+    service, ticket = decode
+    prompt = list(range(1, 11))
+    body = {"prompt": prompt, "max_tokens": 1, "n": 3, "temperature": 1.0,
+            "return_token_ids": True, "kv_transfer_params": ticket(len(prompt))}  # fmt: skip
+    reply = _bounded(lambda: TestClient(server.app).post("/v1/completions", json=body))
+    assert reply.status_code == 200, reply.text
+    choices = reply.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert all(len(c["token_ids"]) == 1 for c in choices)
+    model = server.engine.model_config
+    prompt_bytes = 2 * model.num_layers * len(prompt) * model.num_kv_heads * model.head_dim * 4
+    (commit,) = service.commits
+    assert commit.bytes_written == prompt_bytes and not commit.error
+    params = reply.json()["kv_transfer_params"]
+    assert params["bytes_written"] == prompt_bytes
+    assert params["first_token_id"] == choices[0]["token_ids"][0]
+
+
+def test_n_choices_sample_with_seed_plus_index(server):
+    client = TestClient(server.app)
+
+    def complete(**fields) -> dict:
+        body = {"prompt": [1, 2, 3, 4], "max_tokens": 3, "temperature": 1.0, "logprobs": 1,
+                "return_tokens_as_token_ids": True, **fields}  # fmt: skip
+        reply = _bounded(lambda: client.post("/v1/completions", json=body))
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    two = complete(n=2, seed=7)
+    choices = two["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    for choice in choices:
+        names = [f"token_id:{t}" for t in choice["token_ids"]]
+        assert len(names) == 3 and choice["logprobs"]["tokens"] == names
+    assert two["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    tokens = [c["token_ids"] for c in choices]
+    assert [c["token_ids"] for c in complete(n=2, seed=7)["choices"]] == tokens
+    assert complete(seed=7)["choices"][0]["token_ids"] == tokens[0]
+    assert complete(seed=8)["choices"][0]["token_ids"] == tokens[1]
+
+
+@pytest.mark.parametrize("n", [0, "2", True, None, 16385])
+def test_a_bad_n_gets_400_naming_it(server, n):
+    body = {"prompt": [1, 2, 3], "max_tokens": 1, "n": n}
+    reply = _bounded(lambda: TestClient(server.app).post("/v1/completions", json=body))
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "n"
+    assert error["message"] == f"n: {n!r} is not an integer in [1, 16384]"
 
 
 def test_completion_logprobs_take_vllms_shape(server):

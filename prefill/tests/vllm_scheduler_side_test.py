@@ -1,6 +1,7 @@
 """The connector's scheduler side alone, stepped the way vLLM's scheduler calls it: which
-requests it claims, which prompt tokens each step's plan sends, and what a finished request
-returns. Every test ends with nothing tracked (the leak check)."""
+requests it claims, which prompt tokens each step's plan sends, what a finished request
+returns, and that vLLM's n > 1 children, sharing one ticket, send it once. Every test ends with
+nothing tracked (the leak check)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ class FakeRequest:
     output_token_ids: list[int] = field(default_factory=list)
 
 
-def _params(num_tokens: int, request_id: str = "t1", num_senders: int = 1) -> dict:
+def _params(
+    num_tokens: int, request_id: str = "t1", num_senders: int = 1, generation: int = 3
+) -> dict:
     ticket = decode_pb2.Ticket(
-        request_id=request_id, generation=3, num_tokens=num_tokens, num_senders=num_senders,
-        block_ids=[0], shards=[decode_pb2.KvShard(rank=0)],
+        request_id=request_id, generation=generation, num_tokens=num_tokens,
+        num_senders=num_senders, block_ids=[0], shards=[decode_pb2.KvShard(rank=0)],
     )  # fmt: skip
     return transfer_params(ticket, "127.0.0.1:5")
 
@@ -142,4 +145,55 @@ def test_a_malformed_ticket_is_not_claimed():
     request = FakeRequest("r", 30, {TICKET_KEY: "not base64!", DECODE_KEY: "x"})
     plans, finished = _step(side, request, 30)
     assert plans == [] and finished == (False, None)
+    assert side.num_tracked == 0
+
+
+def _children(n: int, params: dict, num_tokens: int = 200) -> list[FakeRequest]:
+    """vLLM's n > 1: child i is "{i}_{parent id}", every one with the parent's ticket."""
+    return [FakeRequest(f"{i}_cmpl-p", num_tokens, params) for i in range(n)]
+
+
+def test_children_sharing_a_ticket_send_it_once_and_each_return_its_first_token():
+    children = _children(3, _params(200))
+    side = _side({child.request_id: [5, 6] for child in children})
+    for child in children:
+        side.track(child)
+    plans = side.build_meta({child.request_id: 200 for child in children}).plans
+    assert [(p.req_id, p.start, p.end, p.final) for p in plans] == [("0_cmpl-p", 0, 200, True)]
+    for child, token in zip(children[:2], (42, 43), strict=True):
+        child.num_computed_tokens = 200
+        child.output_token_ids.append(token)
+    # The third is aborted before its first token: a rider fails nothing.
+    assert [side.finished(child) for child in children] == [
+        (False, {"first_token_id": 42, "kv_tokens": 200}),
+        (False, {"first_token_id": 43, "kv_tokens": 200}),
+        (False, None),
+    ]
+    assert not side.has_pending_work() and side.build_meta({}).plans == []
+    assert side.num_tracked == 0
+
+
+def test_a_child_first_scheduled_after_its_sender_finished_does_not_send():
+    first, late = _children(2, _params(200))
+    side = _side({first.request_id: [1, 2], late.request_id: [3, 4]})
+    plans, finished = _step(side, first, 200)
+    assert len(plans) == 1 and finished[1]["first_token_id"] == 42
+    plans, finished = _step(side, late, 200)
+    assert plans == [] and finished == (False, {"first_token_id": 42, "kv_tokens": 200})
+    assert side.num_tracked == 0
+
+
+def test_requests_with_different_tickets_each_send():
+    requests = [
+        FakeRequest("a", 30, _params(30, request_id="t1")),
+        FakeRequest("b", 30, _params(30, request_id="t1", generation=4)),  # a later reservation
+        FakeRequest("c", 30, _params(30, request_id="t2")),
+    ]
+    side = _side({r.request_id: [1] for r in requests})
+    for request in requests:
+        side.track(request)
+    plans = side.build_meta({r.request_id: 30 for r in requests}).plans
+    assert [(p.req_id, p.final, p.error) for p in plans] == [(r, True, "") for r in "abc"]
+    for request in requests:
+        assert side.finished(request) == (False, None)  # ended before its first token
     assert side.num_tracked == 0

@@ -48,7 +48,7 @@ def test_complete_posts_the_prompt_the_ticket_and_the_sampling_fields_set():
         url, body = seen.pop()
         assert str(url) == f"{URL}/v1/completions"
         assert body == {"prompt": [1, 2], "max_tokens": 1, "kv_transfer_params": params,
-                        **expected}  # fmt: skip
+                        "n": 1, "return_token_ids": True, **expected}  # fmt: skip
 
 
 def test_any_status_is_an_answer_and_a_body_that_is_no_json_object_has_no_json():

@@ -65,6 +65,7 @@ class Prefilled:
     """The ticket as the prefill parses it from kv_transfer_params."""
     sampling: decode_pb2.SamplingParams
     structured: decode_pb2.StructuredOutput | None = None
+    n: int = 1
 
 
 class FakePrefill:
@@ -88,20 +89,24 @@ class FakePrefill:
         self._script[url].extend(outcomes)
 
     async def complete(
-        self, url, prompt_ids, transfer_params, sampling, structured=None
+        self, url, prompt_ids, transfer_params, sampling, structured=None, n=1
     ) -> PrefillReply:
         self.calls.append(("complete", url))
         prefilled = Prefilled(url, prompt_ids, KvTransfer.parse(transfer_params), sampling,
-                              structured)  # fmt: skip
+                              structured, n)  # fmt: skip
         self.prefilled.append(prefilled)
         if self.stall:
             self.prefilling.set()
             await asyncio.Event().wait()
-        params = {"first_token_id": self.first_token}
-        choice = {"index": 0, "text": chr(self.first_token), "finish_reason": "length"}
-        if sampling.HasField("logprobs"):
-            choice["logprobs"] = vllm_logprobs(self.first_token, sampling.logprobs)
-        reply = {"choices": [choice], "kv_transfer_params": params}
+        choices = []
+        for index in range(n):  # choice i's first token: first_token + i
+            token = self.first_token + index
+            choice = {"index": index, "text": chr(token), "token_ids": [token],
+                      "finish_reason": "length"}  # fmt: skip
+            if sampling.HasField("logprobs"):
+                choice["logprobs"] = vllm_logprobs(token, sampling.logprobs)
+            choices.append(choice)
+        reply = {"choices": choices, "kv_transfer_params": {"first_token_id": self.first_token}}
         return self._next(url) or answer(200, reply)
 
     async def tokenize(self, url: str, body: dict) -> PrefillReply:
@@ -147,12 +152,12 @@ def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
 
 
 class FakeDecode:
-    """A DecodeClient. Reserve hands out a ticket; Generate streams `tokens` (one message per
-    list; with logprobs when asked: the first token's as the request carries them, the others'
-    `logprob_of`), then, in this order of precedence: waits until cancelled if `stall`, raises
-    `stream_error` if set, finishes with `finish` if set, else just ends. `fail(rpc, address,
-    error)` makes that RPC's next call on that address raise; addresses in `unavailable` answer
-    every RPC with UNAVAILABLE.
+    """A DecodeClient. Reserve hands out a ticket; Generate streams `tokens` for each choice
+    (one message per list and choice; with logprobs when asked: the first token's as the
+    request carries them, the others' `logprob_of`), then, in this order of precedence: waits
+    until cancelled if `stall`, raises `stream_error` if set, finishes each choice with `finish`
+    if set, else just ends. `fail(rpc, address, error)` makes that RPC's next call on that
+    address raise; addresses in `unavailable` answer every RPC with UNAVAILABLE.
 
     `live()` is the leak check: reservations the fake's server side still holds (neither
     generated to the end of the stream, failed, nor aborted)."""
@@ -203,15 +208,16 @@ class FakeDecode:
         except grpc.aio.AioRpcError:
             self.ended.add(request.request_id)
             raise
-        first = True
-        for token_ids in self.tokens:
-            message = decode_pb2.GenerateResponse(token_ids=token_ids)
-            if request.sampling.HasField("logprobs"):
-                message.logprobs.extend(logprob_of(t) for t in token_ids)
-                if first:
-                    message.logprobs[0].CopyFrom(request.first_token_logprobs)
-            first = False
-            yield message
+        starts = [request.first_token_logprobs,
+                  *(c.first_token_logprobs for c in request.other_choices)]  # fmt: skip
+        for position, token_ids in enumerate(self.tokens):
+            for index, first_logprobs in enumerate(starts):  # the choices' messages interleave
+                message = decode_pb2.GenerateResponse(token_ids=token_ids, index=index)
+                if request.sampling.HasField("logprobs"):
+                    message.logprobs.extend(logprob_of(t) for t in token_ids)
+                    if position == 0:
+                        message.logprobs[0].CopyFrom(first_logprobs)
+                yield message
         self.generating.set()
         if self.stall:
             await asyncio.Event().wait()
@@ -221,11 +227,14 @@ class FakeDecode:
         if self.finish is not None:
             completion = sum(map(len, self.tokens))
             usage = decode_pb2.Usage(prompt_tokens=0, completion_tokens=completion)
-            yield decode_pb2.GenerateResponse(finish_reason=self.finish, usage=usage)
+            for index in range(len(starts)):
+                yield decode_pb2.GenerateResponse(finish_reason=self.finish, usage=usage,
+                                                  index=index)  # fmt: skip
 
     async def abort(self, address, request) -> decode_pb2.AbortResponse:
         self._call("Abort", address, request)
-        self.ended.add(request.request_id)
+        if not request.choices:  # stopping some choices leaves the request live
+            self.ended.add(request.request_id)
         return decode_pb2.AbortResponse(aborted=True)
 
     async def stats(self, address) -> decode_pb2.StatsResponse:

@@ -90,6 +90,29 @@ def test_a_stop_string_ends_the_text_and_aborts_the_decode():
     _run(test)
 
 
+def test_n_choices_each_with_its_index_streamed_or_not():
+    async def test(router: Router):
+        body = (
+            await router.post("/v1/completions", {**COMPLETION, "n": 2, "temperature": 1})
+        ).json()
+        assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "Paris"), (1, "Paris")]
+        assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 10, "total_tokens": 18}
+        assert router.prefill.prefilled[-1].n == 2  # one prefill for both
+        stream = {**CHAT, "n": 2, "temperature": 1, "stream": True, "stop": "ri",
+                  "stream_options": {"include_usage": True}}  # fmt: skip
+        chunks = _sse(await router.post("/v1/chat/completions", stream))
+        texts = {0: "", 1: ""}
+        for chunk in chunks[:-1]:
+            (choice,) = chunk["choices"]
+            texts[choice["index"]] += choice["delta"].get("content", "")
+        assert texts == {0: "Pa", 1: "Pa"}
+        assert chunks[-1]["usage"]["completion_tokens"] == 10  # "Paris" consumed by each
+        # Choice 0 is stopped alone when its stop string shows; the rest once both have.
+        assert [list(a.choices) for a in router.decode.aborts()] == [[0], []]
+
+    _run(test)
+
+
 def test_bad_input_gets_an_openai_error_body():
     async def test(router: Router):
         reply = await router.post("/v1/completions", {**COMPLETION, "temperature": "hot"})
@@ -190,7 +213,7 @@ def test_models_health_and_metrics():
             "prefill": {P0: "up"},
         }
         await router.post("/v1/completions", COMPLETION)
-        await router.post("/v1/completions", {**COMPLETION, "n": 2})
+        await router.post("/v1/completions", {**COMPLETION, "best_of": 2})
         metrics = (await router.client.get("/metrics")).text
         for line in (
             'tandem_router_requests_total{endpoint="/v1/completions",status="200"} 1.0',

@@ -146,9 +146,14 @@ def test_connection_failures_mark_prefills_down_until_their_health_answers():
     [
         (answer(400, {"error": {"message": "prompt too long"}}), 400, "prompt too long"),
         (answer(422, {"object": "error", "message": "bad seed"}), 422, "bad seed"),
-        (answer(200, {"choices": []}), 502, "without a first_token_id"),
+        (answer(200, {"choices": []}), 502, "without kv_transfer_params.first_token_id"),
+        (
+            answer(200, {"choices": [], "kv_transfer_params": {"first_token_id": 5}}),
+            502,
+            "without choices[0].token_ids",
+        ),
     ],
-    ids=["refused", "refused-flat-body", "no-first-token"],
+    ids=["refused", "refused-flat-body", "no-connector", "no-first-token"],
 )
 def test_a_prefill_answer_at_fault_is_not_retried(reply, status, message):
     """A refusal is the client's: its status and the prefill's own message are passed on, and
@@ -179,7 +184,8 @@ def test_logprobs_of_the_first_token_come_from_the_prefill_and_the_rest_from_the
 
 def test_a_prefill_reply_without_the_logprobs_asked_for_is_a_502():
     orchestrator, prefill, decode = _stack()
-    prefill.script(P0, answer(200, {"kv_transfer_params": {"first_token_id": 5}}))
+    prefill.script(P0, answer(200, {"kv_transfer_params": {"first_token_id": 5},
+                                    "choices": [{"index": 0, "token_ids": [5]}]}))  # fmt: skip
     request = GenerationRequest([1], 4, decode_pb2.SamplingParams(logprobs=0))
     (error,) = asyncio.run(_generate(orchestrator, request))
     assert error.status == 502 and "no logprobs for its token" in str(error)
@@ -372,4 +378,33 @@ def test_tokenize_with_every_prefill_failing_is_a_503_naming_the_last(prefills):
     assert isinstance(result, BackendError) and result.status == 503
     assert prefills[-1] in str(result)
     assert [url for _, url in prefill.calls] == list(prefills)
+    _assert_idle(orchestrator, decode)
+
+
+def test_n_choices_start_from_their_own_first_tokens_and_stop_one_by_one():
+    orchestrator, prefill, decode = _stack()
+    sampling = decode_pb2.SamplingParams(temperature=1.0, seed=5, logprobs=0)
+    request = GenerationRequest(prompt_ids=[1, 2, 3], max_tokens=8, sampling=sampling, n=3)
+
+    async def run():
+        generation = orchestrator.generate(request, "req")
+        items = []
+        async for item in generation:
+            items.append(item)
+            if len(items) == 3:  # one message of each choice: choice 1 is done
+                await generation.stop_choice(1)
+        return items
+
+    items = asyncio.run(run())
+    assert prefill.prefilled[0].n == 3  # one prefill for every choice
+    generate = next(r for rpc, _, r in decode.calls if rpc == "Generate")
+    firsts = [generate.first_token_id] + [c.first_token_id for c in generate.other_choices]
+    assert firsts == [prefill.first_token + i for i in range(3)]
+    assert [c.first_token_logprobs.logprob for c in generate.other_choices] == [
+        logprob_of(prefill.first_token + i).logprob for i in (1, 2)]  # fmt: skip
+    assert [i.index for i in items if isinstance(i, Finished)] == [0, 1, 2]
+    assert {i.index for i in items if isinstance(i, Tokens)} == {0, 1, 2}
+    (abort,) = decode.aborts()
+    assert list(abort.choices) == [1] and abort.reason == "choice done"
+    assert orchestrator.decodes[0].outstanding_tokens == 0
     _assert_idle(orchestrator, decode)

@@ -60,7 +60,7 @@ def test_a_chat_with_every_supported_parameter():
         "model": "tiny", "messages": MESSAGES, "max_tokens": 5, "max_completion_tokens": 9,
         "temperature": 1, "top_p": 0.5, "top_k": 40.0, "seed": -1, "min_p": 0.1,
         "repetition_penalty": 1.1, "presence_penalty": -0.5, "frequency_penalty": 0.5,
-        "stop": "END", "stop_token_ids": [2], "min_tokens": 3, "ignore_eos": True, "n": 1,
+        "stop": "END", "stop_token_ids": [2], "min_tokens": 3, "ignore_eos": True, "n": 2,
         "stream": True, "stream_options": {"include_usage": True}, "user": "me",
         "logprobs": True, "top_logprobs": 3, "skip_special_tokens": False,
         "include_stop_str_in_output": True, "metadata": {"k": "v"}, "store": False,
@@ -75,6 +75,7 @@ def test_a_chat_with_every_supported_parameter():
     assert (request.stops, request.stop_token_ids, request.min_tokens) == (("END",), (2,), 3)
     assert request.ignore_eos and request.stream and request.include_usage
     assert request.include_stop_str_in_output and not request.skip_special_tokens
+    assert request.n == 2 and generation_request(request, [1, 2], 64).n == 2
 
 
 def test_null_means_absent():
@@ -143,7 +144,15 @@ def test_chat_messages_as_clients_send_them(messages, expected):
          "unsupported parameter(s): messages"),
         (COMPLETIONS, {"model": "gpt-9", "prompt": "x"}, 404, "model",
          "model 'gpt-9' not found (serving 'tiny')"),
-        (COMPLETIONS, {"prompt": "x", "n": 3}, 400, "n", "n: 3 is not supported yet"),
+        (COMPLETIONS, {"prompt": "x", "n": 0}, 400, "n", "n: 0 is not an integer in [1, 128]"),
+        (CHAT, {"messages": MESSAGES, "n": 129}, 400, "n",
+         "n: 129 is not an integer in [1, 128]"),
+        (COMPLETIONS, {"prompt": "x", "n": True}, 400, "n",
+         "n: True is not an integer in [1, 128]"),
+        (COMPLETIONS, {"prompt": "x", "n": 2}, 400, "n",
+         "n: 2 choices need sampling (a temperature above 0); greedy ones would all be the same"),
+        (COMPLETIONS, {"prompt": "x", "best_of": 2}, 400, "best_of",
+         "best_of: 2 is not supported yet"),
         (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo",
          "echo: True is not supported yet"),
         (CHAT, {"messages": MESSAGES, "response_format": {"type": "xml"}}, 400,
@@ -273,8 +282,8 @@ def test_an_oversized_body_is_a_413():
 
 def test_the_first_problem_is_reported():
     """Checks run in a fixed order: the body as a whole, then the prompt, then parameters."""
-    body = {"prompt": 42, "temperature": "hot", "n": 2}
-    assert _refusal(COMPLETIONS, body).param == "n"  # a feature not served yet, first
+    body = {"prompt": 42, "temperature": "hot", "best_of": 2}
+    assert _refusal(COMPLETIONS, body).param == "best_of"  # a feature not served yet, first
     assert _refusal(COMPLETIONS, {"prompt": 42, "temperature": "hot"}).param == "prompt"
 
 

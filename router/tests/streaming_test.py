@@ -13,7 +13,15 @@ from router.errors import BackendError
 from router.generation import Finished, Tokens
 from router.logprobs import LogprobsFormat
 from router.requests import Endpoint
-from router.streaming import Delta, Response, collect, completion_body, sse, text_events
+from router.streaming import (
+    ChoiceText,
+    Delta,
+    Response,
+    collect,
+    completion_body,
+    sse,
+    text_events,
+)
 from router.tests.fakes import CharTokenizer, ids
 
 COMPLETIONS, CHAT = Endpoint.COMPLETIONS, Endpoint.CHAT
@@ -53,9 +61,15 @@ async def _list(iterator) -> list:
     return [item async for item in iterator]
 
 
+def _text(stream, prompt_tokens: int, stops=(), include_stop=False, choices: int = 1, stop=None):
+    """text_events over `stream` for `choices` choices, each with its own detokenizer."""
+    texts = [ChoiceText(i, IncrementalDetokenizer(CharTokenizer(), ids("why?")), prompt_tokens,
+                        stops, include_stop) for i in range(choices)]  # fmt: skip
+    return text_events(stream, texts, stop)
+
+
 def _events(upstream: Upstream, stops=(), prompt_tokens: int = 4) -> list:
-    detok = IncrementalDetokenizer(CharTokenizer(), ids("why?"))
-    return asyncio.run(_list(text_events(upstream.stream(), detok, prompt_tokens, stops)))
+    return asyncio.run(_list(_text(upstream.stream(), prompt_tokens, stops)))
 
 
 def test_text_then_a_finished_with_the_routers_own_token_counts():
@@ -81,8 +95,7 @@ def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot():
 
 def test_the_stop_string_is_kept_when_asked():
     upstream = Upstream(["The ", "ans", "wer", " is"], Finished("length", 0, 0))
-    detok = IncrementalDetokenizer(CharTokenizer())
-    events = asyncio.run(_list(text_events(upstream.stream(), detok, 4, ["swe"], True)))
+    events = asyncio.run(_list(_text(upstream.stream(), 4, ["swe"], True)))
     assert "".join(e.text for e in events if isinstance(e, Delta)) == "The answe"
 
 
@@ -95,12 +108,12 @@ def test_logprobs_ride_with_the_text_that_covers_their_tokens():
 
 
 def _response(endpoint: Endpoint, include_usage: bool = False, logprobs: bool = False):
-    fmt = LogprobsFormat(CharTokenizer(), endpoint is CHAT) if logprobs else None
+    fmt = (LogprobsFormat(CharTokenizer(), endpoint is CHAT),) if logprobs else ()
     return Response(endpoint, "id-1", "tiny", 1700, include_usage, fmt)
 
 
 def _sse(upstream: Upstream, endpoint: Endpoint, include_usage: bool) -> list:
-    events = text_events(upstream.stream(), IncrementalDetokenizer(CharTokenizer()), 3, ())
+    events = _text(upstream.stream(), 3)
     response = _response(endpoint, include_usage, upstream.logprobs)
     lines = asyncio.run(_list(sse(events, response)))
     assert all(line.startswith("data: ") and line.endswith("\n\n") for line in lines)
@@ -143,18 +156,17 @@ def test_a_backend_error_mid_stream_ends_it_with_an_error_event():
 
 
 def test_collect_and_the_whole_bodies():
-    events = text_events(Upstream(["Hi", "!"], Finished("length", 0, 0)).stream(),
-                         IncrementalDetokenizer(CharTokenizer()), 2, ())  # fmt: skip
-    whole, finish = asyncio.run(collect(events))
+    events = _text(Upstream(["Hi", "!"], Finished("length", 0, 0)).stream(), 2)
+    [(whole, finish)] = choices = asyncio.run(collect(events))
     assert (whole, finish) == (Delta("Hi!", ids("Hi!")), Finished("length", 2, 3))
     usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
     head = {"id": "id-1", "created": 1700, "model": "tiny", "usage": usage}
-    assert completion_body(_response(COMPLETIONS), whole, finish) == {
+    assert completion_body(_response(COMPLETIONS), choices) == {
         **head, "object": "text_completion",
         "choices": [{"index": 0, "text": "Hi!", "logprobs": None, "finish_reason": "length"}],
     }  # fmt: skip
     message = {"role": "assistant", "content": "Hi!"}
-    assert completion_body(_response(CHAT), whole, finish) == {
+    assert completion_body(_response(CHAT), choices) == {
         **head, "object": "chat.completion",
         "choices": [{"index": 0, "message": message, "logprobs": None,
                      "finish_reason": "length"}],
@@ -163,15 +175,14 @@ def test_collect_and_the_whole_bodies():
 
 def test_logprobs_in_chat_and_completions_shapes():
     upstream = Upstream(["Hi"], Finished("length", 0, 0), logprobs=True)
-    events = text_events(upstream.stream(), IncrementalDetokenizer(CharTokenizer()), 2, ())
-    whole, finish = asyncio.run(collect(events))
-    chat = completion_body(_response(CHAT, logprobs=True), whole, finish)["choices"][0]
+    choices = asyncio.run(collect(_text(upstream.stream(), 2)))
+    chat = completion_body(_response(CHAT, logprobs=True), choices)["choices"][0]
     question = {"token": "?", "logprob": -0.5, "bytes": [63]}
     assert chat["logprobs"] == {"content": [
         {"token": "H", "logprob": -72 / 1024, "bytes": [72], "top_logprobs": [question]},
         {"token": "i", "logprob": -105 / 1024, "bytes": [105], "top_logprobs": [question]},
     ]}  # fmt: skip
-    text = completion_body(_response(COMPLETIONS, logprobs=True), whole, finish)["choices"][0]
+    text = completion_body(_response(COMPLETIONS, logprobs=True), choices)["choices"][0]
     assert text["logprobs"] == {
         "tokens": ["H", "i"], "token_logprobs": [-72 / 1024, -105 / 1024],
         "top_logprobs": [{"?": -0.5, "H": -72 / 1024}, {"?": -0.5, "i": -105 / 1024}],
@@ -194,7 +205,69 @@ def test_the_stop_token_that_ended_the_generation_adds_no_text_unless_asked():
         yield Finished("stop", 0, 4)
 
     for include_stop, text in ((False, "Hi!"), (True, "Hi!#")):
-        detok = IncrementalDetokenizer(CharTokenizer())
-        events = asyncio.run(_list(text_events(upstream(), detok, 1, (), include_stop)))
+        events = asyncio.run(_list(_text(upstream(), 1, (), include_stop)))
         assert "".join(e.text for e in events if isinstance(e, Delta)) == text
         assert events[-1] == Finished("stop", 1, 4)  # the stop token counts
+
+
+class TwoChoices:
+    """Choice 0 says "Hi!" then "Bye", choice 1 says "Ho" then "stop here", interleaved; records
+    the choices stopped upstream and whether the stream was closed."""
+
+    def __init__(self) -> None:
+        self.stopped: list[int] = []
+        self.closed = False
+
+    async def stream(self):
+        try:
+            yield Tokens(ids("Hi!"), index=0)
+            yield Tokens(ids("Ho"), index=1)
+            yield Tokens(ids("stop here"), index=1)
+            yield Tokens(ids("Bye"), index=0)
+            yield Tokens(ids("more"), index=1)  # sent before the decode server heard the stop
+            yield Finished("length", 0, 6, index=0)
+            yield Finished("abort", 0, 15, index=1)
+        finally:
+            self.closed = True
+
+    async def stop(self, index: int) -> None:
+        self.stopped.append(index)
+
+
+def test_each_choice_has_its_own_text_stop_strings_and_finish():
+    upstream = TwoChoices()
+    events = asyncio.run(_list(_text(upstream.stream(), 2, [" here"], choices=2,
+                                     stop=upstream.stop)))  # fmt: skip
+    texts = {i: "".join(e.text for e in events if isinstance(e, Delta) and e.index == i)
+             for i in (0, 1)}  # fmt: skip
+    assert texts == {0: "Hi!Bye", 1: "Hostop"}
+    finished = [e for e in events if isinstance(e, Finished)]
+    assert finished == [Finished("stop", 2, 11, 1), Finished("length", 2, 6, 0)]
+    assert upstream.stopped == [1]  # once, as soon as its stop string showed
+    assert upstream.closed
+
+
+def test_two_choices_stream_with_their_indexes_and_one_usage():
+    upstream = TwoChoices()
+    events = _text(upstream.stream(), 2, [" here"], choices=2, stop=upstream.stop)
+    response = Response(CHAT, "id-1", "tiny", 1700, include_usage=True)
+    lines = asyncio.run(_list(sse(events, response)))
+    chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+    deltas = [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in chunks[:-1]]
+    # Text that may start " here" is held back: choice 0 shows nothing until "Bye".
+    assert deltas == [(1, {"role": "assistant", "content": "Hostop"}), (1, {"content": ""}),
+                      (0, {"role": "assistant", "content": "Hi"}), (0, {"content": "!Bye"}),
+                      (0, {"content": ""})]  # fmt: skip
+    ends = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks[:-1]]
+    assert [end for end in ends if end[1]] == [(1, "stop"), (0, "length")]
+    usage = {"prompt_tokens": 2, "completion_tokens": 17, "total_tokens": 19}
+    assert chunks[-1] == {**response.head(chunk=True), "choices": [], "usage": usage}
+
+
+def test_the_whole_body_lists_the_choices_in_order():
+    upstream = TwoChoices()
+    events = _text(upstream.stream(), 2, [" here"], choices=2, stop=upstream.stop)
+    body = completion_body(_response(COMPLETIONS), asyncio.run(collect(events)))
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "Hi!Bye", "length"), (1, "Hostop", "stop")]  # fmt: skip
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 17, "total_tokens": 19}

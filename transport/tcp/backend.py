@@ -138,8 +138,10 @@ class TcpTransport(HostTransport):
 
     def _spawn(self, target, name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
-        self._threads.append(thread)
         thread.start()
+        # Listed once started: close() joins what is listed, and joining an unstarted thread
+        # raises.
+        self._threads.append(thread)
 
 
 class _TcpTransfer(Transfer):
