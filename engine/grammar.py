@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -65,6 +66,54 @@ def choice_grammar(choices: Sequence[str]) -> str:
         return f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
 
     return "root ::= " + " | ".join('"' + "".join(map(escape, c)) + '"' for c in choices)
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "grammar", "choice")
+"""The constraints of vLLM's `structured_outputs` (StructuredOutputsParams) tandem serves."""
+
+
+def structured_outputs_spec(value: object) -> GrammarSpec | None:
+    """vLLM's `structured_outputs` field as a spec; None when absent (null). `choice` becomes
+    an EBNF grammar, as vLLM's choice_as_grammar makes it. ValueError naming the key at fault;
+    the grammar itself is checked by `check` (or when compiled)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("must be an object")
+    unknown = set(value) - {*STRUCTURED_KINDS, "disable_any_whitespace"}
+    if unknown:
+        raise ValueError(f"unsupported key(s): {', '.join(sorted(unknown))}")
+    kinds = [k for k in STRUCTURED_KINDS if value.get(k) is not None]
+    if len(kinds) != 1:
+        raise ValueError(f"give exactly one of {', '.join(STRUCTURED_KINDS)} (got {len(kinds)})")
+    compact = value.get("disable_any_whitespace") or False
+    if not isinstance(compact, bool):
+        raise ValueError(f"disable_any_whitespace: {compact!r} is not a boolean")
+    kind, given = kinds[0], value[kinds[0]]
+    if kind == "json":
+        return GrammarSpec(GrammarKind.JSON_SCHEMA, _schema_text(given), compact)
+    if kind == "json_object":
+        if given is not True:
+            raise ValueError(f"json_object: {given!r}; must be true when given")
+        return GrammarSpec(GrammarKind.JSON_OBJECT, "", compact)
+    if kind == "choice":
+        return GrammarSpec(GrammarKind.GRAMMAR, choice_grammar(given))
+    if not isinstance(given, str):
+        raise ValueError(f"{kind}: must be a string")
+    return GrammarSpec(GrammarKind(kind), given)
+
+
+def _schema_text(schema: object) -> str:
+    """A JSON Schema given as an object or as its text: its text."""
+    if isinstance(schema, dict):
+        return json.dumps(schema)
+    if not isinstance(schema, str):
+        raise ValueError("json: must be a JSON Schema, as an object or as its text")
+    try:
+        json.loads(schema)
+    except ValueError:
+        raise ValueError("json: the JSON Schema is not JSON") from None
+    return schema
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import socket
 import sys
 import time
@@ -31,7 +30,7 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 
 from engine.chat_template import render_chat
-from engine.grammar import Grammar, GrammarKind, GrammarSpec, choice_grammar
+from engine.grammar import Grammar, structured_outputs_spec
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SAMPLING_FIELDS, SamplingParams
@@ -50,8 +49,6 @@ _ACCEPTED = _IGNORED | set(SAMPLING_FIELDS) | {
 }  # fmt: skip
 MAX_N = 16384
 """Choices a request may ask for at most (vLLM's default VLLM_MAX_N_SEQUENCES)."""
-# vLLM's StructuredOutputsParams constraint kinds this server supports; exactly one is given.
-_KINDS = ("json", "json_object", "regex", "grammar", "choice")
 
 
 @dataclass(frozen=True)
@@ -234,7 +231,7 @@ class PrefillServer:
 
     def _grammar(self, structured_outputs: object) -> Grammar | None:
         try:
-            spec = grammar_spec(structured_outputs)
+            spec = structured_outputs_spec(structured_outputs)
             return None if spec is None else self.engine.grammars.compile(spec)
         except ValueError as e:
             raise PrefillError(400, f"structured_outputs: {e}") from None
@@ -258,40 +255,6 @@ def choice_count(n: object) -> int:
     if type(n) is not int or not 1 <= n <= MAX_N:
         raise PrefillError(400, f"n: {n!r} is not an integer in [1, {MAX_N}]", param="n")
     return n
-
-
-def grammar_spec(value: object) -> GrammarSpec | None:
-    """vLLM's `structured_outputs` field (StructuredOutputsParams) as the engine's spec; None
-    when absent (null). `choice` becomes an EBNF grammar, as vLLM's choice_as_grammar makes it.
-    ValueError naming the key at fault."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ValueError("must be an object")
-    unknown = set(value) - {*_KINDS, "disable_any_whitespace"}
-    if unknown:
-        raise ValueError(f"unsupported key(s): {', '.join(sorted(unknown))}")
-    kinds = [k for k in _KINDS if value.get(k) is not None]
-    if len(kinds) != 1:
-        raise ValueError(f"give exactly one of {', '.join(_KINDS)} (got {len(kinds)})")
-    compact = value.get("disable_any_whitespace") or False
-    if not isinstance(compact, bool):
-        raise ValueError(f"disable_any_whitespace: {compact!r} is not a boolean")
-    kind, given = kinds[0], value[kinds[0]]
-    if kind == "json":
-        if not isinstance(given, str | dict):
-            raise ValueError("json: must be a JSON Schema, as an object or as its text")
-        text = given if isinstance(given, str) else json.dumps(given)
-        return GrammarSpec(GrammarKind.JSON_SCHEMA, text, compact)
-    if kind == "json_object":
-        if given is not True:
-            raise ValueError(f"json_object: {given!r}; must be true when given")
-        return GrammarSpec(GrammarKind.JSON_OBJECT, "", compact)
-    if kind == "choice":
-        return GrammarSpec(GrammarKind.GRAMMAR, choice_grammar(given))
-    if not isinstance(given, str):
-        raise ValueError(f"{kind}: must be a string")
-    return GrammarSpec(GrammarKind(kind), given)
 
 
 async def _json(request: Request) -> dict:

@@ -15,7 +15,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec, allows, choice_grammar
+from engine.grammar import (
+    GrammarCompiler,
+    GrammarKind,
+    GrammarSpec,
+    allows,
+    choice_grammar,
+    structured_outputs_spec,
+)
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason, StopConditions
@@ -137,3 +144,45 @@ def test_specs_and_choices_are_checked_and_escaped():
     for bad in ([], ["a", 1]):
         with pytest.raises(ValueError, match="choice: must be a non-empty list of strings"):
             choice_grammar(bad)
+
+
+@pytest.mark.parametrize(
+    ("given", "spec"),
+    [
+        (None, None),
+        ({"json": {"type": "object"}}, GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "object"}')),
+        ({"json": '{"type":"integer"}', "disable_any_whitespace": True},
+         GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type":"integer"}', compact_whitespace=True)),
+        ({"json_object": True, "regex": None}, GrammarSpec(GrammarKind.JSON_OBJECT)),
+        ({"regex": "[0-9]+"}, GrammarSpec(GrammarKind.REGEX, "[0-9]+")),
+        ({"grammar": 'root ::= "a"'}, GrammarSpec(GrammarKind.GRAMMAR, 'root ::= "a"')),
+        ({"choice": ["yes", 'n"o']}, GrammarSpec(GrammarKind.GRAMMAR, r'root ::= "yes" | "n\"o"')),
+    ],
+)  # fmt: skip
+def test_structured_outputs_shapes_vllm_accepts(given, spec):
+    assert structured_outputs_spec(given) == spec
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("json", "must be an object"),
+        ({}, "give exactly one of json, json_object, regex, grammar, choice (got 0)"),
+        ({"json": {}, "regex": "a"}, "give exactly one of json, json_object, regex, grammar, "
+         "choice (got 2)"),
+        ({"structural_tag": "{}", "whitespace_pattern": " "},
+         "unsupported key(s): structural_tag, whitespace_pattern"),
+        ({"json": 5}, "json: must be a JSON Schema, as an object or as its text"),
+        ({"json_object": False}, "json_object: False; must be true when given"),
+        ({"regex": 5}, "regex: must be a string"),
+        ({"regex": ""}, "regex: the text must not be empty"),
+        ({"choice": []}, "choice: must be a non-empty list of strings"),
+        ({"choice": "yes"}, "choice: must be a non-empty list of strings"),
+        ({"regex": "a", "disable_any_whitespace": "yes"},
+         "disable_any_whitespace: 'yes' is not a boolean"),
+    ],
+)  # fmt: skip
+def test_structured_outputs_shapes_refused(given, message):
+    with pytest.raises(ValueError) as err:
+        structured_outputs_spec(given)
+    assert str(err.value) == message

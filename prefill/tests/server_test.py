@@ -19,12 +19,12 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 import transport
-from engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+from engine.grammar import GrammarCompiler
 from engine.llm_engine import EngineConfig
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.sequence import StopConditions
-from prefill.server import PrefillServer, PrefillServerConfig, grammar_spec
+from prefill.server import PrefillServer, PrefillServerConfig
 from prefill.tests.fake_decode import FakeDecode
 from prefill.ticket import DECODE_LAYOUT, layout_descriptor, transfer_params
 from prefill.worker import Job
@@ -247,48 +247,6 @@ def test_completion_logprobs_put_the_token_first_then_the_most_likely():
         "top_logprobs": [{"ab": -3.0, "<7>": -0.5, "<8>": -1.0}, {"<6>": -9999.0, "<9>": -0.1}],
         "text_offset": [0, 2],
     }
-
-
-@pytest.mark.parametrize(
-    ("given", "spec"),
-    [
-        (None, None),
-        ({"json": {"type": "object"}}, GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "object"}')),
-        ({"json": '{"type":"integer"}', "disable_any_whitespace": True},
-         GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type":"integer"}', compact_whitespace=True)),
-        ({"json_object": True, "regex": None}, GrammarSpec(GrammarKind.JSON_OBJECT)),
-        ({"regex": "[0-9]+"}, GrammarSpec(GrammarKind.REGEX, "[0-9]+")),
-        ({"grammar": 'root ::= "a"'}, GrammarSpec(GrammarKind.GRAMMAR, 'root ::= "a"')),
-        ({"choice": ["yes", 'n"o']}, GrammarSpec(GrammarKind.GRAMMAR, r'root ::= "yes" | "n\"o"')),
-    ],
-)  # fmt: skip
-def test_structured_outputs_shapes_vllm_accepts(given, spec):
-    assert grammar_spec(given) == spec
-
-
-@pytest.mark.parametrize(
-    ("given", "message"),
-    [
-        ("json", "must be an object"),
-        ({}, "give exactly one of json, json_object, regex, grammar, choice (got 0)"),
-        ({"json": {}, "regex": "a"}, "give exactly one of json, json_object, regex, grammar, "
-         "choice (got 2)"),
-        ({"structural_tag": "{}", "whitespace_pattern": " "},
-         "unsupported key(s): structural_tag, whitespace_pattern"),
-        ({"json": 5}, "json: must be a JSON Schema, as an object or as its text"),
-        ({"json_object": False}, "json_object: False; must be true when given"),
-        ({"regex": 5}, "regex: must be a string"),
-        ({"regex": ""}, "regex: the text must not be empty"),
-        ({"choice": []}, "choice: must be a non-empty list of strings"),
-        ({"choice": "yes"}, "choice: must be a non-empty list of strings"),
-        ({"regex": "a", "disable_any_whitespace": "yes"},
-         "disable_any_whitespace: 'yes' is not a boolean"),
-    ],
-)  # fmt: skip
-def test_structured_outputs_shapes_refused(given, message):
-    with pytest.raises(ValueError) as err:
-        grammar_spec(given)
-    assert str(err.value) == message
 
 
 def test_structured_outputs_constrain_the_tokens_or_get_400(server):

@@ -168,15 +168,15 @@ def test_chat_messages_as_clients_send_them(messages, expected):
          "structured_outputs", "structured_outputs: regex: does not compile: Regex parsing error "
          "at position 2: The parenthesis is not closed."),
         (COMPLETIONS, {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
-         400, "structured_outputs", "structured_outputs: give exactly one constraint (json, "
-         "json_object, regex, choice or grammar), in one field"),
+         400, "structured_outputs", "structured_outputs: give exactly one of json, json_object, "
+         "regex, grammar, choice (got 2)"),
         (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_object"},
-                "guided_regex": "a+"}, 400, "guided_regex", "guided_regex: give exactly one "
-         "constraint (json, json_object, regex, choice or grammar), in one field"),
+                "guided_regex": "a+"}, 400, "guided_regex", "guided_regex: one constraint per "
+         "request (also given: response_format)"),
         (COMPLETIONS, {"prompt": "x", "guided_choice": []}, 400, "guided_choice",
          "guided_choice: choice: must be a non-empty list of strings"),
         (COMPLETIONS, {"prompt": "x", "guided_json": "{oops"}, 400, "guided_json",
-         "guided_json: the JSON Schema is not JSON"),
+         "guided_json: json: the JSON Schema is not JSON"),
         (COMPLETIONS, {"prompt": "x", "structured_outputs": {"grammar": "root ::= "}}, 400,
          "structured_outputs", "structured_outputs: grammar: does not compile: EBNF parser error "
          "at line 1, column 10: Expect element, but got"),
