@@ -14,11 +14,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 import grpc
-import pytest
 import torch
 
 from decode.engine_loop import EngineFailed, Finished, Tokens, TokenStream
-from decode.tests.stack import NEW_TOKENS, Stack
+from decode.tests.stack import NEW_TOKENS, Stack, rpc_failure
 from engine.sequence import FinishReason
 from proto.tandem.v1 import decode_pb2
 
@@ -51,26 +50,6 @@ def test_a_stream_multiplexes_its_choices_and_ends_after_the_last():
     failing.fail(EngineFailed("engine gone"))
     assert list(failing) == [Tokens(1, [4], []), EngineFailed("engine gone")]
     assert ended == [True, True]
-
-
-@pytest.fixture(scope="module")
-def shared():
-    stack = Stack()
-    yield stack
-    stack.close()
-
-
-@pytest.fixture()
-def stack(shared):
-    yield shared
-    shared.engine.release()
-    shared.assert_empty()
-
-
-def _code(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    return err.value.code(), err.value.details()
 
 
 def _by_choice(messages) -> dict[int, list]:
@@ -168,5 +147,5 @@ def test_a_bad_choice_start_fails_the_ticket_naming_the_choice(stack):
             other_choices=others,
         )  # fmt: skip
         call = lambda r=request: list(stack.stub.Generate(r, timeout=30))  # noqa: E731
-        assert _code(call) == (grpc.StatusCode.INVALID_ARGUMENT, message)
-        assert _code(call) == (grpc.StatusCode.ABORTED, f"bad request: {message}")
+        assert rpc_failure(call) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+        assert rpc_failure(call) == (grpc.StatusCode.ABORTED, f"bad request: {message}")

@@ -14,10 +14,9 @@ from __future__ import annotations
 import time
 
 import grpc
-import pytest
 import torch
 
-from decode.tests.stack import BLOCK, BLOCKS, NEW_TOKENS, Context, Stack, layout
+from decode.tests.stack import BLOCK, BLOCKS, NEW_TOKENS, Context, Stack, layout, rpc_failure
 from engine.sampling import SAMPLING_FIELDS
 from proto.tandem.v1 import decode_pb2
 
@@ -25,26 +24,6 @@ torch.set_num_threads(1)
 
 PROMPTS = [[1, 17, 99, 3, 250, 41, 7], list(range(10, 50)), [1, 200, 201, 202, 203]]
 STATS = decode_pb2.StatsRequest()
-
-
-@pytest.fixture(scope="module")
-def shared():
-    stack = Stack()
-    yield stack
-    stack.close()
-
-
-@pytest.fixture()
-def stack(shared):
-    yield shared
-    shared.engine.release()
-    shared.assert_empty()
-
-
-def _code(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    return err.value.code(), err.value.details()
 
 
 def _tokens(messages) -> list[int]:
@@ -62,7 +41,7 @@ def test_hello_answers_the_layout_or_refuses_naming_both_values(stack):
     assert reply.decode_layout == layout()
     assert [e.metadata for e in reply.endpoints] == [b"127.0.0.1:1"]
     bad = decode_pb2.HelloRequest(sender_layout=layout(3, "bfloat16"), sender_id="p1")
-    code, details = _code(lambda: stack.stub.Hello(bad, timeout=10))
+    code, details = rpc_failure(lambda: stack.stub.Hello(bad, timeout=10))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert details == (
         "sender p1 cannot write here: num_layers: decode has 2, sender has 3; "
@@ -82,16 +61,16 @@ def test_reserve_returns_a_ticket_into_the_engine_cache(stack):
 
 
 def test_reserve_refusals_name_the_values(stack):
-    code, details = _code(lambda: stack.reserve("big", [5] * (BLOCKS * BLOCK)))
+    code, details = rpc_failure(lambda: stack.reserve("big", [5] * (BLOCKS * BLOCK)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details == "prompt of 384 tokens + max_tokens 10 exceeds the context length 384"
     stack.reserve("a", [5] * 300)
-    code, details = _code(lambda: stack.reserve("b", [5] * 100))
+    code, details = rpc_failure(lambda: stack.reserve("b", [5] * 100))
     assert (code, details) == (
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         "7 KV blocks needed for 100 tokens, 5 free of 24",
     )
-    code, _ = _code(lambda: stack.reserve("a", [5]))
+    code, _ = rpc_failure(lambda: stack.reserve("a", [5]))
     assert code == grpc.StatusCode.ALREADY_EXISTS
     assert stack.abort("a", ticket_undelivered=True)
 
@@ -108,7 +87,7 @@ def test_tokens_equal_one_engine_doing_the_whole_request(stack):
         )
         assert messages[-1].usage.prompt_tokens == len(prompt)
         # Finished, and forgotten: a second Generate finds nothing.
-        code, _ = _code(lambda t=ticket, f=first: list(stack.generate(t, f)))
+        code, _ = rpc_failure(lambda t=ticket, f=first: list(stack.generate(t, f)))
         assert code == grpc.StatusCode.NOT_FOUND
 
 
@@ -117,9 +96,9 @@ def test_a_stale_generation_is_refused_and_changes_nothing(stack):
     assert stack.abort("again", reason="retry")
     new = stack.reserve("again", PROMPTS[0])
     assert new.generation == old.generation + 1
-    code, _ = _code(lambda: stack.commit(old))  # also ends the old one's quarantine
+    code, _ = rpc_failure(lambda: stack.commit(old))  # also ends the old one's quarantine
     assert code == grpc.StatusCode.FAILED_PRECONDITION
-    code, _ = _code(lambda: list(stack.generate(old, 5)))
+    code, _ = rpc_failure(lambda: list(stack.generate(old, 5)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     first = stack.prefill.write(new, PROMPTS[0])
     reply = stack.commit(new)
@@ -130,17 +109,17 @@ def test_a_stale_generation_is_refused_and_changes_nothing(stack):
 
 def test_missed_deadline_and_bad_sampling_end_with_their_status(stack):
     late = stack.reserve("late", PROMPTS[0], transfer_timeout_ms=100)
-    code, details = _code(lambda: list(stack.generate(late, 5)))
+    code, details = rpc_failure(lambda: list(stack.generate(late, 5)))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert details == "not every sender committed by the deadline"
-    code, _ = _code(lambda: stack.commit(late))  # the late sender learns it failed
+    code, _ = rpc_failure(lambda: stack.commit(late))  # the late sender learns it failed
     assert code == grpc.StatusCode.FAILED_PRECONDITION
 
     ticket, first = stack.ready("bad", PROMPTS[0])
     bad = decode_pb2.SamplingParams(top_p=0.0)
-    code, details = _code(lambda: list(stack.generate(ticket, first, sampling=bad)))
+    code, details = rpc_failure(lambda: list(stack.generate(ticket, first, sampling=bad)))
     assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT, "top_p: 0.0 is not in (0, 1]")
-    code, details = _code(lambda: list(stack.generate(ticket, first)))
+    code, details = rpc_failure(lambda: list(stack.generate(ticket, first)))
     assert (code, details) == (grpc.StatusCode.ABORTED, "bad request: top_p: 0.0 is not in (0, 1]")
 
 
@@ -172,7 +151,7 @@ def test_logprobs_come_one_per_token_the_first_as_the_prefill_reported(stack):
 def test_logprobs_without_the_first_tokens_are_refused(stack):
     ticket, first = stack.ready("no-first", PROMPTS[0])
     sampling = decode_pb2.SamplingParams(logprobs=2)
-    code, details = _code(lambda: list(stack.generate(ticket, first, sampling=sampling)))
+    code, details = rpc_failure(lambda: list(stack.generate(ticket, first, sampling=sampling)))
     assert (code, details) == (
         grpc.StatusCode.INVALID_ARGUMENT,
         "first_token_logprobs: required when sampling.logprobs is set",
@@ -195,8 +174,8 @@ def test_structured_output_without_a_kind_or_a_tokenizer_is_refused(stack):
         call = lambda t=ticket, f=first, c=constraint: list(  # noqa: E731
             stack.generate(t, f, structured_output=c)
         )
-        assert _code(call) == (grpc.StatusCode.INVALID_ARGUMENT, message)
-        assert _code(call) == (grpc.StatusCode.ABORTED, f"bad request: {message}")
+        assert rpc_failure(call) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+        assert rpc_failure(call) == (grpc.StatusCode.ABORTED, f"bad request: {message}")
 
 
 def _busy(stack: Stack, request_id: str):
@@ -212,9 +191,9 @@ def test_abort_takes_effect_in_every_state(stack):
     reserved = stack.reserve("reserved", PROMPTS[0])
     assert stack.abort("reserved", reason="router gave up")
     assert stack.stub.Stats(STATS).kv_blocks_quarantined == 1
-    code, details = _code(lambda: list(stack.generate(reserved, 5)))
+    code, details = rpc_failure(lambda: list(stack.generate(reserved, 5)))
     assert (code, details) == (grpc.StatusCode.ABORTED, "router gave up")
-    code, details = _code(lambda: stack.commit(reserved))  # the sender stops: block freed
+    code, details = rpc_failure(lambda: stack.commit(reserved))  # the sender stops: block freed
     assert (code, details) == (
         grpc.StatusCode.FAILED_PRECONDITION,
         "request 'reserved': router gave up",
@@ -222,7 +201,7 @@ def test_abort_takes_effect_in_every_state(stack):
     # READY: the ticket fails; its blocks are free at once.
     ready, first = stack.ready("ready", PROMPTS[0])
     assert stack.abort("ready")
-    code, details = _code(lambda: list(stack.generate(ready, first)))
+    code, details = rpc_failure(lambda: list(stack.generate(ready, first)))
     assert (code, details) == (grpc.StatusCode.ABORTED, "aborted by client")
     # RUNNING: held at a step, so that it cannot finish before the abort.
     stream = _busy(stack, "running")
@@ -271,7 +250,7 @@ def test_an_engine_failure_ends_every_request_with_unavailable():
         assert context.handed_over.wait(timeout=10)
         stack.engine.fail_with = RuntimeError("CUDA error: an illegal memory access")
         stack.engine.release()
-        code, details = _code(lambda: list(running))
+        code, details = rpc_failure(lambda: list(running))
         assert code == grpc.StatusCode.UNAVAILABLE
         assert "RuntimeError: CUDA error: an illegal memory access" in details
         assert "restart the decode server" in details
@@ -282,6 +261,6 @@ def test_an_engine_failure_ends_every_request_with_unavailable():
             lambda: stack.stub.Stats(STATS, timeout=10),
             lambda: stack.reserve("after", PROMPTS[0]),
         ):
-            assert _code(refused) == (grpc.StatusCode.UNAVAILABLE, stack.loop.failure)
+            assert rpc_failure(refused) == (grpc.StatusCode.UNAVAILABLE, stack.loop.failure)
     finally:
         stack.close()

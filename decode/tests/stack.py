@@ -8,6 +8,7 @@ import threading
 from concurrent import futures
 
 import grpc
+import pytest
 import torch
 
 from decode.admission import Admission
@@ -206,3 +207,10 @@ class Context:
 
 class Refused(Exception):
     """What context.abort raises: (code, details)."""
+
+
+def rpc_failure(call) -> tuple[grpc.StatusCode, str]:
+    """The status code and details of the RpcError `call()` raises."""
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code(), err.value.details()
