@@ -25,6 +25,7 @@ from decode.metrics import DecodeMetrics
 from decode.service import DecodeServicer
 from engine.config import ModelConfig
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+from engine.model_loader import refuse_latent_kv_transfer
 from prefill.ticket import DECODE_LAYOUT, dtype_name, layout_descriptor
 from proto.tandem.v1 import decode_pb2_grpc, layout_pb2
 from transport.config import KvTransportConfig
@@ -71,6 +72,7 @@ class DecodeServer:
 
     def __init__(self, config: DecodeServerConfig) -> None:
         self.config = config
+        refuse_latent_kv_transfer(config.engine, "decode server")
         self.engine = LLMEngine.build(config.engine)
         self.transport = config.kv.create()
         device = str(self.engine.kv_cache.storage.device)

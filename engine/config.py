@@ -1,7 +1,9 @@
-"""The shape of a Llama-family decoder, read from a Hugging Face folder or a named preset.
+"""The shape of a decoder (Llama family, or DeepSeek-V3 family with MLA attention and
+mixture-of-experts), read from a Hugging Face folder or a named preset.
 
 `ModelConfig` is what every other part of the engine sizes itself from (the model, the KV cache,
-the layout fingerprint exchanged at the handshake). Anything in a Hugging Face config that would
+the layout fingerprint exchanged at the handshake); `mla` and `moe` carry what only the
+DeepSeek-V3 family has. Anything in a Hugging Face config that would
 change the math but that the model does not implement is refused here, by field name, so a model
 that loads is a model that computes what Hugging Face computes.
 """
@@ -15,12 +17,29 @@ from typing import Any
 
 import torch
 
+from engine.deepseek_config import (
+    MlaConfig,
+    MoeConfig,
+    YarnRopeScaling,
+    mla_config,
+    moe_config,
+    refuse_unsupported_moe,
+)
+
+# Multi-head latent attention and mixture-of-experts: engine/deepseek.py.
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MLA_ARCHITECTURES,
 )
+
+# The KV cache's formats: per-head K and V planes, or one latent plane per layer (MLA).
+KV_FORMAT_HND = "hnd"
+KV_FORMAT_MLA_LATENT = "mla-latent"
 
 
 @dataclass(frozen=True)
@@ -51,7 +70,11 @@ class Llama3RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of one decoder-only Llama-family model."""
+    """Hyper-parameters of one decoder-only model.
+
+    For the MLA architectures, num_kv_heads is num_heads and head_dim is mla.qk_rope_head_dim
+    (RoPE's width), as transformers sets them; `mla` and `moe` hold the rest.
+    """
 
     architecture: str  # Hugging Face class name, one of SUPPORTED_ARCHITECTURES
     vocab_size: int  # rows of the embedding and of the lm_head
@@ -62,7 +85,7 @@ class ModelConfig:
     num_kv_heads: int  # key/value heads (GQA); divides num_heads
     head_dim: int  # channels per head; even, since RoPE rotates pairs
     rope_theta: float  # RoPE base frequency
-    rope_scaling: Llama3RopeScaling | None  # None: plain RoPE
+    rope_scaling: Llama3RopeScaling | YarnRopeScaling | None  # None: plain RoPE
     rms_norm_eps: float  # epsilon of every RMSNorm
     tie_word_embeddings: bool  # the lm_head reuses the embedding matrix
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2/2.5); o_proj never does
@@ -70,6 +93,8 @@ class ModelConfig:
     max_position_embeddings: int  # longest context the model supports
     eos_token_ids: tuple[int, ...]  # any of these ends generation; empty if the model names none
     bos_token_id: int | None  # prepended by the tokenizer, if the model uses one
+    mla: MlaConfig | None = None  # set exactly for MLA_ARCHITECTURES
+    moe: MoeConfig | None = None  # set exactly for MLA_ARCHITECTURES
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -107,17 +132,54 @@ class ModelConfig:
                 raise ValueError(f"eos_token_ids: {token} is outside [0, {self.vocab_size})")
         if self.bos_token_id is not None and not 0 <= self.bos_token_id < self.vocab_size:
             raise ValueError(f"bos_token_id {self.bos_token_id} is outside [0, {self.vocab_size})")
+        self._check_family()
+
+    def _check_family(self) -> None:
+        is_mla = self.architecture in MLA_ARCHITECTURES
+        if is_mla != (self.mla is not None) or is_mla != (self.moe is not None):
+            raise ValueError(
+                f"mla and moe must be set exactly for {', '.join(MLA_ARCHITECTURES)}; "
+                f"{self.architecture} has mla={self.mla is not None}, moe={self.moe is not None}"
+            )
+        # Each family computes the RoPE scaling it knows: Llama-3's, or YaRN for MLA.
+        expected = YarnRopeScaling if is_mla else Llama3RopeScaling
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, expected):
+            raise ValueError(
+                f"rope_scaling {type(self.rope_scaling).__name__} is not supported for "
+                f"{self.architecture}"
+            )
+        if self.mla is not None and self.head_dim != self.mla.qk_rope_head_dim:
+            raise ValueError(
+                f"head_dim ({self.head_dim}) must equal mla.qk_rope_head_dim "
+                f"({self.mla.qk_rope_head_dim})"
+            )
+
+    @property
+    def kv_format(self) -> str:
+        """KV_FORMAT_HND (K and V per head) or KV_FORMAT_MLA_LATENT (one latent row)."""
+        return KV_FORMAT_HND if self.mla is None else KV_FORMAT_MLA_LATENT
+
+    @property
+    def kv_planes(self) -> tuple[int, int, int]:
+        """(planes, heads, channels) of one layer's cache: (2, num_kv_heads, head_dim) for K and
+        V, (1, 1, kv_lora_rank + qk_rope_head_dim) for the MLA latent."""
+        if self.mla is None:
+            return 2, self.num_kv_heads, self.head_dim
+        return 1, 1, self.mla.latent_dim
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V, over all layers, that one token occupies in the cache."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """Bytes of KV (K and V, or the MLA latent), over all layers, of one cached token."""
+        planes, heads, channels = self.kv_planes
+        return self.num_layers * planes * heads * channels * dtype.itemsize
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
         """A named configuration: "tiny" for tests, or the shape of a real checkpoint."""
-        if name not in _PRESETS:
-            raise ValueError(f"unknown preset {name!r} (known: {', '.join(_PRESETS)})")
-        return _PRESETS[name]
+        from engine.presets import PRESETS  # NOTE: here: the presets are ModelConfigs
+
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+        return PRESETS[name]
 
     @classmethod
     def from_hf_folder(cls, path: str | Path) -> "ModelConfig":
@@ -141,7 +203,8 @@ class ModelConfig:
         architecture = _architecture(d)
         _refuse_unsupported_features(architecture, d)
         num_heads = _required(d, "num_attention_heads")
-        rope_theta, rope_scaling = _rope(d)
+        rope_theta, rope_scaling = _rope(d, architecture)
+        mla = mla_config(d) if architecture in MLA_ARCHITECTURES else None
         eos = _token_ids(d.get("eos_token_id"))
         if generation_config is not None:
             eos += tuple(
@@ -154,9 +217,12 @@ class ModelConfig:
             intermediate_size=_required(d, "intermediate_size"),
             num_layers=_required(d, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            # MLA has no K/V heads of its own: every query head reads the one latent.
+            num_kv_heads=num_heads if mla else d.get("num_key_value_heads") or num_heads,
             # NOTE: older configs omit head_dim (Mistral writes null): it is then implied.
-            head_dim=d.get("head_dim") or _required(d, "hidden_size") // num_heads,
+            head_dim=mla.qk_rope_head_dim
+            if mla
+            else d.get("head_dim") or _required(d, "hidden_size") // num_heads,
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             rms_norm_eps=float(_required(d, "rms_norm_eps")),
@@ -167,6 +233,8 @@ class ModelConfig:
             max_position_embeddings=_required(d, "max_position_embeddings"),
             eos_token_ids=eos,
             bos_token_id=d.get("bos_token_id"),
+            mla=mla,
+            moe=moe_config(d, _required(d, "num_hidden_layers")) if mla else None,
         )
 
 
@@ -188,6 +256,11 @@ def _refuse_unsupported_features(architecture: str, d: Mapping[str, Any]) -> Non
         raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (supported: silu)")
     if d.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
+    if d.get("quantization_config") is not None:
+        method = d["quantization_config"].get("quant_method")
+        raise ValueError(f"quantization_config ({method}) is not supported (unquantized only)")
+    if architecture in MLA_ARCHITECTURES:
+        refuse_unsupported_moe(d)
     # Llama and Qwen3 put the bias on o_proj too; only Qwen2's q/k/v-only bias is implemented.
     if d.get("attention_bias") and architecture != "Qwen2ForCausalLM":
         raise ValueError(f"attention_bias=true is not supported for {architecture}")
@@ -206,7 +279,9 @@ def _refuse_unsupported_features(architecture: str, d: Mapping[str, Any]) -> Non
         )
 
 
-def _rope(d: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+def _rope(
+    d: Mapping[str, Any], architecture: str
+) -> tuple[float, Llama3RopeScaling | YarnRopeScaling | None]:
     # transformers >= 5 writes rope_parameters (with rope_theta inside); older configs write
     # rope_theta and rope_scaling at the top level, the type under "type" or "rope_type".
     params = d.get("rope_parameters")
@@ -220,15 +295,21 @@ def _rope(d: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type != "llama3":
+    scaling_cls = YarnRopeScaling if architecture in MLA_ARCHITECTURES else Llama3RopeScaling
+    supported = "yarn" if scaling_cls is YarnRopeScaling else "llama3"
+    if rope_type != supported:
         raise ValueError(
-            f"rope_scaling: rope_type {rope_type!r} is not supported (supported: default, llama3)"
+            f"rope_scaling: rope_type {rope_type!r} is not supported for {architecture} "
+            f"(supported: default, {supported})"
         )
-    fields = [f.name for f in dataclasses.fields(Llama3RopeScaling)]
-    missing = [name for name in fields if name not in params]
+    fields = dataclasses.fields(scaling_cls)
+    required = [f.name for f in fields if f.default is dataclasses.MISSING]
+    missing = [name for name in required if params.get(name) is None]
     if missing:
-        raise ValueError(f"rope_scaling (llama3) lacks {', '.join(missing)}")
-    return theta, Llama3RopeScaling(**{name: params[name] for name in fields})
+        raise ValueError(f"rope_scaling ({rope_type}) lacks {', '.join(missing)}")
+    # transformers reads a null beta as its default; the others' None means "not given".
+    given = {f.name: params[f.name] for f in fields if params.get(f.name) is not None}
+    return theta, scaling_cls(**given)
 
 
 def _required(d: Mapping[str, Any], key: str) -> Any:
@@ -241,92 +322,3 @@ def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
     return (value,) if isinstance(value, int) else tuple(value)
-
-
-_PRESETS: dict[str, ModelConfig] = {
-    # A few layers, small dims, GQA: fast enough for CPU tests.
-    "tiny": ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=False,
-        max_position_embeddings=1024,
-        eos_token_ids=(2,),
-        bos_token_id=1,
-    ),
-    # meta-llama/Llama-3.1-8B-Instruct.
-    "llama3-8b": ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rope_theta=500000.0,
-        rope_scaling=Llama3RopeScaling(
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=False,
-        max_position_embeddings=131072,
-        eos_token_ids=(128001, 128008, 128009),
-        bos_token_id=128000,
-    ),
-    # Qwen/Qwen3-8B.
-    "qwen3-8b": ModelConfig(
-        architecture="Qwen3ForCausalLM",
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_layers=36,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rope_theta=1000000.0,
-        rope_scaling=None,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=True,
-        max_position_embeddings=40960,
-        eos_token_ids=(151645, 151643),
-        bos_token_id=151643,
-    ),
-    # HuggingFaceTB/SmolLM2-135M-Instruct.
-    "smollm2-135m": ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rope_theta=100000.0,
-        rope_scaling=None,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        qk_norm=False,
-        max_position_embeddings=8192,
-        eos_token_ids=(2,),
-        bos_token_id=1,
-    ),
-}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import KV_FORMAT_HND, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,10 @@ class LayerRegion:
 
 
 class KVCache:
-    """Per layer K and V, each [num_blocks + 1, num_kv_heads, block_size, head_dim] ("HND"); the
-    last block is `padding_block`."""
+    """Per layer the planes of the model's `kv_format`, each [num_blocks + 1, heads, block_size,
+    channels]: K and V of [.., num_kv_heads, .., head_dim] ("hnd"), or one MLA latent plane of
+    [.., 1, .., kv_lora_rank + qk_rope_head_dim] ("mla-latent"). The last block is
+    `padding_block`."""
 
     def __init__(
         self,
@@ -49,29 +51,32 @@ class KVCache:
         here, so they can never touch a live sequence's KV."""
         self.block_size = block_size
         self.dtype = dtype
-        # One allocation for all layers, [layer, K|V, block, head, slot, dim]: a transport
-        # registers (and an RDMA NIC pins) one region instead of 2 * num_layers, and each
-        # layer's K and V are still contiguous views. Zeroed so that a fresh cache reads the
+        self.kv_format = config.kv_format
+        planes, heads, channels = config.kv_planes
+        # One allocation for all layers, [layer, plane, block, head, slot, dim]: a transport
+        # registers (and an RDMA NIC pins) one region instead of one per plane and layer, and
+        # each layer's planes are still contiguous views. Zeroed so that a fresh cache reads the
         # same everywhere (checksums, dumps), not whatever the allocator left.
         self.storage = torch.zeros(
             config.num_layers,
-            2,
+            planes,
             num_blocks + 1,
-            config.num_kv_heads,
+            heads,
             block_size,
-            config.head_dim,
+            channels,
             dtype=dtype,
             device=device,
         )
-        # The model's `kv_caches` argument: [(K, V)] per layer. Indexed, not iterated: iterating
-        # unbinds into views that autograd forbids writing in place.
+        # The model's `kv_caches` argument: per layer a tuple of its planes, (K, V) or
+        # (latent,). Indexed, not iterated: iterating unbinds into views that autograd forbids
+        # writing in place.
         self.kv_caches = [
-            (self.storage[i, 0], self.storage[i, 1]) for i in range(config.num_layers)
+            tuple(self.storage[i, p] for p in range(planes)) for i in range(config.num_layers)
         ]
 
     @property
     def block_stride_bytes(self) -> int:
-        """Bytes from one block to the next within a layer's K (or V)."""
+        """Bytes from one block to the next within a layer's plane (K, V or latent)."""
         return self.storage.stride(2) * self.storage.element_size()
 
     @property
@@ -80,7 +85,7 @@ class KVCache:
         return self.storage.stride(3) * self.storage.element_size()
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copies block src[i] into block dst[i], every layer's K and V, on the cache's device (in
+        """Copies block src[i] into block dst[i], every layer's planes, on the cache's device (in
         stream order with the forwards). dst's ids must be distinct."""
         assert len(src) == len(dst), (src, dst)
         if not dst:
@@ -88,15 +93,16 @@ class KVCache:
         device = self.storage.device
         src_ids = torch.tensor(src, dtype=torch.long, device=device)
         dst_ids = torch.tensor(dst, dtype=torch.long, device=device)
-        # One gather and one scatter over [layer, K|V, block, ...]: the block dim is 2.
+        # One gather and one scatter over [layer, plane, block, ...]: the block dim is 2.
         self.storage[:, :, dst_ids] = self.storage[:, :, src_ids]
 
     def region(self) -> tuple[int, int]:
-        """(address, nbytes) of the whole cache, every layer's K and V inside it."""
+        """(address, nbytes) of the whole cache, every layer's planes inside it."""
         return self.storage.data_ptr(), self.storage.numel() * self.storage.element_size()
 
     def layer_regions(self) -> list[LayerRegion]:
-        """Where each layer's K and V live, in layer order."""
+        """Where each layer's K and V live, in layer order ("hnd" caches only)."""
+        assert self.kv_format == KV_FORMAT_HND, f"no K/V regions in a {self.kv_format} cache"
         return [
             LayerRegion(k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), nbytes=k.numel() * k.element_size())
             for k, v in self.kv_caches

@@ -14,127 +14,23 @@ a grammar (structured output) passes one compiled by `engine.grammars` (engine/g
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from engine import attention
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.engine_config import DTYPES, EngineConfig
 from engine.grammar import Grammar, GrammarCompiler
 from engine.kv_cache import BlockPool, KVCache, fork_blocks
-from engine.model import EAGER_OPS, CausalLM
+from engine.model_loader import load_model
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence, StopConditions
-from engine.weights import init_random_weights, load_weights
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str
-    """A Hugging Face folder (config.json + safetensors), or `random:<preset>` (e.g.
-    `random:llama3-8b`) for random weights of a named shape."""
-    device: str = "cpu"
-    """"cpu" or "cuda" (or "cuda:N")."""
-    dtype: str = "bfloat16"
-    """Weights and KV cache: bfloat16, float16 or float32."""
-    block_size: int = 64
-    """Tokens per KV block."""
-    kv_cache_gb: float = 1.0
-    """KV cache size in GiB (every layer's K and V)."""
-    max_model_len: int | None = None
-    """Context length limit; default: the model's max_position_embeddings."""
-    max_num_seqs: int = 256
-    """Sequences in one forward at most."""
-    max_num_batched_tokens: int = 2048
-    """Tokens in one forward at most (longer prompts are prefilled in chunks)."""
-    seed: int = 0
-    """Seed of random weights and of unseeded sampling."""
-    enforce_eager: bool = False
-    """On CUDA: no CUDA graphs and no compiled (fused) elementwise ops."""
-    async_scheduling: bool | None = None
-    """Launch each decode step before the host has read the tokens of the one before it, so
-    that scheduling and output processing overlap the device's work. A sequence that stops on
-    a token (EOS, a stop id) then costs one more row, thrown away, in the step already launched;
-    the rest of the batch goes on. Steps run one at a time while a sequence samples with
-    penalties or under a grammar (both need the last token). None: on with CUDA graphs, where
-    it overlaps; off elsewhere (CPU runs each step before returning)."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device: {self.device!r} must be cpu or cuda[:N]")
-        if self.kv_cache_gb <= 0:
-            raise ValueError(f"kv_cache_gb: {self.kv_cache_gb} must be positive")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len: {self.max_model_len} must be at least 2")
-        SchedulerConfig(self.block_size, self.max_num_seqs, self.max_num_batched_tokens)
-
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--model",
-            required=True,
-            help="HF folder, or random:<preset> (tiny, llama3-8b, qwen3-8b, smollm2-135m)",
-        )
-        parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-        parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-        parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
-        parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
-        parser.add_argument(
-            "--max-model-len",
-            type=int,
-            default=None,
-            help="context length limit (default: the model's)",
-        )
-        parser.add_argument(
-            "--max-num-seqs", type=int, default=256, help="sequences per forward at most"
-        )
-        parser.add_argument(
-            "--max-num-batched-tokens",
-            type=int,
-            default=2048,
-            help="tokens per forward at most (prompts are chunked)",
-        )
-        parser.add_argument(
-            "--seed", type=int, default=0, help="seed of random weights and unseeded sampling"
-        )
-        parser.add_argument(
-            "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs, no fused ops"
-        )
-        parser.add_argument(
-            "--async-scheduling",
-            action=argparse.BooleanOptionalAction,
-            default=None,
-            help="launch each decode step before reading the last one's tokens "
-            "(default: on with CUDA graphs)",
-        )
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
-        return cls(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            kv_cache_gb=args.kv_cache_gb,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            seed=args.seed,
-            enforce_eager=args.enforce_eager,
-            async_scheduling=args.async_scheduling,
-        )
 
 
 @dataclass(frozen=True)
@@ -368,43 +264,3 @@ class LLMEngine:
         while self.has_unfinished:
             self.step()
         return [seq.output_ids for seq in seqs]
-
-
-def load_model(
-    config: EngineConfig,
-    wrap_attention: Callable[[AttentionBackend], AttentionBackend] | None = None,
-) -> tuple[ModelConfig, CausalLM]:
-    """Builds the model on the meta device and fills it: from a folder, or randomly."""
-    dtype = DTYPES[config.dtype]
-    if config.model.startswith("random:"):
-        model_config = ModelConfig.preset(config.model.removeprefix("random:"))
-    else:
-        folder = Path(config.model)
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"model: {folder} is not a Hugging Face folder (no config.json)")
-        model_config = ModelConfig.from_hf_folder(folder)
-    cuda = config.device.startswith("cuda")
-    ops = EAGER_OPS
-    if cuda and not config.enforce_eager:
-        from engine.cuda_ops import CUDA_OPS  # imports Triton only on CUDA
-
-        ops = CUDA_OPS
-    backend = attention_backend(config.device)
-    if wrap_attention is not None:
-        backend = wrap_attention(backend)
-    with torch.device("meta"):
-        model = CausalLM(model_config, backend, ops)
-    if config.model.startswith("random:"):
-        init_random_weights(model, config.seed, dtype, config.device)
-    else:
-        load_weights(model, config.model, dtype, config.device)
-    return model_config, model.eval()
-
-
-def attention_backend(device: str) -> AttentionBackend:
-    """Triton kernels on CUDA (imported only there: CPU installs need no Triton), torch on CPU."""
-    if device.startswith("cuda"):
-        from engine import triton_attention
-
-        return triton_attention
-    return attention

@@ -1,4 +1,5 @@
-"""Filling a meta-built CausalLM: from a Hugging Face safetensors folder, or at random.
+"""Filling a meta-built CausalLM (or DeepseekForCausalLM): from a Hugging Face safetensors
+folder, or at random.
 
 Both materialize the model once, directly in the requested dtype and device, then fill it
 tensor by tensor, so peak memory is the model plus one checkpoint tensor.
@@ -10,11 +11,13 @@ tensor by tensor, so peak memory is the model plus one checkpoint tensor.
 """
 
 import json
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from engine.config import ModelConfig
 from engine.model import CausalLM
@@ -124,6 +127,11 @@ def _materialize(model: CausalLM, dtype: torch.dtype, device: torch.device | str
     if materialized:
         raise ValueError(f"model must be built on the meta device; {materialized[0]} is not")
     model.to(dtype=dtype)  # free on meta; makes to_empty allocate in the final dtype
+    for module in model.modules():  # what a module keeps in float32 whatever the model's dtype
+        for name in getattr(module, "float32_parameters", ()):
+            param = getattr(module, name)
+            if param is not None:
+                setattr(module, name, nn.Parameter(param.float()))
     model.to_empty(device=device)
     model.requires_grad_(False)  # serving never trains; no autograd bookkeeping on weights
 
@@ -143,42 +151,59 @@ def _checkpoint_files(folder: Path) -> dict[Path, list[str]]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
 
 
-def _targets(model: CausalLM) -> dict[str, tuple[str, slice]]:
-    """Checkpoint tensor name -> (our parameter name, rows of it the tensor fills)."""
-    fused = _fused_parts(model.config)
-    targets = {}
-    for name, _ in model.named_parameters():
+# Where a checkpoint tensor goes within one of our parameters: all of it, a run of its rows, or
+# (for stacked experts) one expert's slab or a run of that slab's rows.
+Index = slice | tuple[int] | tuple[int, slice]
+
+
+def _targets(model: CausalLM) -> dict[str, tuple[str, Index]]:
+    """Checkpoint tensor name -> (our parameter name, the part of it the tensor fills)."""
+    targets: dict[str, tuple[str, Index]] = {}
+    for name, param in model.named_parameters():
         parent, _, leaf = name.rpartition(".")
         prefix, _, module = parent.rpartition(".")
-        if module not in fused:
-            targets[name] = (name, slice(None))
+        if module == "experts":  # stacked [experts, ...]: one checkpoint tensor per expert
+            for expert in range(param.shape[0]):
+                for part, rows in _fused_parts(model.config, leaf, param.shape[1]):
+                    targets[f"{parent}.{expert}.{part}.weight"] = (name, (expert, rows))
             continue
-        offset = 0
-        for part, rows in fused[module]:
-            targets[f"{prefix}.{part}.{leaf}"] = (name, slice(offset, offset + rows))
-            offset += rows
+        parts = _fused_parts(model.config, module, param.shape[0])
+        for part, rows in parts:
+            targets[f"{prefix}.{part}.{leaf}" if len(parts) > 1 else name] = (name, rows)
     return targets
 
 
-def _fused_parts(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:
-    """Our fused projection -> the Hugging Face projections stacked in it, with their rows."""
-    q_rows = config.num_heads * config.head_dim
-    kv_rows = config.num_kv_heads * config.head_dim
-    return {
-        "qkv_proj": [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)],
-        "gate_up_proj": [
-            ("gate_proj", config.intermediate_size),
-            ("up_proj", config.intermediate_size),
-        ],
-    }
+def _fused_parts(config: ModelConfig, module: str, rows: int) -> list[tuple[str, slice]]:
+    """Our projection (of `rows` rows) -> the Hugging Face projections stacked in it, with
+    their rows; itself alone if it fuses nothing."""
+    if module == "gate_up_proj":
+        sizes = [("gate_proj", rows // 2), ("up_proj", rows // 2)]
+    elif module == "qkv_proj":
+        kv_rows = config.num_kv_heads * config.head_dim
+        sizes = [("q_proj", rows - 2 * kv_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)]
+    else:
+        return [(module, slice(None))]
+    parts, offset = [], 0
+    for part, size in sizes:
+        parts.append((part, slice(offset, offset + size)))
+        offset += size
+    return parts
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def _ignored(name: str, config: ModelConfig) -> bool:
     # Old checkpoints saved the RoPE buffer; some tied ones still carry an lm_head copy, which
-    # tying means is never read (Hugging Face ignores it too).
-    return name.endswith("rotary_emb.inv_freq") or (
-        config.tie_word_embeddings and name == "lm_head.weight"
-    )
+    # tying means is never read (Hugging Face ignores it too). DeepSeek-V3 checkpoints carry
+    # their multi-token-prediction module as layers past num_layers, which generation does
+    # not use.
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    if config.tie_word_embeddings and name == "lm_head.weight":
+        return True
+    layer = _LAYER.match(name)
+    return config.mla is not None and layer is not None and int(layer[1]) >= config.num_layers
 
 
 def _shown(names: list[str]) -> str:

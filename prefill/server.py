@@ -32,6 +32,7 @@ from jinja2 import TemplateError
 from engine.chat_template import render_chat
 from engine.grammar import Grammar, structured_outputs_spec
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+from engine.model_loader import refuse_latent_kv_transfer
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SAMPLING_FIELDS, SamplingParams
 from engine.sequence import StopConditions
@@ -93,6 +94,7 @@ class PrefillServer:
         self.config = config
         self.name = config.served_model_name or config.engine.model
         publisher = KvPublisher()
+        refuse_latent_kv_transfer(config.engine, "prefill server")
         self.engine = LLMEngine.build(config.engine, wrap_attention=publisher.wrap)
         publisher.bind(self.engine.kv_cache)
         self.agent = config.kv.create()

@@ -1,0 +1,116 @@
+"""The DeepSeek-V3 family decoder (DeepSeek-V3, GLM-4 MoE Lite) as plain torch modules.
+
+The same contract as engine.model.CausalLM — `forward(input_ids [T], positions [T], kv_caches,
+meta) -> hidden [T, hidden_size]`, `compute_logits`, `init_buffers` — with MLA attention
+(engine.mla) over one latent plane per layer (kv_caches[layer] = (latent,)) and, past the first
+first_k_dense_replace layers, a mixture-of-experts MLP (engine.moe). Parameter names are Hugging
+Face's, with the fusions of engine.model and engine.moe; the model can be built on the meta
+device and materialized by engine.weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.deepseek_config import YarnRopeScaling
+from engine.mla import MlaAttention, YarnRotaryEmbedding, yarn_inv_freq
+from engine.model import (
+    EAGER_OPS,
+    MLP,
+    CausalLM,
+    Linear,
+    ModelOps,
+    NormInput,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_inv_freq,
+)
+from engine.moe import MoE
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, ops: ModelOps) -> None:
+        super().__init__()
+        assert config.moe is not None
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = MlaAttention(config, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MoE(config, ops) if config.moe.is_sparse(layer) else MLP(config, ops)
+
+    def forward(
+        self,
+        inp: NormInput,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor],
+        meta: AttentionMetadata,
+        next_norm: RMSNorm,
+    ) -> NormInput:
+        """input_layernorm(x + residual) -> next_norm(x + residual), as engine.model's layer."""
+        inp = self.self_attn(inp, cos, sin, kv_cache, meta, self.post_attention_layernorm)
+        return self.mlp(inp, next_norm)
+
+
+class DeepseekDecoder(nn.Module):
+    """Embedding, decoder layers and final norm: Hugging Face's `model.` prefix."""
+
+    def __init__(self, config: ModelConfig, ops: ModelOps) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        yarn = isinstance(config.rope_scaling, YarnRopeScaling)
+        self.rotary_emb = YarnRotaryEmbedding(config) if yarn else RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(config, i, ops) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, ...]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        inp = self.layers[0].input_layernorm.input_of(x)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms, strict=True):
+            inp = layer(inp, cos, sin, kv_cache, meta, next_norm)
+        x, _ = inp.compute(self.norm.ops)
+        return x
+
+
+class DeepseekForCausalLM(CausalLM):
+    """CausalLM's forward, logits and buffers over a DeepseekDecoder."""
+
+    def __init__(self, config: ModelConfig, ops: ModelOps = EAGER_OPS) -> None:
+        if config.mla is None or config.moe is None:
+            raise ValueError(f"{config.architecture} is not an MLA/MoE architecture")
+        # NOTE: CausalLM.__init__ would build Llama layers; this sets the same attributes
+        # around the DeepSeek decoder instead.
+        nn.Module.__init__(self)
+        self.config = config
+        self.ops = ops
+        self.model = DeepseekDecoder(config, ops)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, False, ops)
+        )
+
+    def init_buffers(self) -> None:
+        """Computes the RoPE frequencies (YaRN's when configured), kept float32."""
+        rotary = self.model.rotary_emb
+        scaling = self.config.rope_scaling
+        if isinstance(scaling, YarnRopeScaling):
+            inv_freq = yarn_inv_freq(self.config.head_dim, self.config.rope_theta, scaling)
+        else:
+            inv_freq = rope_inv_freq(self.config)
+        rotary.inv_freq = inv_freq.to(rotary.inv_freq.device)
+        rotary.table = None  # of the frequencies before

@@ -1,0 +1,113 @@
+"""What an engine is built from: the model, device, dtype, KV cache size and scheduling limits
+(`EngineConfig`, with its command-line flags)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from engine.scheduler import SchedulerConfig
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    """A Hugging Face folder (config.json + safetensors), or `random:<preset>` (e.g.
+    `random:llama3-8b`) for random weights of a named shape."""
+    device: str = "cpu"
+    """"cpu" or "cuda" (or "cuda:N")."""
+    dtype: str = "bfloat16"
+    """Weights and KV cache: bfloat16, float16 or float32."""
+    block_size: int = 64
+    """Tokens per KV block."""
+    kv_cache_gb: float = 1.0
+    """KV cache size in GiB (every layer's K and V, or MLA latent)."""
+    max_model_len: int | None = None
+    """Context length limit; default: the model's max_position_embeddings."""
+    max_num_seqs: int = 256
+    """Sequences in one forward at most."""
+    max_num_batched_tokens: int = 2048
+    """Tokens in one forward at most (longer prompts are prefilled in chunks)."""
+    seed: int = 0
+    """Seed of random weights and of unseeded sampling."""
+    enforce_eager: bool = False
+    """On CUDA: no CUDA graphs and no compiled (fused) elementwise ops."""
+    async_scheduling: bool | None = None
+    """Launch each decode step before the host has read the tokens of the one before it, so
+    that scheduling and output processing overlap the device's work. A sequence that stops on
+    a token (EOS, a stop id) then costs one more row, thrown away, in the step already launched;
+    the rest of the batch goes on. Steps run one at a time while a sequence samples with
+    penalties or under a grammar (both need the last token). None: on with CUDA graphs, where
+    it overlaps; off elsewhere (CPU runs each step before returning)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device: {self.device!r} must be cpu or cuda[:N]")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb: {self.kv_cache_gb} must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: {self.max_model_len} must be at least 2")
+        SchedulerConfig(self.block_size, self.max_num_seqs, self.max_num_batched_tokens)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--model",
+            required=True,
+            help="HF folder, or random:<preset> (tiny, llama3-8b, qwen3-8b, smollm2-135m, "
+            "deepseek-tiny)",
+        )
+        parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+        parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+        parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+        parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
+        parser.add_argument(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="context length limit (default: the model's)",
+        )
+        parser.add_argument(
+            "--max-num-seqs", type=int, default=256, help="sequences per forward at most"
+        )
+        parser.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=2048,
+            help="tokens per forward at most (prompts are chunked)",
+        )
+        parser.add_argument(
+            "--seed", type=int, default=0, help="seed of random weights and unseeded sampling"
+        )
+        parser.add_argument(
+            "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs, no fused ops"
+        )
+        parser.add_argument(
+            "--async-scheduling",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="launch each decode step before reading the last one's tokens "
+            "(default: on with CUDA graphs)",
+        )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            kv_cache_gb=args.kv_cache_gb,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            seed=args.seed,
+            enforce_eager=args.enforce_eager,
+            async_scheduling=args.async_scheduling,
+        )

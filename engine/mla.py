@@ -1,0 +1,253 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, GLM-4 MoE Lite) over a paged latent cache.
+
+Per token, a layer caches one latent row [c_kv | k_pe] (kv_lora_rank + qk_rope_head_dim
+channels): c_kv, the normalized down-projection from which kv_b_proj makes every head's K (the
+part without RoPE) and V, and k_pe, the RoPE'd key part that all heads share. A layer's cache is
+one plane [num_blocks, 1, block_size, latent_dim], addressed by the same slots and block tables
+as the K/V planes (engine.attention.AttentionMetadata).
+
+There are two ways to attend, equal in exact arithmetic:
+- expanded (`attend_expanded`, for prompts and chunks of them): the context's latents are
+  up-projected to per-head K = [k_nope | k_pe] and V, then causal attention as usual;
+- absorbed (`attend_absorbed`, for decode tokens): q_nope is multiplied into W_UK, the K half of
+  kv_b_proj, so that each head's query lives in latent space and scores [q_nope W_UK | q_pe]
+  against the cached rows directly; the latent output is mapped to V's space by W_UV. Nothing
+  per head is built from the context, so a decode step reads latent rows only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.bias import causal_lower_right
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.deepseek_config import YarnRopeScaling
+from engine.model import Linear, ModelOps, NormInput, RMSNorm, RotaryEmbedding, apply_rotary
+
+# NOTE: transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon,
+# not the config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class MlaAttention(nn.Module):
+    """One layer's MLA, with Hugging Face's parameter names (q_proj when q_lora_rank is None,
+    else q_a_proj, q_a_layernorm and q_b_proj)."""
+
+    def __init__(self, config: ModelConfig, ops: ModelOps) -> None:
+        super().__init__()
+        mla = config.mla
+        assert mla is not None
+        self.mla = mla
+        self.num_heads = config.num_heads
+        self.ops = ops
+        hidden, heads = config.hidden_size, config.num_heads
+        q_rows = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        if mla.q_lora_rank is None:
+            self.q_proj = Linear(hidden, q_rows, False, ops)
+        else:
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank, False, ops)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, ops)
+            self.q_b_proj = Linear(mla.q_lora_rank, q_rows, False, ops)
+        self.kv_a_proj_with_mqa = Linear(hidden, mla.latent_dim, False, ops)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, ops)
+        kv_rows = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        self.kv_b_proj = Linear(mla.kv_lora_rank, kv_rows, False, ops)
+        self.o_proj = Linear(heads * mla.v_head_dim, hidden, False, ops)
+        self.scale = softmax_scale(config)
+
+    def forward(
+        self,
+        inp: NormInput,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor],
+        meta: AttentionMetadata,
+        next_norm: RMSNorm,
+    ) -> NormInput:
+        """next_norm(attention output + the input's x + residual); writes the new tokens'
+        latent rows into kv_cache = (latent plane,)."""
+        mla = self.mla
+        h, residual = inp.compute(self.ops)
+        tokens = h.shape[0]
+        if mla.q_lora_rank is None:
+            q = self.q_proj(h)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        q = q.view(tokens, self.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(h).split([mla.kv_lora_rank, mla.qk_rope_head_dim], -1)
+        q_pe = rotate(q_pe, cos, sin, mla.rope_interleave)
+        k_pe = rotate(k_pe[:, None], cos, sin, mla.rope_interleave)[:, 0]
+        (cache,) = kv_cache
+        write_latent(cache, torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1), meta.slot_mapping)
+        o = paged_mla(q_nope, q_pe, cache, meta, self.kv_b_proj.weight, self.scale)
+        return self.o_proj.add_forward(o.reshape(tokens, -1), residual, next_norm)
+
+
+def softmax_scale(config: ModelConfig) -> float:
+    """1 / sqrt(qk_nope_head_dim + qk_rope_head_dim), times YaRN's mscale squared if set."""
+    mla = config.mla
+    assert mla is not None
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    if isinstance(config.rope_scaling, YarnRopeScaling):
+        scale *= config.rope_scaling.softmax_mscale() ** 2
+    return scale
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """RoPE of x [T, heads, rope_dim] by cos, sin [T, rope_dim / 2]. Interleaved pairs
+    (2i, 2i+1) come out de-interleaved (evens' results, then odds'), as in transformers: the
+    same permutation of q and k leaves their dot products unchanged."""
+    if not interleave:
+        return apply_rotary(x, cos, sin)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """RotaryEmbedding whose cos and sin are scaled by YaRN's attention factor; the inverse
+    frequencies come from `yarn_inv_freq`."""
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        scaling = self.config.rope_scaling
+        assert isinstance(scaling, YarnRopeScaling)
+        factor = scaling.cos_sin_scale()
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        return (freqs.cos() * factor).to(dtype), (freqs.sin() * factor).to(dtype)
+
+
+def yarn_inv_freq(dim: int, theta: float, scaling: YarnRopeScaling) -> torch.Tensor:
+    """YaRN's inverse frequencies [dim / 2], float32, computed as transformers does."""
+
+    def correction_dim(rotations: float) -> float:
+        old_len = scaling.original_max_position_embeddings
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (scaling.factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+
+
+def write_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Stores new tokens' latent rows [T, latent_dim] at their slots of the plane."""
+    block_size = cache.shape[2]
+    cache[slot_mapping // block_size, 0, slot_mapping % block_size] = latent
+
+
+def paged_mla(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_b_weight: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal MLA of q_nope [T, heads, nope], q_pe [T, heads, rope] over each sequence's cached
+    latents (the new tokens' already written) -> [T, heads, v_head_dim]. Decode tokens go
+    together through the absorbed form, each longer query through the expanded one."""
+    heads = q_nope.shape[1]
+    v_dim = kv_b_weight.shape[0] // heads - q_nope.shape[2]
+    out = q_nope.new_empty(q_nope.shape[0], heads, v_dim)
+    starts = meta.host_query_start_loc or meta.query_start_loc.tolist()
+    seq_lens = meta.host_seq_lens or meta.seq_lens.tolist()
+    query_lens = [end - start for start, end in itertools.pairwise(starts)]
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    block_size = cache.shape[2]
+    if decodes:
+        index = torch.tensor(decodes, device=q_nope.device)
+        rows = torch.tensor([starts[i] for i in decodes], device=q_nope.device)
+        lens = meta.seq_lens[index]
+        width = -(-max(seq_lens[i] for i in decodes) // block_size)
+        context = gather_latents(cache, meta.block_tables[index, :width])
+        out[rows] = attend_absorbed(q_nope[rows], q_pe[rows], context, lens, kv_b_weight, scale)
+    for i, n in enumerate(query_lens):
+        if n == 1:
+            continue
+        start, seq_len = starts[i], seq_lens[i]
+        table = meta.block_tables[i : i + 1, : -(-seq_len // block_size)]
+        context = gather_latents(cache, table)[0, :seq_len]
+        rows = slice(start, start + n)
+        out[rows] = attend_expanded(q_nope[rows], q_pe[rows], context, kv_b_weight, scale)
+    return out
+
+
+def gather_latents(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, 1, bs, dim] plane, [n, w] block ids -> [n, w * bs, dim] latent contexts."""
+    blocks = cache[tables.long()]  # [n, w, 1, bs, dim]
+    n, w, _, bs, dim = blocks.shape
+    return blocks.reshape(n, w * bs, dim)
+
+
+def attend_expanded(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    context: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The n queries (the last n of a context of S latent rows [S, latent_dim]) against K and V
+    up-projected from the context by kv_b_weight [heads * (nope + v), kv_lora_rank]."""
+    n, heads, nope = q_nope.shape
+    seq_len, rope = context.shape[0], q_pe.shape[2]
+    c_kv, k_pe = context.split([context.shape[1] - rope, rope], dim=-1)
+    kv = F.linear(c_kv, kv_b_weight).view(seq_len, heads, -1)
+    k_nope, v = kv.split([nope, kv.shape[2] - nope], dim=-1)
+    k = torch.cat((k_nope, k_pe[:, None].expand(seq_len, heads, rope)), dim=-1)
+    q = torch.cat((q_nope, q_pe), dim=-1)
+    # SDPA's is_causal aligns the mask top-left, right only when queries == keys.
+    mask = None if n == seq_len else causal_lower_right(n, seq_len)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+    )
+    return o[0].transpose(0, 1)
+
+
+def attend_absorbed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    contexts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per row (its context's last token) against its latent context [n, L, dim],
+    valid up to seq_lens [n], in latent space: W_UK absorbed into q, W_UV applied after."""
+    heads, nope = q_nope.shape[1:]
+    kv_lora_rank = contexts.shape[2] - q_pe.shape[2]
+    w = kv_b_weight.view(heads, -1, kv_lora_rank)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [heads, nope, rank], [heads, v, rank]
+    q = torch.cat((torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_pe), dim=-1)
+    valid = torch.arange(contexts.shape[1], device=q.device)[None, :] < seq_lens[:, None]
+    # NOTE: slots past a sequence's end may hold anything (NaN bit patterns too), and a
+    # masked-out NaN still poisons softmax (NaN - inf is NaN): zero them.
+    contexts = contexts.masked_fill(~valid[:, :, None], 0)[:, None]  # [n, 1, L, dim]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None],
+        contexts,
+        contexts[..., :kv_lora_rank],
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )  # [n, heads, 1, rank]
+    return torch.einsum("nhr,hvr->nhv", o[:, :, 0], w_uv)
