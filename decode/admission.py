@@ -70,7 +70,8 @@ class Reservation:
     deadline: float
     """time.monotonic() by which every sender must have committed."""
     expected_bytes: int
-    """KV bytes of the prompt, all layers, K and V, summed over every sender."""
+    """KV bytes of the prompt, all layers, every plane (K and V, or the MLA latent), summed over
+    every sender."""
     committed: dict[int, int] = field(default_factory=dict)
     """sender rank -> bytes it reported."""
     state: RequestState = RequestState.RESERVED

@@ -25,7 +25,6 @@ from decode.metrics import DecodeMetrics
 from decode.service import DecodeServicer
 from engine.config import ModelConfig
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
-from engine.model_loader import refuse_latent_kv_transfer
 from prefill.ticket import DECODE_LAYOUT, dtype_name, layout_descriptor
 from proto.tandem.v1 import decode_pb2_grpc, layout_pb2
 from transport.config import KvTransportConfig
@@ -72,7 +71,6 @@ class DecodeServer:
 
     def __init__(self, config: DecodeServerConfig) -> None:
         self.config = config
-        refuse_latent_kv_transfer(config.engine, "decode server")
         self.engine = LLMEngine.build(config.engine)
         self.transport = config.kv.create()
         device = str(self.engine.kv_cache.storage.device)
@@ -146,16 +144,19 @@ class DecodeServer:
 
 
 def _layout(config: DecodeServerConfig, model: ModelConfig) -> layout_pb2.LayoutDescriptor:
-    """This server's cache, as Hello and every ticket describe it."""
+    """This server's cache, as Hello and every ticket describe it: an MLA model's latent plane
+    as one head of the latent width."""
+    _, heads, channels = model.kv_planes
     return layout_descriptor(
         model_name=config.model_name or config.engine.model,
         num_layers=model.num_layers,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
+        num_kv_heads=heads,
+        head_dim=channels,
         kv_dtype=dtype_name(DTYPES[config.engine.dtype]),
         block_size=config.engine.block_size,
         layout=DECODE_LAYOUT,
         transport=config.kv.backend,
+        kv_format=model.kv_format,
     )
 
 

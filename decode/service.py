@@ -31,7 +31,7 @@ from decode.engine_loop import Choice, EngineFailed, EngineLoop, Tokens, TokenSt
 from decode.failures import AdmissionError, FailureKind
 from decode.metrics import DecodeMetrics
 from engine.grammar import Grammar, GrammarKind, GrammarSpec, allows
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, LayerRegion
 from engine.sampling import SAMPLING_FIELDS, SamplingParams, TokenLogprobs
 from engine.sequence import FinishReason, Sequence, StopConditions
 from prefill.ticket import mismatch
@@ -86,13 +86,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             request.transfer_timeout_ms / 1000,
         )
         deadline_unix_ms = int((time.time() + res.deadline - self.admission.clock()) * 1000)
-        regions = [
-            layout_pb2.LayerRegions(
-                k=layout_pb2.KvRegion(addr=r.k_ptr, nbytes=r.nbytes, **self._device()),
-                v=layout_pb2.KvRegion(addr=r.v_ptr, nbytes=r.nbytes, **self._device()),
-            )
-            for r in self.kv_cache.layer_regions()
-        ]
+        regions = [self._layer_regions(r) for r in self.kv_cache.layer_regions()]
         shard = decode_pb2.KvShard(
             rank=0, heads=self.layout.head_ranges[0], endpoint=self.endpoint, layers=regions
         )
@@ -274,6 +268,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             if running:
                 self.loop.abort(request_id, choices)
         return running
+
+    def _layer_regions(self, region: LayerRegion) -> layout_pb2.LayerRegions:
+        """K and V, or (an "mla-latent" cache) the latent as `k` and no `v`."""
+        device = self._device()
+        k = layout_pb2.KvRegion(addr=region.k_ptr, nbytes=region.nbytes, **device)
+        if region.v_ptr is None:
+            return layout_pb2.LayerRegions(k=k)
+        v = layout_pb2.KvRegion(addr=region.v_ptr, nbytes=region.nbytes, **device)
+        return layout_pb2.LayerRegions(k=k, v=v)
 
     def _device(self) -> dict:
         device = self.kv_cache.storage.device

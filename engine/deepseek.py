@@ -15,10 +15,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from engine import mla as torch_mla
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.deepseek_config import YarnRopeScaling
-from engine.mla import MlaAttention, YarnRotaryEmbedding, yarn_inv_freq
+from engine.mla import LatentBackend, MlaAttention, YarnRotaryEmbedding, yarn_inv_freq
 from engine.model import (
     EAGER_OPS,
     MLP,
@@ -34,11 +35,13 @@ from engine.moe import MoE
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, ops: ModelOps) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, ops: ModelOps, latent: LatentBackend
+    ) -> None:
         super().__init__()
         assert config.moe is not None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = MlaAttention(config, ops)
+        self.self_attn = MlaAttention(config, ops, latent)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = MoE(config, ops) if config.moe.is_sparse(layer) else MLP(config, ops)
 
@@ -59,13 +62,13 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekDecoder(nn.Module):
     """Embedding, decoder layers and final norm: Hugging Face's `model.` prefix."""
 
-    def __init__(self, config: ModelConfig, ops: ModelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps, latent: LatentBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         yarn = isinstance(config.rope_scaling, YarnRopeScaling)
         self.rotary_emb = YarnRotaryEmbedding(config) if yarn else RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, ops) for i in range(config.num_layers)
+            DeepseekDecoderLayer(config, i, ops, latent) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -87,9 +90,12 @@ class DeepseekDecoder(nn.Module):
 
 
 class DeepseekForCausalLM(CausalLM):
-    """CausalLM's forward, logits and buffers over a DeepseekDecoder."""
+    """CausalLM's forward, logits and buffers over a DeepseekDecoder, whose layers write their
+    latent rows through `latent` (engine.mla itself on CPU, or a wrapper of it)."""
 
-    def __init__(self, config: ModelConfig, ops: ModelOps = EAGER_OPS) -> None:
+    def __init__(
+        self, config: ModelConfig, ops: ModelOps = EAGER_OPS, latent: LatentBackend = torch_mla
+    ) -> None:
         if config.mla is None or config.moe is None:
             raise ValueError(f"{config.architecture} is not an MLA/MoE architecture")
         # NOTE: CausalLM.__init__ would build Llama layers; this sets the same attributes
@@ -97,7 +103,7 @@ class DeepseekForCausalLM(CausalLM):
         nn.Module.__init__(self)
         self.config = config
         self.ops = ops
-        self.model = DeepseekDecoder(config, ops)
+        self.model = DeepseekDecoder(config, ops, latent)
         self.lm_head = (
             None
             if config.tie_word_embeddings

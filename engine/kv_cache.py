@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import KV_FORMAT_HND, ModelConfig
+from engine.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class LayerRegion:
-    """One layer's K and V tensors as raw memory, for the transport to register and address."""
+    """One layer's planes as raw memory, for the transport to register and address."""
 
-    k_ptr: int  # address of K [num_blocks, num_kv_heads, block_size, head_dim]
-    v_ptr: int  # address of V, same shape
-    nbytes: int  # size of each of K and V
+    k_ptr: int  # address of K [num_blocks, num_kv_heads, block_size, head_dim], or of the latent
+    v_ptr: int | None  # address of V, K's shape; None in an "mla-latent" cache (one plane)
+    nbytes: int  # size of each plane
 
 
 class KVCache:
@@ -101,12 +101,13 @@ class KVCache:
         return self.storage.data_ptr(), self.storage.numel() * self.storage.element_size()
 
     def layer_regions(self) -> list[LayerRegion]:
-        """Where each layer's K and V live, in layer order ("hnd" caches only)."""
-        assert self.kv_format == KV_FORMAT_HND, f"no K/V regions in a {self.kv_format} cache"
-        return [
-            LayerRegion(k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), nbytes=k.numel() * k.element_size())
-            for k, v in self.kv_caches
-        ]
+        """Where each layer's planes live, in layer order: K and V, or the latent as `k_ptr`."""
+        regions = []
+        for first, *rest in self.kv_caches:
+            v_ptr = rest[0].data_ptr() if rest else None
+            nbytes = first.numel() * first.element_size()
+            regions.append(LayerRegion(k_ptr=first.data_ptr(), v_ptr=v_ptr, nbytes=nbytes))
+        return regions
 
 
 class BlockPool:

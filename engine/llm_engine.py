@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.engine_config import DTYPES, EngineConfig
 from engine.grammar import Grammar, GrammarCompiler
 from engine.kv_cache import BlockPool, KVCache, fork_blocks
-from engine.model_loader import load_model
+from engine.model_loader import Backend, load_model
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -63,10 +62,10 @@ class LLMEngine:
     def build(
         cls,
         config: EngineConfig,
-        wrap_attention: Callable[[AttentionBackend], AttentionBackend] | None = None,
+        wrap_attention: Callable[[Backend], Backend] | None = None,
     ) -> LLMEngine:
-        """`wrap_attention` decorates the device's attention backend (e.g. to act on each
-        layer's freshly written KV)."""
+        """`wrap_attention` decorates the device's attention backend, or an MLA model's latent
+        writer (e.g. to act on each layer's freshly written KV)."""
         model_config, model = load_model(config, wrap_attention)
         dtype = DTYPES[config.dtype]
         block_bytes = model_config.kv_bytes_per_token(dtype) * config.block_size

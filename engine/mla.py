@@ -13,12 +13,17 @@ There are two ways to attend, equal in exact arithmetic:
   kv_b_proj, so that each head's query lives in latent space and scores [q_nope W_UK | q_pe]
   against the cached rows directly; the latent output is mapped to V's space by W_UV. Nothing
   per head is built from the context, so a decode step reads latent rows only.
+
+The model writes latent rows only through a `LatentBackend`, chosen by whoever builds it: this
+module is itself the CPU one (`write_latent`); a wrapper (the prefill's KV publisher) acts on each
+layer's freshly written rows.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,15 +40,24 @@ from engine.model import Linear, ModelOps, NormInput, RMSNorm, RotaryEmbedding, 
 LATENT_NORM_EPS = 1e-6
 
 
+class LatentBackend(Protocol):
+    """How a layer's new latent rows reach its plane: `write_latent` below, or a wrapper."""
+
+    def write_latent(
+        self, cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None: ...
+
+
 class MlaAttention(nn.Module):
     """One layer's MLA, with Hugging Face's parameter names (q_proj when q_lora_rank is None,
     else q_a_proj, q_a_layernorm and q_b_proj)."""
 
-    def __init__(self, config: ModelConfig, ops: ModelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps, backend: LatentBackend) -> None:
         super().__init__()
         mla = config.mla
         assert mla is not None
         self.mla = mla
+        self.backend = backend
         self.num_heads = config.num_heads
         self.ops = ops
         hidden, heads = config.hidden_size, config.num_heads
@@ -85,7 +99,8 @@ class MlaAttention(nn.Module):
         q_pe = rotate(q_pe, cos, sin, mla.rope_interleave)
         k_pe = rotate(k_pe[:, None], cos, sin, mla.rope_interleave)[:, 0]
         (cache,) = kv_cache
-        write_latent(cache, torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1), meta.slot_mapping)
+        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)
+        self.backend.write_latent(cache, latent, meta.slot_mapping)
         o = paged_mla(q_nope, q_pe, cache, meta, self.kv_b_proj.weight, self.scale)
         return self.o_proj.add_forward(o.reshape(tokens, -1), residual, next_norm)
 

@@ -1,6 +1,6 @@
 """Building an engine's model from its EngineConfig: the shape (a preset's or a Hugging Face
 folder's), the module (Llama family or the DeepSeek-V3 family), its attention backend for the
-device, and its weights (random or from safetensors)."""
+device (for MLA, the latent backend: engine.mla), and its weights (random or from safetensors)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,25 @@ from pathlib import Path
 
 import torch
 
-from engine import attention
+from engine import attention, mla
 from engine.attention import AttentionBackend
-from engine.config import KV_FORMAT_HND, ModelConfig
+from engine.config import ModelConfig
 from engine.deepseek import DeepseekForCausalLM
 from engine.engine_config import DTYPES, EngineConfig
+from engine.mla import LatentBackend
 from engine.model import EAGER_OPS, CausalLM
 from engine.weights import init_random_weights, load_weights
+
+Backend = AttentionBackend | LatentBackend
+"""What a model writes its KV through: per-head K/V (Llama family) or latent rows (MLA)."""
 
 
 def load_model(
     config: EngineConfig,
-    wrap_attention: Callable[[AttentionBackend], AttentionBackend] | None = None,
+    wrap_attention: Callable[[Backend], Backend] | None = None,
 ) -> tuple[ModelConfig, CausalLM]:
-    """Builds the model on the meta device and fills it: from a folder, or randomly."""
+    """Builds the model on the meta device and fills it: from a folder, or randomly.
+    `wrap_attention` decorates its backend: an AttentionBackend, or for MLA a LatentBackend."""
     dtype = DTYPES[config.dtype]
     model_config = read_model_config(config)
     cuda = config.device.startswith("cuda")
@@ -55,36 +60,23 @@ def read_model_config(config: EngineConfig) -> ModelConfig:
     return ModelConfig.from_hf_folder(folder)
 
 
-def refuse_latent_kv_transfer(config: EngineConfig, server: str) -> None:
-    """ValueError if config.model caches an MLA latent, which a disaggregated `server` would
-    have to send or receive: that transfer is not built yet."""
-    model_config = read_model_config(config)
-    if model_config.kv_format != KV_FORMAT_HND:
-        raise ValueError(
-            f"model: {config.model} ({model_config.architecture}) cannot be served by the "
-            f"{server}: KV transfer of the MLA latent ({model_config.kv_format} layout) is not "
-            "built yet"
-        )
-
-
 def _load_mla_model(
     config: EngineConfig,
     model_config: ModelConfig,
-    wrap_attention: Callable[[AttentionBackend], AttentionBackend] | None,
+    wrap_attention: Callable[[Backend], Backend] | None,
 ) -> DeepseekForCausalLM:
-    """The MLA/MoE family, in plain torch on CPU: no attention backend to choose or wrap."""
+    """The MLA/MoE family, in plain torch on CPU: engine.mla writes the latent rows, through
+    `wrap_attention`'s wrapper if given."""
     if config.device.startswith("cuda"):
         raise ValueError(
             f"device: {config.device!r} is not supported for {model_config.architecture} "
             "(MLA/MoE): the Triton MLA and MoE kernels are not built yet; use cpu"
         )
+    latent: LatentBackend = mla
     if wrap_attention is not None:
-        raise ValueError(
-            f"{model_config.architecture} (MLA) has no attention backend to wrap: KV transfer "
-            f"of the MLA latent ({model_config.kv_format} layout) is not built yet"
-        )
+        latent = wrap_attention(latent)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(model_config)
+        model = DeepseekForCausalLM(model_config, latent=latent)
     if config.model.startswith("random:"):
         init_random_weights(model, config.seed, DTYPES[config.dtype], config.device)
     else:

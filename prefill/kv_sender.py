@@ -38,7 +38,7 @@ import grpc
 
 from prefill.kv_writes import BlockLayout, valid_bytes
 from prefill.send_session import BuildOps, SendSession, SendStats, SessionState, Target
-from prefill.ticket import KvTransfer, ticket_problem
+from prefill.ticket import KvTransfer, kv_planes, ticket_problem
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 from transport.base import Peer, Transport, TransportError
 
@@ -100,8 +100,9 @@ class KvSender:
         retry_after_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """layout: this engine's descriptor (sent in Hello). heads: the model's KV heads this
-        rank holds. token_bytes: one token of one head (head_dim x element size)."""
+        """layout: this engine's descriptor (sent in Hello); its kv_format says whether a layer
+        is K and V or one latent plane. heads: the model's KV heads this rank holds (the one
+        head of a latent). token_bytes: one token of one head (head_dim x element size)."""
         self.agent = agent
         self.layout = layout
         self.sender_id = sender_id
@@ -322,7 +323,8 @@ class KvSender:
         ticket, error = session.ticket, session.error
         layers = 0 if error else len(session._layers_done)
         heads = sum(len(t.heads) for t in session.targets)
-        nbytes = valid_bytes(ticket.num_tokens, heads, self.token_bytes, layers)
+        planes = kv_planes(self.layout.model)
+        nbytes = valid_bytes(ticket.num_tokens, heads, self.token_bytes, layers, planes)
         if not session._unreachable:
             request = decode_pb2.CommitRequest(
                 request_id=ticket.request_id, generation=ticket.generation,

@@ -1,10 +1,12 @@
 """The write descriptors of the send path (prefill/kv_sender.py): one request's KV, layer by
 layer, as one-sided writes into the decode server's blocks (a Ticket).
 
-Both sides address KV as (layer, K|V, block, head, token-in-block, head_dim); a `BlockLayout`
-gives the byte strides of one side. With equal block sizes and head-contiguous blocks (both
-"HND"), a block of all the sender's heads is one run and adjacent blocks coalesce; otherwise
-the writes go per (head, run of tokens that stays inside one block on both sides).
+Both sides address KV as (layer, plane, block, head, token-in-block, head_dim), where a layer's
+planes are K and V, or for an MLA model the one latent plane (one head of the latent width); a
+`BlockLayout` gives the byte strides of one side, the same for every plane. With equal block
+sizes and head-contiguous blocks (both "HND"), a block of all the sender's heads is one run and
+adjacent blocks coalesce; otherwise the writes go per (head, run of tokens that stays inside one
+block on both sides).
 
 A sender whose cache has no token rows to copy from (vLLM's CPU cache stores K transposed, the
 GPU FlashAttention cache interleaves heads per token) first gathers the request's tokens into
@@ -26,7 +28,7 @@ from transport.base import WriteOp
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """Byte strides of one layer's K (or V) on one side."""
+    """Byte strides of one layer's K, V or latent plane on one side."""
 
     block_size: int
     block_stride: int
@@ -43,10 +45,15 @@ class BlockLayout:
 
 @dataclass(frozen=True)
 class LayerKV:
-    """One layer's K and V base addresses on one side."""
+    """One layer's plane base addresses on one side: K and V, or the MLA latent as `k`."""
 
     k: int
-    v: int
+    v: int | None = None
+    """None: the layer's one plane is `k` (an "mla-latent" cache)."""
+
+    @property
+    def planes(self) -> tuple[int, ...]:
+        return (self.k,) if self.v is None else (self.k, self.v)
 
 
 def layer_ops(
@@ -61,8 +68,8 @@ def layer_ops(
     dst_head_offset: int = 0,
     pad_tail: bool = True,
 ) -> list[WriteOp]:
-    """Writes of tokens [0, num_tokens) of `heads` (sender head indices) for one layer's K and
-    V; the destination head is h - dst_head_offset.
+    """Writes of tokens [0, num_tokens) of `heads` (sender head indices) for each plane of one
+    layer (src and dst must have the same planes); the destination head is h - dst_head_offset.
 
     `pad_tail`: a partly filled last block may be written whole (its rows past num_tokens are
     the sequence's own and never read before they are rewritten). False when those rows belong
@@ -73,8 +80,9 @@ def layer_ops(
         and dst_layout.head_stride == dst_layout.head_block_bytes
     )
     full = num_tokens if pad_tail else num_tokens - num_tokens % dst_layout.block_size
+    assert len(src.planes) == len(dst.planes), (src, dst)
     ops = []
-    for src_base, dst_base in ((src.k, dst.k), (src.v, dst.v)):
+    for src_base, dst_base in zip(src.planes, dst.planes, strict=True):
         sides = (src_base, dst_base, src_layout, dst_layout, src_blocks, dst_blocks)
         if whole_blocks:
             ops += _block_runs(*sides, full, heads, dst_head_offset)
@@ -126,9 +134,12 @@ def view_block_size(view: torch.Tensor) -> int:
     return view.shape[2] * (view.shape[3] if view.dim() == 6 else 1)
 
 
-def valid_bytes(num_tokens: int, num_heads: int, token_stride: int, num_layers: int) -> int:
-    """KV bytes of the prompt proper (what a commit reports): all layers, K and V."""
-    return 2 * num_layers * num_tokens * num_heads * token_stride
+def valid_bytes(
+    num_tokens: int, num_heads: int, token_stride: int, num_layers: int, planes: int = 2
+) -> int:
+    """KV bytes of the prompt proper (what a commit reports): all layers, every plane (K and V,
+    or the one latent)."""
+    return planes * num_layers * num_tokens * num_heads * token_stride
 
 
 def coalesce(ops: list[WriteOp]) -> list[WriteOp]:

@@ -1,9 +1,10 @@
 """Sends each layer's KV as soon as that layer is computed.
 
-`KvPublisher` wraps the model's attention backend: when layer l's K/V of a step have been
-written into the local cache, every armed `LayerwiseSend` (a request whose prompt completes in
-this step) hands the writes of layer l to the KvSender (prefill/kv_sender.py), so layer l moves
-while layers l+1... compute.
+`KvPublisher` wraps the model's attention backend (engine.attention's `write_kv`, or for an MLA
+model engine.mla's `write_latent`): when layer l's KV of a step (K and V, or the latent rows) has
+been written into the local cache, every armed `LayerwiseSend` (a request whose prompt completes
+in this step) hands the writes of layer l to the KvSender (prefill/kv_sender.py), so layer l
+moves while layers l+1... compute.
 
 On CUDA the writes must not start before the kernels that fill layer l have run: each layer
 records an event, which the sender's poster thread waits for before posting.
@@ -17,6 +18,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.kv_cache import KVCache
+from engine.mla import LatentBackend
 from prefill.kv_sender import KvSender
 from prefill.kv_writes import BlockLayout, LayerKV, layer_ops
 from prefill.send_session import SendSession, Target
@@ -25,7 +27,7 @@ from transport.base import WriteOp
 
 class LayerwiseSend:
     """One request's KV from this engine's cache: each layer, once computed, posted whole (all
-    of the request's blocks, every head) through the KvSender."""
+    of the request's blocks, every head, every plane) through the KvSender."""
 
     def __init__(self, sender: KvSender, session: SendSession, kv_cache: KVCache) -> None:
         self.sender = sender
@@ -37,7 +39,7 @@ class LayerwiseSend:
         )  # fmt: skip
 
     def layer_ready(self, layer: int) -> None:
-        """Called on the engine thread right after layer `layer`'s K/V were written."""
+        """Called on the engine thread right after layer `layer`'s KV was written."""
         event = None
         if self.kv_cache.storage.is_cuda:
             event = torch.cuda.Event()
@@ -45,32 +47,34 @@ class LayerwiseSend:
         self.sender.post(self.session, partial(self._ops, layer), event, completes_layer=layer)
 
     def _ops(self, layer: int, target: Target) -> list[WriteOp]:
-        k, v = self.kv_cache.kv_caches[layer]
+        planes = [plane.data_ptr() for plane in self.kv_cache.kv_caches[layer]]
         dst = target.shard.layers[layer]
         ticket = self.session.ticket
         return layer_ops(
-            LayerKV(k.data_ptr(), v.data_ptr()), LayerKV(dst.k.addr, dst.v.addr),
+            LayerKV(*planes), LayerKV(dst.k.addr, dst.v.addr if dst.HasField("v") else None),
             self.src_layout, self.session.dst_layout, self.session.src_blocks,
             list(ticket.block_ids), ticket.num_tokens, target.heads, target.dst_head_offset,
         )  # fmt: skip
 
 
 class KvPublisher:
-    """An attention backend that forwards to `inner` and, after each layer's KV write, tells
-    the armed sessions that this layer is ready."""
+    """An attention backend (or, for an MLA model, a latent backend: engine.mla's
+    `write_latent`) that forwards to `inner` and, after each layer's KV write, tells the armed
+    sessions that this layer is ready."""
 
     def __init__(self) -> None:
         self.inner: AttentionBackend | None = None
         self.armed: list[LayerwiseSend] = []
         self._layer_of: dict[int, int] = {}
 
-    def wrap(self, inner: AttentionBackend) -> KvPublisher:
+    def wrap(self, inner: AttentionBackend | LatentBackend) -> KvPublisher:
         """For LLMEngine.build(wrap_attention=...): forwards to `inner`."""
         self.inner = inner
         return self
 
     def bind(self, kv_cache: KVCache) -> None:
-        self._layer_of = {k.data_ptr(): i for i, (k, _) in enumerate(kv_cache.kv_caches)}
+        """Learns each layer by the address of its first plane (K, or the latent)."""
+        self._layer_of = {planes[0].data_ptr(): i for i, planes in enumerate(kv_cache.kv_caches)}
 
     def attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """The inner backend's two calls apart, so that the layer is announced between them."""
@@ -79,8 +83,15 @@ class KvPublisher:
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         self.inner.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        self._announce(k_cache)
+
+    def write_latent(self, cache, latent, slot_mapping) -> None:
+        self.inner.write_latent(cache, latent, slot_mapping)
+        self._announce(cache)
+
+    def _announce(self, first_plane: torch.Tensor) -> None:
         if self.armed:
-            layer = self._layer_of[k_cache.data_ptr()]
+            layer = self._layer_of[first_plane.data_ptr()]
             for session in self.armed:
                 session.layer_ready(layer)
 

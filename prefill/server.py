@@ -32,7 +32,6 @@ from jinja2 import TemplateError
 from engine.chat_template import render_chat
 from engine.grammar import Grammar, structured_outputs_spec
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
-from engine.model_loader import refuse_latent_kv_transfer
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SAMPLING_FIELDS, SamplingParams
 from engine.sequence import StopConditions
@@ -94,22 +93,22 @@ class PrefillServer:
         self.config = config
         self.name = config.served_model_name or config.engine.model
         publisher = KvPublisher()
-        refuse_latent_kv_transfer(config.engine, "prefill server")
         self.engine = LLMEngine.build(config.engine, wrap_attention=publisher.wrap)
         publisher.bind(self.engine.kv_cache)
         self.agent = config.kv.create()
         kv_cache = self.engine.kv_cache
         self.agent.register(*kv_cache.region(), str(kv_cache.storage.device))
         model = self.engine.model_config
+        _, heads, channels = model.kv_planes  # an MLA latent: one head of the latent width
         layout = layout_descriptor(
-            model_name=self.name, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim, kv_dtype=dtype_name(DTYPES[config.engine.dtype]),
+            model_name=self.name, num_layers=model.num_layers, num_kv_heads=heads,
+            head_dim=channels, kv_dtype=dtype_name(DTYPES[config.engine.dtype]),
             block_size=config.engine.block_size, layout=PREFILL_LAYOUT,
-            transport=config.kv.backend,
+            transport=config.kv.backend, kv_format=model.kv_format,
         )  # fmt: skip
         self.sender = KvSender(
-            self.agent, layout, sender_id="prefill", rank=0, heads=range(model.num_kv_heads),
-            token_bytes=model.head_dim * kv_cache.storage.element_size(),
+            self.agent, layout, sender_id="prefill", rank=0, heads=range(heads),
+            token_bytes=channels * kv_cache.storage.element_size(),
             timeout_s=config.kv.transfer_timeout_s,
         )  # fmt: skip
         self.worker = PrefillWorker(self.engine, publisher, self.sender, config.layerwise_kv)

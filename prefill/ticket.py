@@ -27,10 +27,14 @@ DECODE_KEY = "decode_address"
 """kv_transfer_params key: host:port of the decode server's gRPC."""
 
 DECODE_LAYOUT = "HND"
-"""The decode server's cache: per layer, K and V each [blocks, kv_heads, block_size, head_dim]."""
+"""The decode server's cache: per layer, each plane [blocks, kv_heads, block_size, head_dim]."""
 PREFILL_LAYOUT = "tandem-hnd"
 """tandem's prefill engine: the same memory layout as the decode server's."""
 LAYOUT_VERSION = 1
+KV_FORMAT_HND = "hnd"
+"""ModelFingerprint.kv_format: per layer K and V, each per head (engine.config's names)."""
+KV_FORMAT_MLA_LATENT = "mla-latent"
+"""ModelFingerprint.kv_format: per layer one MLA latent plane, described as one head."""
 
 
 class TicketError(ValueError):
@@ -79,7 +83,7 @@ def transfer_params(ticket: decode_pb2.Ticket, decode_address: str) -> dict:
 
 def ticket_problem(ticket: decode_pb2.Ticket, num_layers: int, token_bytes: int) -> str | None:
     """Why a sender whose layers hold `token_bytes` per token and head cannot fill `ticket`;
-    None if it can."""
+    None if it can. The ticket's planes per layer are those of its layout's kv_format."""
     block_size = ticket.layout.block_size
     if ticket.head_stride_bytes != block_size * token_bytes:
         return (
@@ -93,7 +97,18 @@ def ticket_problem(ticket: decode_pb2.Ticket, num_layers: int, token_bytes: int)
         )
     if any(len(shard.layers) != num_layers for shard in ticket.shards):
         return f"ticket {ticket.request_id}: not {num_layers} layers in every shard"
+    planes = kv_planes(ticket.layout.model)
+    if any(layer.HasField("v") != (planes == 2) for s in ticket.shards for layer in s.layers):
+        return (
+            f"ticket {ticket.request_id}: layer regions do not hold the {planes} plane(s) of "
+            f"a {ticket.layout.model.kv_format!r} cache"
+        )
     return None
+
+
+def kv_planes(model: layout_pb2.ModelFingerprint) -> int:
+    """Planes a layer of this cache holds: 2 (K and V) or 1 (the MLA latent)."""
+    return 1 if model.kv_format == KV_FORMAT_MLA_LATENT else 2
 
 
 def dtype_name(dtype) -> str:
@@ -123,10 +138,13 @@ def layout_descriptor(
     block_size: int,
     layout: str,
     transport: str,
+    kv_format: str = KV_FORMAT_HND,
     tp_size: int = 1,
     layout_version: int = LAYOUT_VERSION,
 ) -> layout_pb2.LayoutDescriptor:
-    """An engine's KV layout, its heads split evenly over `tp_size` ranks."""
+    """An engine's KV layout, its heads split evenly over `tp_size` ranks. For
+    KV_FORMAT_MLA_LATENT, num_kv_heads is 1 and head_dim the latent width (engine's
+    ModelConfig.kv_planes gives both for either format)."""
     return layout_pb2.LayoutDescriptor(
         model=layout_pb2.ModelFingerprint(
             name=model_name,
@@ -134,6 +152,7 @@ def layout_descriptor(
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             kv_dtype=kv_dtype,
+            kv_format=kv_format,
         ),
         block_size=block_size,
         layout=layout,
@@ -152,10 +171,12 @@ def mismatch(ours: layout_pb2.LayoutDescriptor, theirs: layout_pb2.LayoutDescrip
     values; None if it can. Block size, layout name and TP split may differ: converting is the
     sender's job."""
     problems = []
-    for field in ("num_layers", "num_kv_heads", "head_dim", "kv_dtype"):
+    latent = ours.model.kv_format == KV_FORMAT_MLA_LATENT
+    for field in ("kv_format", "num_layers", "num_kv_heads", "head_dim", "kv_dtype"):
         a, b = getattr(ours.model, field), getattr(theirs.model, field)
         if a != b:
-            problems.append(f"{field}: decode has {a!r}, sender has {b!r}")
+            name = "head_dim (latent width)" if latent and field == "head_dim" else field
+            problems.append(f"{name}: decode has {a!r}, sender has {b!r}")
     if ours.transport != theirs.transport:
         problems.append(
             f"transport: decode uses {ours.transport!r}, sender uses {theirs.transport!r}"

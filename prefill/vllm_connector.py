@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 import transport
 from prefill.vllm_config import TandemConnectorConfig
+from prefill.vllm_layouts import refuse_latent_cache
 from prefill.vllm_metadata import TandemMetadata
 from prefill.vllm_scheduler_side import SchedulerSide
 from prefill.vllm_worker_side import WorkerFacts, WorkerSide
@@ -50,6 +51,8 @@ class TandemConnector(KVConnectorBase_V1):
                 f"TandemConnector: the model has {len(kv_cache_config.kv_cache_groups)} KV "
                 "cache groups; only models with one (every layer full attention) are supported"
             )
+        model = vllm_config.model_config
+        refuse_latent_cache(model.model, model.use_mla)  # in both roles: vLLM stops at start-up
         parallel = vllm_config.parallel_config
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -58,7 +61,6 @@ class TandemConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            model = vllm_config.model_config
             facts = WorkerFacts(
                 model_name=model.served_model_name or model.model,
                 num_kv_heads=model.get_total_num_kv_heads(),

@@ -51,6 +51,19 @@ class CacheViews:
         return view_block_size(self.k)
 
 
+def refuse_latent_cache(model: str, use_mla: bool) -> None:
+    """ValueError when vLLM caches `model`'s KV as an MLA latent (its ModelConfig.use_mla):
+    the views above are per-head K and V, and reading vLLM's MLA caches (one latent row per
+    token) into the decode server's "mla-latent" blocks is not built. Refused when the
+    connector is built, so vLLM stops at start-up instead of sending wrong KV."""
+    if use_mla:
+        raise ValueError(
+            f"TandemConnector: {model} is an MLA model: sending vLLM's MLA latent cache is not "
+            "built (prefill/vllm_layouts.py reads per-head K/V only); serve it disaggregated "
+            "with tandem's prefill server (python -m prefill.server)"
+        )
+
+
 def cache_views(
     backend: str,
     cache: torch.Tensor,

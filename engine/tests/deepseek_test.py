@@ -7,7 +7,7 @@ import transformers
 from engine.config import ModelConfig
 from engine.deepseek import DeepseekForCausalLM
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model_loader import load_model, refuse_latent_kv_transfer
+from engine.model_loader import load_model
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 from engine.tests.tiny_hf import PagedRunner, rel_err
@@ -184,10 +184,6 @@ def test_bf16_keeps_the_correction_bias_in_float32(pair):
     assert model.model.layers[2].mlp.experts.gate_up_proj.dtype == torch.bfloat16
 
 
-def test_mla_models_are_refused_on_cuda_and_by_the_servers():
+def test_mla_models_are_refused_on_cuda():
     with pytest.raises(ValueError, match="Triton MLA and MoE kernels are not built yet"):
         load_model(EngineConfig(model="random:deepseek-tiny", device="cuda"))
-    for server in ("decode server", "prefill server"):
-        with pytest.raises(ValueError, match=r"KV transfer of the MLA latent \(mla-latent"):
-            refuse_latent_kv_transfer(EngineConfig(model="random:deepseek-tiny"), server)
-    refuse_latent_kv_transfer(EngineConfig(model="random:tiny"), "decode server")

@@ -74,6 +74,24 @@ def test_same_layout_adjacent_blocks_coalesce_to_one_run_per_k_and_v():
     assert len(ops) == 2 and ops[0].nbytes == 3 * HEADS * 16 * DIM * 4
 
 
+def test_a_latent_plane_is_written_as_one_head_and_nothing_else():
+    """An "mla-latent" layer: one plane (`v` None) of one head whose head_dim is the latent
+    width; the writes stay inside that plane's blocks."""
+    n, latent = 21, 40
+    src = torch.randn(1, 4, 1, 16, latent)  # (plane, block, head, token, dim)
+    dst = torch.zeros(2, 6, 1, 8, latent)  # the latent plane, then memory that is not it
+    src_layout, dst_layout = _layout(src), _layout(dst)
+    ops = layer_ops(
+        LayerKV(src[0].data_ptr()), LayerKV(dst[0].data_ptr()), src_layout, dst_layout,
+        [3, 1], [5, 0, 2], n, range(1),
+    )  # fmt: skip
+    for op in ops:
+        ctypes.memmove(op.dst, op.src, op.nbytes)
+    assert torch.equal(_tokens(dst, [5, 0, 2], 8, n, [0])[0], _tokens(src, [3, 1], 16, n, [0])[0])
+    assert not dst[1].any()
+    assert valid_bytes(n, 1, latent * 4, num_layers=3, planes=1) == 3 * n * latent * 4
+
+
 def test_coalesce_merges_only_runs_that_continue_on_both_sides():
     ops = [WriteOp(0, 100, 10), WriteOp(10, 110, 5), WriteOp(15, 200, 5), WriteOp(20, 205, 1)]
     assert coalesce(ops) == [WriteOp(0, 100, 15), WriteOp(15, 200, 6)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefill.vllm_layouts import cache_views, detect_cpu_layout
+from prefill.vllm_layouts import cache_views, detect_cpu_layout, refuse_latent_cache
 
 HEADS, DIM, BLOCK = 3, 64, 128  # SmolLM2's KV heads and head_dim, vLLM's CPU block size
 
@@ -91,3 +91,11 @@ def test_detection_names_a_shape_no_cpu_layout_has():
 
     with pytest.raises(ValueError, match=r"expected \[blocks, 3, block_size, 128\]"):
         detect_cpu_layout(torch.empty(2, HEADS, BLOCK, DIM), HEADS, DIM, never)
+
+
+def test_an_mla_model_is_refused_naming_what_is_missing():
+    """vLLM's MLA cache holds one latent row per token, which no view above reads: the
+    connector stops vLLM at start-up instead of sending wrong KV."""
+    with pytest.raises(ValueError, match="sending vLLM's MLA latent cache is not built"):
+        refuse_latent_cache("deepseek-ai/DeepSeek-V3", use_mla=True)
+    refuse_latent_cache("HuggingFaceTB/SmolLM2-135M-Instruct", use_mla=False)

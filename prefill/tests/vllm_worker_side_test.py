@@ -49,7 +49,7 @@ def decode_side():
     agent.register(cache.data_ptr(), cache.numel() * cache.element_size())
     layout = layout_pb2.LayoutDescriptor(
         model=layout_pb2.ModelFingerprint(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
-                                          kv_dtype="float32"),
+                                          kv_dtype="float32", kv_format="hnd"),
         block_size=DECODE_BLOCK, layout="HND", layout_version=1, tp_size=1,
         head_ranges=[layout_pb2.HeadRange(start=0, end=HEADS)], transport="tcp",
     )  # fmt: skip

@@ -1,0 +1,154 @@
+"""An MLA model (the random deepseek-tiny, float32, CPU) served disaggregated over tcp: tandem's
+decode server and prefill server in this process, driven as the router drives them (Reserve ->
+POST /v1/completions with the ticket -> Generate). Each layer's KV is one latent plane
+("mla-latent"), sent as one head of the latent width.
+
+Greedy tokens must equal one engine doing the whole request, for a prompt inside one block, one
+over several and one the prefill computes in chunks; the commit counts the prompt's latent bytes
+and the decode pool is all free afterwards. A sender describing another cache is refused at
+Hello, naming both values.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from fastapi.testclient import TestClient
+
+from decode.server import DecodeServer, DecodeServerConfig
+from engine import config as engine_config
+from engine.engine_config import DTYPES, EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from engine.sequence import StopConditions
+from prefill import ticket as ticket_module
+from prefill.server import PrefillServer, PrefillServerConfig
+from prefill.ticket import PREFILL_LAYOUT, layout_descriptor, transfer_params
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
+from tests.servers import decode_pool_free
+from transport.config import KvTransportConfig
+
+BLOCK = 16
+CHUNK = 32
+"""The prefill's token budget per forward: a longer prompt is prefilled in chunks."""
+ENGINE = dict(model="random:deepseek-tiny", dtype="float32", block_size=BLOCK, kv_cache_gb=0.001)
+LATENT = 32 + 8
+"""deepseek-tiny's kv_lora_rank + qk_rope_head_dim."""
+LAYERS = 3
+PROMPTS = [
+    [1, 17, 42, 99, 7, 3],  # inside one block
+    list(range(10, 40)),  # two blocks
+    [(7 * i) % 250 + 3 for i in range(50)],  # four blocks, prefilled in chunks of CHUNK
+]
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def decode():
+    kv = KvTransportConfig(backend="tcp", host="127.0.0.1")
+    server = DecodeServer(DecodeServerConfig(EngineConfig(**ENGINE), kv))
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    yield server, decode_pb2_grpc.DecodeServiceStub(channel)
+    channel.close()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    kv = KvTransportConfig(backend="tcp", host="127.0.0.1")
+    engine = EngineConfig(**ENGINE, max_num_batched_tokens=CHUNK, max_num_seqs=4)
+    server = PrefillServer(PrefillServerConfig(engine, kv))
+    yield server
+    server.stop()
+
+
+def test_the_descriptor_names_the_engines_cache_formats():
+    assert ticket_module.KV_FORMAT_HND == engine_config.KV_FORMAT_HND
+    assert ticket_module.KV_FORMAT_MLA_LATENT == engine_config.KV_FORMAT_MLA_LATENT
+
+
+@pytest.mark.parametrize(
+    ("sender", "named"),
+    [
+        # deepseek-tiny's 4 query heads of RoPE width 8, as a per-head K/V cache would say.
+        (dict(kv_format="hnd", num_kv_heads=4, head_dim=8),
+         "kv_format: decode has 'mla-latent', sender has 'hnd'"),
+        (dict(head_dim=LATENT + 8), f"head_dim (latent width): decode has {LATENT}, sender has 48"),
+        (dict(kv_dtype="bfloat16"), "kv_dtype: decode has 'float32', sender has 'bfloat16'"),
+    ],
+)  # fmt: skip
+def test_hello_refuses_another_cache_naming_both_values(decode, sender, named):
+    _, stub = decode
+    fields = dict(
+        model_name="deepseek-tiny", num_layers=LAYERS, num_kv_heads=1, head_dim=LATENT,
+        kv_dtype="float32", block_size=BLOCK, layout=PREFILL_LAYOUT, transport="tcp",
+        kv_format="mla-latent",
+    )  # fmt: skip
+    layout = layout_descriptor(**{**fields, **sender})
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Hello(decode_pb2.HelloRequest(sender_layout=layout, sender_id="test"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert named in err.value.details()
+    accepted = layout_descriptor(**fields)
+    stub.Hello(decode_pb2.HelloRequest(sender_layout=accepted, sender_id="test"), timeout=10)
+
+
+def test_disaggregated_greedy_equals_one_engine(decode, prefill):
+    server, stub = decode
+    address = f"127.0.0.1:{server.port}"
+    token_bytes = server.engine.model_config.kv_bytes_per_token(DTYPES["float32"])
+    assert token_bytes == LAYERS * LATENT * 4
+    forwards = _record_forwards(prefill)
+    client = TestClient(prefill.app)
+    outs = []
+    for i, prompt in enumerate(PROMPTS):
+        ticket = stub.Reserve(
+            decode_pb2.ReserveRequest(
+                request_id=f"r{i}", prompt_token_ids=prompt, num_senders=1, max_tokens=NEW_TOKENS
+            ),
+            timeout=10,
+        ).ticket
+        # One region a layer, the latent's, as `k`; one head.
+        assert [layer.HasField("v") for layer in ticket.shards[0].layers] == [False] * LAYERS
+        assert (ticket.shards[0].heads.start, ticket.shards[0].heads.end) == (0, 1)
+        reply = client.post(
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 1,
+                  "kv_transfer_params": transfer_params(ticket, address)},
+        )  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        kv = reply.json()["kv_transfer_params"]
+        assert kv["layers"] == LAYERS
+        assert kv["bytes_written"] == len(prompt) * token_bytes
+        stream = stub.Generate(
+            decode_pb2.GenerateRequest(
+                request_id=ticket.request_id, generation=ticket.generation,
+                first_token_id=kv["first_token_id"], max_tokens=NEW_TOKENS, ignore_eos=True,
+            ),
+            timeout=60,
+        )  # fmt: skip
+        outs.append([t for message in stream for t in message.token_ids])
+    assert forwards[-2:] == [[CHUNK], [len(PROMPTS[2]) - CHUNK]]  # the last prompt, chunked
+    reference = LLMEngine.build(EngineConfig(**ENGINE)).generate(
+        PROMPTS, SamplingParams(), StopConditions(NEW_TOKENS, ignore_eos=True)
+    )
+    assert outs == reference
+    assert decode_pool_free(address) is not None
+
+
+def _record_forwards(server: PrefillServer) -> list[list[int]]:
+    """Each forward of the prefill engine from now on, as its sequences' new-token counts."""
+    forwards: list[list[int]] = []
+    step = server.engine.step
+
+    def recording_step(before_run=None):
+        def arm(plan):
+            forwards.append([item.num_new_tokens for item in plan.scheduled])
+            if before_run is not None:
+                before_run(plan)
+
+        return step(before_run=arm)
+
+    server.engine.step = recording_step
+    return forwards
