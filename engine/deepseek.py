@@ -10,8 +10,6 @@ device and materialized by engine.weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
@@ -24,7 +22,7 @@ from engine.model import (
     EAGER_OPS,
     MLP,
     CausalLM,
-    Linear,
+    Decoder,
     ModelOps,
     NormInput,
     RMSNorm,
@@ -59,38 +57,8 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(inp, next_norm)
 
 
-class DeepseekDecoder(nn.Module):
-    """Embedding, decoder layers and final norm: Hugging Face's `model.` prefix."""
-
-    def __init__(self, config: ModelConfig, ops: ModelOps, latent: LatentBackend) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        yarn = isinstance(config.rope_scaling, YarnRopeScaling)
-        self.rotary_emb = YarnRotaryEmbedding(config) if yarn else RotaryEmbedding(config)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, ops, latent) for i in range(config.num_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: Sequence[tuple[torch.Tensor, ...]],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, x.dtype)
-        inp = self.layers[0].input_layernorm.input_of(x)
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms, strict=True):
-            inp = layer(inp, cos, sin, kv_cache, meta, next_norm)
-        x, _ = inp.compute(self.norm.ops)
-        return x
-
-
 class DeepseekForCausalLM(CausalLM):
-    """CausalLM's forward, logits and buffers over a DeepseekDecoder, whose layers write their
+    """CausalLM's forward, logits and buffers over DeepSeek decoder layers, which write their
     latent rows through `latent` (engine.mla itself on CPU, or a wrapper of it)."""
 
     def __init__(
@@ -98,17 +66,10 @@ class DeepseekForCausalLM(CausalLM):
     ) -> None:
         if config.mla is None or config.moe is None:
             raise ValueError(f"{config.architecture} is not an MLA/MoE architecture")
-        # NOTE: CausalLM.__init__ would build Llama layers; this sets the same attributes
-        # around the DeepSeek decoder instead.
-        nn.Module.__init__(self)
-        self.config = config
-        self.ops = ops
-        self.model = DeepseekDecoder(config, ops, latent)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, False, ops)
-        )
+        yarn = isinstance(config.rope_scaling, YarnRopeScaling)
+        layers = [DeepseekDecoderLayer(config, i, ops, latent) for i in range(config.num_layers)]
+        rotary = YarnRotaryEmbedding(config) if yarn else RotaryEmbedding(config)
+        super().__init__(config, ops=ops, decoder=Decoder(config, layers, ops, rotary))
 
     def init_buffers(self) -> None:
         """Computes the RoPE frequencies (YaRN's when configured), kept float32."""

@@ -310,15 +310,21 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Embedding, decoder layers and final norm: Hugging Face's `model.` prefix."""
+    """Embedding, decoder layers and final norm: Hugging Face's `model.` prefix. Each layer
+    (a DecoderLayer, or another family's) maps (NormInput, cos, sin, kv_cache, meta, next_norm)
+    to the NormInput of the next, and has an `input_layernorm`."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: ModelOps) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layers: Sequence[nn.Module],
+        ops: ModelOps,
+        rotary_emb: RotaryEmbedding | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, ops) for _ in range(config.num_layers)
-        )
+        self.rotary_emb = rotary_emb if rotary_emb is not None else RotaryEmbedding(config)
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(
@@ -344,11 +350,17 @@ class CausalLM(nn.Module):
         config: ModelConfig,
         attention: AttentionBackend = torch_attention,
         ops: ModelOps = EAGER_OPS,
+        decoder: Decoder | None = None,
     ) -> None:
+        """A Llama-family model over `attention`, or, given a `decoder` of another family's
+        layers, that one."""
         super().__init__()
         self.config = config
         self.ops = ops
-        self.model = Decoder(config, attention, ops)
+        if decoder is None:
+            layers = [DecoderLayer(config, attention, ops) for _ in range(config.num_layers)]
+            decoder = Decoder(config, layers, ops)
+        self.model = decoder
         # Tied: no lm_head at all, so nothing can untie it (materializing a meta model
         # re-creates parameters one module at a time, which would split a shared one).
         self.lm_head = (
