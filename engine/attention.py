@@ -244,28 +244,38 @@ def attend_chunk(
     q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, seq_len: int, scale: float
 ) -> torch.Tensor:
     """q [n, heads, dim], the context's blocks [blocks, kv_heads, bs, dim] -> out [n, heads, dim];
-    the n queries are the context's last n tokens.
-
-    NOTE: on CUDA, SDPA's default choice here (cuDNN) builds a plan per new shape, which costs
-    ~100 ms each time a prompt length is first seen: the flash and memory-efficient kernels are
-    asked for instead, and they need 4-D inputs ([1, heads, tokens, dim]; with 3-D ones SDPA
-    falls back to the math path, which materializes the whole score matrix) and no GQA.
-    """
-    n, heads, _ = q.shape
+    the n queries are the context's last n tokens (`causal_attention` over its K and V, each KV
+    head repeated for its group: the kernels asked for there take no GQA)."""
+    heads = q.shape[1]
     group = heads // k_blocks.shape[1]
 
     def context(blocks: torch.Tensor) -> torch.Tensor:  # [heads, seq_len, dim]
         kv = blocks.transpose(0, 1).flatten(1, 2)[:, :seq_len]
         return kv.repeat_interleave(group, dim=0) if group > 1 else kv
 
+    return causal_attention(q, context(k_blocks), context(v_blocks), scale)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [n, heads, dim] against k [heads, S, dim], v [heads, S, v_dim] -> [n, heads, v_dim],
+    causally: the n queries are the last n of the S tokens.
+
+    NOTE: on CUDA, SDPA's default choice here (cuDNN) builds a plan per new shape, which costs
+    ~100 ms each time a prompt length is first seen: the flash and memory-efficient kernels are
+    asked for instead, and they need 4-D inputs ([1, heads, tokens, dim]; with 3-D ones SDPA
+    falls back to the math path, which materializes the whole score matrix) and no GQA.
+    """
+    n, seq_len = q.shape[0], k.shape[1]
     # SDPA's is_causal aligns the mask top-left, right only when queries == keys.
     mask = None if n == seq_len else causal_lower_right(n, seq_len)
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     with sdpa_kernel(backends):
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
-            context(k_blocks).unsqueeze(0),
-            context(v_blocks).unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,

@@ -28,9 +28,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, causal_attention
 from engine.config import ModelConfig
 from engine.deepseek_config import YarnRopeScaling
 from engine.model import Linear, ModelOps, NormInput, RMSNorm, RotaryEmbedding, apply_rotary
@@ -218,24 +217,14 @@ def attend_expanded(
 ) -> torch.Tensor:
     """The n queries (the last n of a context of S latent rows [S, latent_dim]) against K and V
     up-projected from the context by kv_b_weight [heads * (nope + v), kv_lora_rank]."""
-    n, heads, nope = q_nope.shape
+    heads, nope = q_nope.shape[1:]
     seq_len, rope = context.shape[0], q_pe.shape[2]
     c_kv, k_pe = context.split([context.shape[1] - rope, rope], dim=-1)
     kv = F.linear(c_kv, kv_b_weight).view(seq_len, heads, -1)
     k_nope, v = kv.split([nope, kv.shape[2] - nope], dim=-1)
     k = torch.cat((k_nope, k_pe[:, None].expand(seq_len, heads, rope)), dim=-1)
     q = torch.cat((q_nope, q_pe), dim=-1)
-    # SDPA's is_causal aligns the mask top-left, right only when queries == keys.
-    mask = None if n == seq_len else causal_lower_right(n, seq_len)
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-    )
-    return o[0].transpose(0, 1)
+    return causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), scale)
 
 
 def attend_absorbed(

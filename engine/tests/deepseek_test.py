@@ -10,10 +10,9 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import load_model
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
-from engine.tests.tiny_hf import PagedRunner, rel_err
+from engine.tests.tiny_hf import MLA_MOE, VOCAB, PagedRunner, hf_logits, randomize, rel_err
 from engine.weights import load_weights
 
-VOCAB = 96
 TOL = 1e-4
 
 # YaRN with an original context (32) short enough that the scaled, ramped and untouched bands
@@ -34,46 +33,18 @@ def hf_deepseek(q_lora_rank: int | None, seed: int = 0) -> transformers.PreTrain
     """A tiny random DeepSeek-V3: a dense first layer, then 8 routed experts (top-2 of the best
     group of 2) and a shared one, every parameter and the correction bias non-trivial."""
     config = transformers.DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        **MLA_MOE,
         n_shared_experts=1,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
         n_group=2,
         topk_group=1,
         first_k_dense_replace=1,
-        kv_lora_rank=32,
         q_lora_rank=q_lora_rank,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=12,
-        max_position_embeddings=128,
         rope_parameters=YARN,
         bos_token_id=1,
         eos_token_id=2,
     )
     torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.1)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.1)
-    return model
-
-
-def hf_logits(model: transformers.PreTrainedModel, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([tokens])).logits[0].float()
+    return randomize(transformers.DeepseekV3ForCausalLM(config).eval())
 
 
 @pytest.fixture(scope="module", params=[48, None], ids=["q_lora", "q_proj"])

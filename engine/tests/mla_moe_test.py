@@ -15,7 +15,7 @@ from engine.deepseek_config import MoeConfig
 from engine.kv_cache import KVCache
 from engine.mla import attend_absorbed, attend_expanded, gather_latents, write_latent
 from engine.moe import route
-from engine.tests.tiny_hf import PagedRunner, rel_err
+from engine.tests.tiny_hf import MLA_MOE, PagedRunner, randomize, rel_err
 from engine.weights import load_weights
 
 HEADS, NOPE, ROPE, RANK, V = 4, 16, 8, 32, 12
@@ -123,28 +123,10 @@ def test_softmax_routing_equals_transformers_deepseek_v2(topk_method):
 
 def test_glm4_moe_lite_loads_and_matches_transformers(tmp_path):
     config = transformers.Glm4MoeLiteConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        kv_lora_rank=32,
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=12,
-        mlp_layer_types=["dense", "sparse", "sparse"],
-        max_position_embeddings=128,
+        **MLA_MOE, q_lora_rank=None, mlp_layer_types=["dense", "sparse", "sparse"]
     )
     torch.manual_seed(0)
-    hf = transformers.Glm4MoeLiteForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.1)
+    hf = randomize(transformers.Glm4MoeLiteForCausalLM(config).eval())
     hf.save_pretrained(tmp_path)
     ours_config = ModelConfig.from_hf_folder(tmp_path)
     assert ours_config.moe.first_k_dense_replace == 1 and ours_config.mla.q_lora_rank is None
@@ -174,23 +156,11 @@ def test_latent_cache_has_one_plane_per_layer():
 def _hf_dict(**overrides):
     d = dict(
         architectures=["DeepseekV3ForCausalLM"],
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
+        **MLA_MOE,
         n_group=2,
         topk_group=1,
-        kv_lora_rank=32,
         q_lora_rank=48,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=12,
         rms_norm_eps=1e-6,
-        max_position_embeddings=128,
     )
     return json.loads(json.dumps({**d, **overrides}))
 

@@ -27,6 +27,25 @@ _COMMON = dict(
     eos_token_id=2,
 )
 
+# The DeepSeek-V3 family's (MLA and MoE) shared by its tests: three layers, 8 routed experts
+# of 32 channels, a 32-channel latent with 8 RoPE channels.
+MLA_MOE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=12,
+    max_position_embeddings=128,
+)
+
 # Llama with Llama-3 RoPE scaling whose original context (32) is short enough that the scaled,
 # interpolated and untouched frequency bands all occur at head_dim 16.
 _KINDS = {
@@ -59,13 +78,21 @@ def hf_model(kind: str, tie: bool = False, seed: int = 0) -> transformers.PreTra
     """A tiny random model of `kind`, every parameter (biases, norms) random and non-trivial."""
     config_cls, model_cls, extra = _KINDS[kind]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**_COMMON, **extra, tie_word_embeddings=tie)).eval()
+    return randomize(model_cls(config_cls(**_COMMON, **extra, tie_word_embeddings=tie)).eval())
+
+
+def randomize(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """Every parameter random and non-trivial (norm weights around 1, the rest small), and so
+    a DeepSeek router's correction bias: initial values (ones, zeros) would hide mistakes."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
             else:
                 param.normal_(0.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     return model
 
 
