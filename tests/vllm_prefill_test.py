@@ -6,8 +6,8 @@ The greedy tokens must equal vLLM's own (vLLM without the connector, run first i
 for concurrent prompts of different lengths, one prefilled in several chunks and one hitting
 vLLM's prefix cache; the decode server must have had exactly the prompt's KV committed; a
 request without a ticket must be served as if the connector were absent; a decode server whose
-KV dtype differs must be refused, the request failing at once; and tandem's router in front of
-vLLM must answer as vLLM alone does."""
+KV dtype differs must be refused, the request failing at once; and `//tools:serve --prefill
+vllm` must answer as vLLM alone does."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from transformers import AutoTokenizer
 
 from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
-from tests.servers import MODEL, counter, metrics_url, start_decode, start_router
+from tests.servers import MODEL, counter, metrics_url, start_decode
 from tests.vllm_servers import MAX_BATCHED_TOKENS, start_vllm, stop
+from tools.launch import start
 
 NEW_TOKENS = 12
 PERSON = {
@@ -229,38 +230,41 @@ def test_a_decode_server_with_another_kv_dtype_fails_the_request_at_once(stack, 
         stop(decode)
 
 
-def test_the_router_cannot_tell_vllm_from_tandems_prefill(stack, reference):
-    """tandem's router in front of vLLM as it is in front of tandem's prefill server: its
-    tokenizer check against /tokenize, then chat through Reserve, prefill and Generate; with
-    logprobs, the first token's from vLLM and the rest from the decode server, equal to vLLM's
-    own; a JSON Schema that both constrain (vLLM the first token, the decode server the
-    rest); and n=2 with a seed: two choices from one KV transfer (vLLM's two child requests
-    send it once)."""
-    _, address, metrics, http = stack
-    proc, url = start_router([str(http.base_url)], [address])
+def test_the_router_cannot_tell_vllm_from_tandems_prefill(reference):
+    """`//tools:serve --prefill vllm`, as a user runs it: tandem's router in front of vLLM as it
+    is in front of tandem's prefill server: its tokenizer check against /tokenize, then chat
+    through Reserve, prefill and Generate; with logprobs, the first token's from vLLM and the
+    rest from the decode server, equal to vLLM's own; a JSON Schema that both constrain (vLLM the
+    first token, the decode server the rest); and n=2 with a seed: two choices from one KV
+    transfer (vLLM's two child requests send it once)."""
+    proc, m = start(["tools.serve", "--prefill", "vllm", "--model", MODEL, "--port", "0",
+                     "--kv-cache-gb", "1"],
+                    r"tandem ready: (http://\S+) \(decode metrics: (\S+)\)",
+                    timeout=600)  # fmt: skip
     try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        assert _chat(client, client.models.list().data[0].id) == reference["chat_text"]
+        client = openai.OpenAI(base_url=f"{m.group(1)}/v1", api_key="unused", max_retries=0)
+        served = client.models.list().data[0].id
+        assert _chat(client, served) == reference["chat_text"]
         schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
         reply = client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=48, temperature=0, response_format=schema
+            model=served, messages=MESSAGES, max_tokens=48, temperature=0, response_format=schema
         )
         person = json.loads(reply.choices[0].message.content)
         assert set(person) == {"name", "age"} and type(person["age"]) is int
-        logprobs = _chat_logprobs(client, MODEL)
+        logprobs = _chat_logprobs(client, served)
         expected = reference["chat_logprobs"]
         assert [(t, top) for t, _, top in logprobs] == [(t, top) for t, _, top in expected]
         assert [lp for _, lp, _ in logprobs] == pytest.approx([lp for _, lp, _ in expected],
                                                               abs=1e-3)  # fmt: skip
-        _assert_n_choices_share_one_transfer(client, metrics)
+        _assert_n_choices_share_one_transfer(client, served, m.group(2))
     finally:
         stop(proc)
 
 
-def _assert_n_choices_share_one_transfer(client: openai.OpenAI, metrics: str) -> None:
-    # NOTE: a prompt whose two children fit one 64-token step: vLLM's CPU build fails its engine
-    # on a seeded request prefilled in chunks ("CPU Generator does not use offset", 0.32).
-    kwargs = {"model": MODEL, "prompt": LONG[:60], "max_tokens": 8, "temperature": 1.0,
+def _assert_n_choices_share_one_transfer(client: openai.OpenAI, model: str, metrics: str) -> None:
+    # NOTE: a short prompt: vLLM's CPU build fails its engine on a seeded request prefilled in
+    # chunks ("CPU Generator does not use offset", 0.32).
+    kwargs = {"model": model, "prompt": LONG[:60], "max_tokens": 8, "temperature": 1.0,
               "seed": 3, "extra_body": {"ignore_eos": True}}  # fmt: skip
     before = counter(metrics, "tandem_decode_transfer_bytes_total")
     one = client.completions.create(**kwargs)
