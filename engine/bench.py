@@ -3,7 +3,8 @@
 For each (batch size, context length): `batch` random prompts of `context` tokens are prefilled,
 then `decode_tokens` decode steps are timed through the engine's real step loop (scheduler,
 CUDA graphs, sampling, host sync). The roofline of a decode step is the bytes it must read,
-weights (all but the embedding table, of which it reads one row per token) plus every
+weights (all but the embedding table, of which it reads one row per token, and of a
+mixture-of-experts layer only the experts its tokens chose: `experts_hit`) plus every
 sequence's KV, over the HBM read bandwidth measured in the same run. MBU (model bandwidth
 utilization) is the usual looser count: every parameter's bytes, the embedding table whole,
 plus the KV, over that same measured bandwidth (the published MBU figures divide by the
@@ -27,12 +28,12 @@ from pathlib import Path
 
 import torch
 
+from engine import hf_peer
 from engine.grammar import Grammar, GrammarCompiler, GrammarKind, GrammarSpec
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from engine.model import CausalLM
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
-from engine.weights import hf_state_dict
 
 
 @dataclass(frozen=True)
@@ -72,19 +73,41 @@ def read_bandwidth(device: str) -> float:
 
 def parameter_bytes(engine: LLMEngine) -> int:
     """Every parameter's bytes, each tied tensor once: the model's size."""
-    itemsize = DTYPES[engine.config.dtype].itemsize
-    return sum(p.numel() for p in engine.runner.model.parameters()) * itemsize
+    return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
 
 
 def weight_bytes_per_step(engine: LLMEngine, batch: int) -> int:
-    """The weight bytes a decode step of `batch` sequences reads."""
+    """The weight bytes a decode step of `batch` sequences reads: all but the embedding table
+    (one row per token) and, in mixture-of-experts layers, the routed experts no token chose."""
     model: CausalLM = engine.runner.model
     itemsize = DTYPES[engine.config.dtype].itemsize
     embed = model.model.embed_tokens.weight
     table = embed.numel() * itemsize
     # Untied: the table is only gathered (one row per token). Tied: the lm_head reads it all.
     unread = 0 if model.lm_head is None else table
-    return parameter_bytes(engine) - unread + batch * embed.shape[1] * itemsize
+    return (
+        parameter_bytes(engine) - unread + batch * embed.shape[1] * itemsize - _unhit(engine, batch)
+    )
+
+
+def experts_hit(num_experts: int, per_token: int, batch: int) -> float:
+    """Expected distinct experts that `batch` tokens choose, each `per_token` distinct ones, all
+    experts equally likely: exact at batch 1; at larger batches random weights and random
+    prompts route close to uniformly."""
+    return num_experts * (1 - (1 - per_token / num_experts) ** batch)
+
+
+def _unhit(engine: LLMEngine, batch: int) -> int:
+    """The bytes of routed experts a step of `batch` tokens leaves unread (expected)."""
+    moe = engine.model_config.moe
+    if moe is None:
+        return 0
+    sparse = sum(moe.is_sparse(i) for i in range(engine.model_config.num_layers))
+    expert_params = 3 * moe.moe_intermediate_size * engine.model_config.hidden_size
+    missed = moe.n_routed_experts - experts_hit(
+        moe.n_routed_experts, moe.num_experts_per_tok, batch
+    )
+    return int(sparse * missed * expert_params * DTYPES[engine.config.dtype].itemsize)
 
 
 def bench_engine(
@@ -141,90 +164,9 @@ def bench_engine(
 
 
 def bench_hf(engine: LLMEngine, batch: int, context: int, decode_tokens: int) -> Result:
-    """transformers `generate` (greedy, no EOS) on the engine's own weights: decode tok/s over
-    the decode_tokens steps after the first token, timed from the host's receipt of the first
-    new token to that of the last (a streamer sees each step's tokens as generate makes them)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
-
-    class TokenClock(BaseStreamer):
-        """When each put() came: the prompt's, then each step's new tokens'."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def put(self, value) -> None:
-            self.times.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
-    config = engine.model_config
-    device = engine.config.device
-    hf_config = AutoConfig.for_model(_HF_MODEL_TYPES[config.architecture], **_hf_fields(engine))
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=DTYPES[engine.config.dtype])
-    loaded = model.load_state_dict(hf_state_dict(engine.runner.model), strict=False)
-    # A tied model's lm_head is the embedding, which was loaded.
-    missing = [
-        k for k in loaded.missing_keys if not (config.tie_word_embeddings and "lm_head" in k)
-    ]
-    if missing or loaded.unexpected_keys:
-        raise RuntimeError(
-            f"weights differ: {missing} missing, {loaded.unexpected_keys} unexpected"
-        )
-    model.eval()
-    prompt = torch.randint(0, config.vocab_size, (batch, context), device=device)
-
-    def run(new_tokens: int) -> list[float]:
-        clock = TokenClock()
-        with torch.inference_mode():
-            model.generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-                streamer=clock,
-            )
-        return clock.times
-
-    # Warm-up at full length: a first long generate runs several times slower than the next.
-    run(decode_tokens + 1)
-    times = run(decode_tokens + 1)
-    assert len(times) == decode_tokens + 2, "one put() for the prompt, one per new token"
-    decode_s = times[-1] - times[1]
-    tok_s = batch * decode_tokens / decode_s
+    """transformers on the engine's own weights (engine.hf_peer): decode tok/s only."""
+    tok_s = hf_peer.decode_tok_s(engine, batch, context, decode_tokens)
     return Result("hf", batch, context, tok_s, None, None, None, None, None)
-
-
-_HF_MODEL_TYPES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-
-
-def _hf_fields(engine: LLMEngine) -> dict:
-    c = engine.model_config
-    fields = dict(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        tie_word_embeddings=c.tie_word_embeddings,
-        max_position_embeddings=c.max_position_embeddings,
-        rope_theta=c.rope_theta,
-    )
-    if c.rope_scaling is not None:
-        fields["rope_scaling"] = {"rope_type": "llama3", **asdict(c.rope_scaling)}
-    return fields
 
 
 def _prefill(

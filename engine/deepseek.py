@@ -29,19 +29,25 @@ from engine.model import (
     RotaryEmbedding,
     rope_inv_freq,
 )
-from engine.moe import MoE
+from engine.moe import ExpertsKernel, MoE, gather_experts
 
 
 class DeepseekDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer: int, ops: ModelOps, latent: LatentBackend
+        self,
+        config: ModelConfig,
+        layer: int,
+        ops: ModelOps,
+        latent: LatentBackend,
+        experts: ExpertsKernel,
     ) -> None:
         super().__init__()
         assert config.moe is not None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = MlaAttention(config, ops, latent)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MoE(config, ops) if config.moe.is_sparse(layer) else MLP(config, ops)
+        sparse = config.moe.is_sparse(layer)
+        self.mlp = MoE(config, ops, experts) if sparse else MLP(config, ops)
 
     def forward(
         self,
@@ -58,16 +64,23 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekForCausalLM(CausalLM):
-    """CausalLM's forward, logits and buffers over DeepSeek decoder layers, which write their
-    latent rows through `latent` (engine.mla itself on CPU, or a wrapper of it)."""
+    """CausalLM's forward, logits and buffers over DeepSeek decoder layers, which write and
+    attend their latent rows through `latent` (engine.mla itself on CPU, engine.triton_mla on
+    CUDA, or a wrapper of either) and compute routed experts with `experts`."""
 
     def __init__(
-        self, config: ModelConfig, ops: ModelOps = EAGER_OPS, latent: LatentBackend = torch_mla
+        self,
+        config: ModelConfig,
+        ops: ModelOps = EAGER_OPS,
+        latent: LatentBackend = torch_mla,
+        experts: ExpertsKernel = gather_experts,
     ) -> None:
         if config.mla is None or config.moe is None:
             raise ValueError(f"{config.architecture} is not an MLA/MoE architecture")
         yarn = isinstance(config.rope_scaling, YarnRopeScaling)
-        layers = [DeepseekDecoderLayer(config, i, ops, latent) for i in range(config.num_layers)]
+        layers = [
+            DeepseekDecoderLayer(config, i, ops, latent, experts) for i in range(config.num_layers)
+        ]
         rotary = YarnRotaryEmbedding(config) if yarn else RotaryEmbedding(config)
         super().__init__(config, ops=ops, decoder=Decoder(config, layers, ops, rotary))
 

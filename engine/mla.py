@@ -14,9 +14,11 @@ There are two ways to attend, equal in exact arithmetic:
   against the cached rows directly; the latent output is mapped to V's space by W_UV. Nothing
   per head is built from the context, so a decode step reads latent rows only.
 
-The model writes latent rows only through a `LatentBackend`, chosen by whoever builds it: this
-module is itself the CPU one (`write_latent`); a wrapper (the prefill's KV publisher) acts on each
-layer's freshly written rows.
+The model writes latent rows, and attends decode-only batches in latent space, through a
+`LatentBackend` chosen by whoever builds it: this module is itself the CPU one (`write_latent`,
+`attend_latent`), engine.triton_mla the CUDA one (kernels a CUDA graph can capture); a wrapper
+(the prefill's KV publisher) acts on each layer's freshly written rows. Batches with prompt
+chunks go through `paged_mla` (torch) on either device.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, causal_attention
 from engine.config import ModelConfig
 from engine.deepseek_config import YarnRopeScaling
-from engine.model import Linear, ModelOps, NormInput, RMSNorm, RotaryEmbedding, apply_rotary
+from engine.model import Linear, ModelOps, NormInput, RMSNorm, RotaryEmbedding
 
 # NOTE: transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon,
 # not the config's rms_norm_eps.
@@ -40,11 +42,25 @@ LATENT_NORM_EPS = 1e-6
 
 
 class LatentBackend(Protocol):
-    """How a layer's new latent rows reach its plane: `write_latent` below, or a wrapper."""
+    """How a layer's new latent rows reach its plane, and how a decode-only batch attends to
+    its cached rows: this module's functions, engine.triton_mla's, or a wrapper of either."""
 
     def write_latent(
         self, cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None: ...
+
+    def attend_latent(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_lora_rank: int,
+    ) -> torch.Tensor:
+        """q [n, heads, latent_dim], row i sequence i's one new token (already written) ->
+        [n, heads, kv_lora_rank]: attention over the sequence's latent rows, the first
+        kv_lora_rank channels of each being its value."""
+        ...
 
 
 class MlaAttention(nn.Module):
@@ -95,12 +111,17 @@ class MlaAttention(nn.Module):
         q = q.view(tokens, self.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim)
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(h).split([mla.kv_lora_rank, mla.qk_rope_head_dim], -1)
-        q_pe = rotate(q_pe, cos, sin, mla.rope_interleave)
-        k_pe = rotate(k_pe[:, None], cos, sin, mla.rope_interleave)[:, 0]
+        q_pe, k_pe = self.ops.rope(q_pe, k_pe[:, None], cos, sin, mla.rope_interleave)
         (cache,) = kv_cache
-        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)
+        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe[:, 0]), dim=-1)
         self.backend.write_latent(cache, latent, meta.slot_mapping)
-        o = paged_mla(q_nope, q_pe, cache, meta, self.kv_b_proj.weight, self.scale)
+        w = self.kv_b_proj.weight
+        if meta.max_query_len == 1:  # decode only: the backend's kernel (CUDA-graph safe)
+            q_latent = absorb_query(q_nope, q_pe, w)
+            o_latent = self.backend.attend_latent(q_latent, cache, meta, self.scale, w.shape[1])
+            o = expand_output(o_latent, w, mla.qk_nope_head_dim)
+        else:
+            o = paged_mla(q_nope, q_pe, cache, meta, w, self.scale)
         return self.o_proj.add_forward(o.reshape(tokens, -1), residual, next_norm)
 
 
@@ -112,17 +133,6 @@ def softmax_scale(config: ModelConfig) -> float:
     if isinstance(config.rope_scaling, YarnRopeScaling):
         scale *= config.rope_scaling.softmax_mscale() ** 2
     return scale
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """RoPE of x [T, heads, rope_dim] by cos, sin [T, rope_dim / 2]. Interleaved pairs
-    (2i, 2i+1) come out de-interleaved (evens' results, then odds'), as in transformers: the
-    same permutation of q and k leaves their dot products unchanged."""
-    if not interleave:
-        return apply_rotary(x, cos, sin)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class YarnRotaryEmbedding(RotaryEmbedding):
@@ -237,11 +247,50 @@ def attend_absorbed(
 ) -> torch.Tensor:
     """One query per row (its context's last token) against its latent context [n, L, dim],
     valid up to seq_lens [n], in latent space: W_UK absorbed into q, W_UV applied after."""
+    q = absorb_query(q_nope, q_pe, kv_b_weight)
+    o = latent_attention(q, contexts, seq_lens, scale, kv_b_weight.shape[1])
+    return expand_output(o, kv_b_weight, q_nope.shape[2])
+
+
+def absorb_query(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b_weight: torch.Tensor
+) -> torch.Tensor:
+    """[q_nope W_UK | q_pe] [n, heads, kv_lora_rank + rope]: each head's query in latent space,
+    W_UK being the K rows of kv_b_weight [heads * (nope + v), kv_lora_rank]."""
     heads, nope = q_nope.shape[1:]
-    kv_lora_rank = contexts.shape[2] - q_pe.shape[2]
-    w = kv_b_weight.view(heads, -1, kv_lora_rank)
-    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [heads, nope, rank], [heads, v, rank]
-    q = torch.cat((torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_pe), dim=-1)
+    w_uk = kv_b_weight.view(heads, -1, kv_b_weight.shape[1])[:, :nope]  # [heads, nope, rank]
+    return torch.cat((torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_pe), dim=-1)
+
+
+def expand_output(o: torch.Tensor, kv_b_weight: torch.Tensor, nope: int) -> torch.Tensor:
+    """Latent attention output [n, heads, kv_lora_rank] -> V's space [n, heads, v_head_dim] by
+    W_UV, the V rows of kv_b_weight."""
+    heads = o.shape[1]
+    w_uv = kv_b_weight.view(heads, -1, kv_b_weight.shape[1])[:, nope:]  # [heads, v, rank]
+    return torch.einsum("nhr,hvr->nhv", o, w_uv)
+
+
+def attend_latent(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """LatentBackend.attend_latent in torch: the contexts gathered, then `latent_attention`."""
+    contexts = gather_latents(cache, meta.block_tables)
+    return latent_attention(q, contexts, meta.seq_lens, scale, kv_lora_rank)
+
+
+def latent_attention(
+    q: torch.Tensor,
+    contexts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """q [n, heads, dim] against contexts [n, L, dim] valid up to seq_lens [n], with the first
+    kv_lora_rank channels as values -> [n, heads, kv_lora_rank]."""
     valid = torch.arange(contexts.shape[1], device=q.device)[None, :] < seq_lens[:, None]
     # NOTE: slots past a sequence's end may hold anything (NaN bit patterns too), and a
     # masked-out NaN still poisons softmax (NaN - inf is NaN): zero them.
@@ -254,4 +303,4 @@ def attend_absorbed(
         scale=scale,
         enable_gqa=True,
     )  # [n, heads, 1, rank]
-    return torch.einsum("nhr,hvr->nhv", o[:, :, 0], w_uv)
+    return o[:, :, 0]

@@ -47,9 +47,22 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by `apply_rotary`; `interleaved` (DeepSeek's rope_interleave): RoPE pairs
+    are adjacent channels (2i, 2i+1), and come out de-interleaved (evens' results, then odds'),
+    as transformers computes them: the same permutation of q and k leaves q.k unchanged."""
+    if interleaved:
+        q, k = _deinterleave(q), _deinterleave(k)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 def split_heads(

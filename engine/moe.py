@@ -12,6 +12,8 @@ transformers holds them in memory; engine.weights maps checkpoints' per-expert n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,10 +55,11 @@ def route(
 
 
 class Router(nn.Module):
-    """gate.weight [experts, hidden]; gate.e_score_correction_bias [experts] for noaux_tc,
-    kept in float32 (as transformers keeps it) whatever the model's dtype."""
+    """gate.weight [experts, hidden] and gate.e_score_correction_bias [experts] (noaux_tc) kept
+    in float32 whatever the model's dtype: the router computes in float32 (as transformers does,
+    which converts its weight every step), so a float32 copy saves that conversion's kernel."""
 
-    float32_parameters = ("e_score_correction_bias",)
+    float32_parameters = ("weight", "e_score_correction_bias")
 
     def __init__(self, config: ModelConfig, moe: MoeConfig) -> None:
         super().__init__()
@@ -70,33 +73,48 @@ class Router(nn.Module):
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
-        logits = F.linear(h.float(), self.weight.float())
+        logits = F.linear(h.float(), self.weight)
         return route(logits, self.e_score_correction_bias, self.moe)
 
 
-class Experts(nn.Module):
-    """The routed experts' SwiGLU weights, stacked."""
+ExpertsKernel = Callable[..., torch.Tensor]
+"""(h [T, hidden], weights [T, k] float32, ids [T, k], gate_up_proj, down_proj) -> [T, hidden]:
+the sum over each token's experts e of weight * expert_e(h). `gather_experts` below (CPU), or
+engine.triton_moe.fused_experts (CUDA: one kernel per projection, no host sync)."""
 
-    def __init__(self, config: ModelConfig, moe: MoeConfig) -> None:
+
+def gather_experts(
+    h: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """ExpertsKernel in torch: one gather and two matmuls per expert that some token chose, so
+    that a step reads the weights of the experts it touches, not all of them."""
+    out = torch.zeros_like(h)
+    for expert in ids.unique().tolist():
+        tokens, slot = torch.where(ids == expert)
+        x = silu_and_mul(F.linear(h[tokens], gate_up_proj[expert]))
+        y = F.linear(x, down_proj[expert]) * weights[tokens, slot, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+class Experts(nn.Module):
+    """The routed experts' SwiGLU weights, stacked, computed by `kernel`."""
+
+    def __init__(self, config: ModelConfig, moe: MoeConfig, kernel: ExpertsKernel) -> None:
         super().__init__()
         size = moe.moe_intermediate_size
         experts = moe.n_routed_experts
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * size, config.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(experts, config.hidden_size, size))
+        self.kernel = kernel
 
     def forward(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum over each token's experts e of weight * expert_e(h) -> [T, hidden].
-
-        One gather and two matmuls per expert that some token chose: a step reads the weights
-        of the experts it touches, not all of them.
-        """
-        out = torch.zeros_like(h)
-        for expert in ids.unique().tolist():
-            tokens, slot = torch.where(ids == expert)
-            x = silu_and_mul(F.linear(h[tokens], self.gate_up_proj[expert]))
-            y = F.linear(x, self.down_proj[expert]) * weights[tokens, slot, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+        """sum over each token's experts e of weight * expert_e(h) -> [T, hidden]."""
+        return self.kernel(h, weights, ids, self.gate_up_proj, self.down_proj)
 
 
 class SharedExperts(nn.Module):
@@ -114,13 +132,13 @@ class SharedExperts(nn.Module):
 class MoE(nn.Module):
     """Router, routed experts and shared experts: Hugging Face's `mlp.` of a sparse layer."""
 
-    def __init__(self, config: ModelConfig, ops: ModelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps, kernel: ExpertsKernel) -> None:
         super().__init__()
         moe = config.moe
         assert moe is not None
         self.ops = ops
         self.gate = Router(config, moe)
-        self.experts = Experts(config, moe)
+        self.experts = Experts(config, moe, kernel)
         width = moe.n_shared_experts * moe.moe_intermediate_size
         self.shared_experts = SharedExperts(config, width, ops) if width else None
 

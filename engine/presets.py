@@ -140,3 +140,154 @@ PRESETS["deepseek-tiny"] = ModelConfig(
         first_k_dense_replace=1,
     ),
 )
+
+
+def _deepseek_shape(
+    architecture: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    dense_width: int,
+    mla: MlaConfig,
+    moe: MoeConfig,
+    **rest,
+) -> ModelConfig:
+    """A DeepSeek-V3-family shape: num_kv_heads = heads (MLA), RoPE over qk_rope_head_dim."""
+    return ModelConfig(
+        architecture=architecture,
+        hidden_size=hidden,
+        intermediate_size=dense_width,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=mla.qk_rope_head_dim,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        mla=mla,
+        moe=moe,
+        **rest,
+    )
+
+
+# deepseek-ai/DeepSeek-V2-Lite (15.7B total, 2.4B active), as the DeepSeek-V3 architecture:
+# softmax scoring, greedy top-6 of 64 experts, two shared, no q bottleneck.
+PRESETS["deepseek-v2-lite"] = _deepseek_shape(
+    "DeepseekV3ForCausalLM",
+    layers=27,
+    hidden=2048,
+    heads=16,
+    dense_width=10944,
+    mla=MlaConfig(
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rope_interleave=True,
+    ),
+    moe=MoeConfig(
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        moe_intermediate_size=1408,
+        n_shared_experts=2,
+        n_group=1,
+        topk_group=1,
+        topk_method="greedy",
+        scoring_func="softmax",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        first_k_dense_replace=1,
+    ),
+    vocab_size=102400,
+    rope_theta=10000.0,
+    rope_scaling=YarnRopeScaling(
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        mscale=0.707,
+        mscale_all_dim=0.707,
+    ),
+    rms_norm_eps=1e-6,
+    max_position_embeddings=163840,
+    eos_token_ids=(100001,),
+    bos_token_id=100000,
+)
+
+# deepseek-ai/DeepSeek-V3's layer shapes, 4 layers instead of 61 (one dense, three MoE: one GPU
+# holds them in bf16; each MoE layer is 22.5 GB of experts).
+PRESETS["deepseek-v3-4l"] = _deepseek_shape(
+    "DeepseekV3ForCausalLM",
+    layers=4,
+    hidden=7168,
+    heads=128,
+    dense_width=18432,
+    mla=MlaConfig(
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rope_interleave=True,
+    ),
+    moe=MoeConfig(
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        n_shared_experts=1,
+        n_group=8,
+        topk_group=4,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+    ),
+    vocab_size=129280,
+    rope_theta=10000.0,
+    rope_scaling=YarnRopeScaling(
+        factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0
+    ),
+    rms_norm_eps=1e-6,
+    max_position_embeddings=163840,
+    eos_token_ids=(1,),
+    bos_token_id=0,
+)
+
+# zai-org/GLM-5's MLA and MoE shapes, 4 layers instead of 78 (one dense, three MoE), as the
+# DeepSeek-V3 architecture: GLM-5's sparse-attention indexer (DSA) is not modelled, so its
+# attention here is dense MLA over the whole context.
+PRESETS["glm5-4l"] = _deepseek_shape(
+    "DeepseekV3ForCausalLM",
+    layers=4,
+    hidden=6144,
+    heads=64,
+    dense_width=12288,
+    mla=MlaConfig(
+        q_lora_rank=2048,
+        kv_lora_rank=512,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        rope_interleave=True,
+    ),
+    moe=MoeConfig(
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+    ),
+    vocab_size=154880,
+    rope_theta=1000000.0,
+    rope_scaling=None,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=202752,
+    eos_token_ids=(154820, 154827, 154829),
+    bos_token_id=0,
+)

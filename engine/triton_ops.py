@@ -65,10 +65,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, heads, dim], k [T, kv heads, dim] rotated by cos, sin [T, dim / 2] (half-split
-    pairing, as engine.model.apply_rotary); q and k may be strided views (of the qkv output)."""
+    """q [T, heads, dim], k [T, kv heads, dim] rotated by cos, sin [T, dim / 2] as
+    engine.model.rope: half-split pairing, or interleaved pairs (2i, 2i+1) stored de-interleaved;
+    q and k may be strided views (of the qkv output)."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(-1) == k.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
@@ -83,7 +88,7 @@ def rope(
             HEADS_PAD=triton.next_power_of_2(num_heads),
             KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
             HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2),
-            PDL=pdl, launch_pdl=pdl,
+            INTERLEAVED=interleaved, PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return q_out, k_out
 
@@ -193,13 +198,19 @@ def _rotate(
     half,
     HALF: tl.constexpr,
     HEADS_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
-    """Rotates `heads` heads of one token: [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin]."""
+    """Rotates `heads` heads of one token: [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin],
+    x1 and x2 being the halves, or (INTERLEAVED) the even and the odd channels."""
     rows = tl.arange(0, HEADS_PAD)
     mask = (rows < heads)[:, None] & (half < HALF)[None, :]
-    src = x_ptr + rows[:, None] * stride_x + half[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    row_ptrs = x_ptr + rows[:, None] * stride_x
+    if INTERLEAVED:
+        x1 = tl.load(row_ptrs + 2 * half[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(row_ptrs + 2 * half[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(row_ptrs + half[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(row_ptrs + half[None, :] + HALF, mask=mask, other=0.0).to(tl.float32)
     dst = out_ptr + rows[:, None] * stride_out + half[None, :]
     dtype = out_ptr.dtype.element_ty
     tl.store(dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype), mask=mask)
@@ -228,6 +239,7 @@ def _rope_kernel(
     KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -237,11 +249,11 @@ def _rope_kernel(
     sin = tl.load(sin_ptr + token * HALF + half, mask=half < HALF, other=0.0).to(tl.float32)
     _rotate(
         q_ptr + token * stride_qt, q_out_ptr + token * stride_qot, stride_qh, stride_qoh,
-        cos, sin, NUM_HEADS, half, HALF, HEADS_PAD,
+        cos, sin, NUM_HEADS, half, HALF, HEADS_PAD, INTERLEAVED,
     )  # fmt: skip
     _rotate(
         k_ptr + token * stride_kt, k_out_ptr + token * stride_kot, stride_kh, stride_koh,
-        cos, sin, NUM_KV_HEADS, half, HALF, KV_HEADS_PAD,
+        cos, sin, NUM_KV_HEADS, half, HALF, KV_HEADS_PAD, INTERLEAVED,
     )  # fmt: skip
 
 

@@ -89,6 +89,9 @@ class KvPublisher:
         self.inner.write_latent(cache, latent, slot_mapping)
         self._announce(cache)
 
+    def attend_latent(self, q, cache, meta: AttentionMetadata, scale: float, kv_lora_rank: int):
+        return self.inner.attend_latent(q, cache, meta, scale, kv_lora_rank)
+
     def _announce(self, first_plane: torch.Tensor) -> None:
         if self.armed:
             layer = self._layer_of[first_plane.data_ptr()]

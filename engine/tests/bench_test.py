@@ -46,6 +46,36 @@ def test_roofline_counts_the_bytes_of_the_model_and_of_a_step(preset):
     assert bench.weight_bytes_per_step(engine, batch=3) == 4 * read
 
 
+def test_the_deepseek_peer_runs_on_the_engines_weights(tmp_path):
+    """transformers' DeepSeek-V3 gets every engine weight (the stacked experts, the router's
+    correction bias) or the run fails: hf_peer refuses a state dict that leaves one out."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "engine.bench", "--model", "random:deepseek-tiny"]
+    cmd += ["--dtype", "float32", "--batch-sizes", "2", "--context-lens", "12"]
+    cmd += ["--decode-tokens", "3", "--peer", "hf", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["system"] for r in results] == ["tandem", "hf"]
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_moe_roofline_counts_the_experts_a_step_chooses(batch):
+    """Of each MoE layer's routed experts a step reads those its tokens choose: exactly k at
+    batch 1; the expected union of `batch` uniform choices beyond."""
+    engine = LLMEngine.build(
+        EngineConfig(model="random:deepseek-tiny", dtype="float32", kv_cache_gb=0.01)
+    )
+    c, moe = engine.model_config, engine.model_config.moe
+    expert = 3 * moe.moe_intermediate_size * c.hidden_size
+    sparse = c.num_layers - moe.first_k_dense_replace
+    table = c.vocab_size * c.hidden_size
+    all_read = bench.parameter_bytes(engine) // 4 - table + batch * c.hidden_size
+    hit = 2 if batch == 1 else 8 * (1 - (1 - 2 / 8) ** batch)
+    expected = all_read - sparse * (8 - hit) * expert
+    assert bench.weight_bytes_per_step(engine, batch) == pytest.approx(4 * expected, abs=4)
+
+
 def test_a_json_schema_constrains_every_sequence_through_the_timed_steps():
     """--json-schema's path; SmolLM2's tokenizer cut to the tiny model's 256 tokens (its specials
     and single characters) will do, as any tokenizer does to time the masks."""

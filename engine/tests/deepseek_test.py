@@ -7,7 +7,6 @@ import transformers
 from engine.config import ModelConfig
 from engine.deepseek import DeepseekForCausalLM
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model_loader import load_model
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 from engine.tests.tiny_hf import MLA_MOE, VOCAB, PagedRunner, hf_logits, randomize, rel_err
@@ -153,8 +152,3 @@ def test_bf16_keeps_the_correction_bias_in_float32(pair):
     load_weights(model, folder, torch.bfloat16, "cpu")
     assert model.model.layers[2].mlp.gate.e_score_correction_bias.dtype == torch.float32
     assert model.model.layers[2].mlp.experts.gate_up_proj.dtype == torch.bfloat16
-
-
-def test_mla_models_are_refused_on_cuda():
-    with pytest.raises(ValueError, match="Triton MLA and MoE kernels are not built yet"):
-        load_model(EngineConfig(model="random:deepseek-tiny", device="cuda"))

@@ -1,4 +1,5 @@
-"""The CUDA path (Triton attention, CUDA graphs) against the CPU path, token for token.
+"""The CUDA path (Triton attention, CUDA graphs) against the CPU path, token for token: the
+Llama family's, and the DeepSeek-V3 family's (Triton MLA decode and fused MoE).
 
 Tagged `gpu` in Bazel: runs only with `./bazelw test --config=gpu`, or on the GPU machine with
 `PYTHONPATH=.devicepack:. python3 -m pytest engine/tests/gpu_engine_test.py`.
@@ -14,8 +15,8 @@ from engine.sequence import StopConditions
 PROMPTS = [[5, 17, 3], list(range(1, 40)), [9] * 70, list(range(100, 230, 3)), [1], [2, 4, 8, 16]]
 
 
-def _engines(**overrides):
-    base = dict(model="random:tiny", dtype="float32", block_size=16, kv_cache_gb=0.05)
+def _engines(model="random:tiny", **overrides):
+    base = dict(model=model, dtype="float32", block_size=16, kv_cache_gb=0.05)
     cpu = LLMEngine.build(EngineConfig(**base, device="cpu"))
     gpu = LLMEngine.build(EngineConfig(**base, device="cuda", **overrides))
     with torch.no_grad():
@@ -46,11 +47,12 @@ def _decode(engine, stops):
 
 # (enforce_eager, async_scheduling): graphs with async scheduling (the default), graphs
 # without, and eager CUDA steps fed the tokens before them on the device.
+@pytest.mark.parametrize("model", ["random:tiny", "random:deepseek-tiny"])
 @pytest.mark.parametrize(
     "enforce_eager, async_scheduling", [(False, None), (False, False), (True, True)]
 )
-def test_greedy_tokens_equal_cpu_path(enforce_eager, async_scheduling):
-    cpu, gpu = _engines(enforce_eager=enforce_eager, async_scheduling=async_scheduling)
+def test_greedy_tokens_equal_cpu_path(model, enforce_eager, async_scheduling):
+    cpu, gpu = _engines(model, enforce_eager=enforce_eager, async_scheduling=async_scheduling)
     assert (gpu.runner.graphs is None) == enforce_eager
     assert gpu.async_scheduling == (async_scheduling is not False)
     stops = [StopConditions(max_tokens=24 - 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]

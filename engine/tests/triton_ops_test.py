@@ -91,6 +91,26 @@ def test_rope_on_qkv_views_matches_eager(dtype, heads, kv_heads, head_dim):
         _close(a, b, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_interleaved_rope_on_mla_views_matches_eager(dtype):
+    """MLA's q_pe (the last 64 of each head's 192 channels) and k_pe (the last 64 of the latent
+    projection's 576), RoPE pairs adjacent: out de-interleaved, as the eager rope."""
+    tokens, heads = 3, 4
+    q = _randn(tokens, heads, 192, dtype=dtype, seed=13)[..., 128:]
+    k = _randn(tokens, 576, dtype=dtype, seed=14)[:, 512:][:, None]
+    angles = _randn(tokens, 32, dtype=torch.float32, seed=15) * 3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    ours = triton_ops.rope(q, k, cos, sin, interleaved=True)
+    eager = model.rope(q, k, cos, sin, interleaved=True)
+    for a, b in zip(ours, eager, strict=True):
+        _close(a, b, dtype)
+    # Channel 0 pairs with channel 1 (not 32): the rotation of (x0, x1) by the first angle.
+    x0, x1 = q[..., 0].float(), q[..., 1].float()
+    c, s_ = cos[:, None, 0].float(), sin[:, None, 0].float()
+    _close(ours[0][..., 0], (x0 * c - x1 * s_).to(dtype), dtype)
+    _close(ours[0][..., 32], (x1 * c + x0 * s_).to(dtype), dtype)
+
+
 def test_empty_inputs_launch_nothing():
     x = _randn(0, 64, dtype=torch.float32, seed=12)
     weight = _randn(64, dtype=torch.float32, seed=13)
