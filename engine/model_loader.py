@@ -1,6 +1,7 @@
 """Building an engine's model from its EngineConfig: the shape (a preset's or a Hugging Face
-folder's), the module (Llama family or the DeepSeek-V3 family), its attention backend for the
-device (for MLA, the latent backend: engine.mla), and its weights (random or from safetensors)."""
+folder's), the module (Llama family or the DeepSeek-V3 family), its kernels for the device
+(attention backend, or for MLA the latent backend and the experts kernel; Triton on CUDA, torch
+on CPU), and its weights (random or from safetensors)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from engine.config import ModelConfig
 from engine.deepseek import DeepseekForCausalLM
 from engine.engine_config import DTYPES, EngineConfig
 from engine.mla import LatentBackend
-from engine.model import EAGER_OPS, CausalLM
+from engine.model import EAGER_OPS, CausalLM, ModelOps
+from engine.moe import ExpertsKernel, gather_experts
 from engine.weights import init_random_weights, load_weights
 
 Backend = AttentionBackend | LatentBackend
@@ -28,26 +30,34 @@ def load_model(
 ) -> tuple[ModelConfig, CausalLM]:
     """Builds the model on the meta device and fills it: from a folder, or randomly.
     `wrap_attention` decorates its backend: an AttentionBackend, or for MLA a LatentBackend."""
-    dtype = DTYPES[config.dtype]
     model_config = read_model_config(config)
-    cuda = config.device.startswith("cuda")
     if model_config.mla is not None:
         return model_config, _load_mla_model(config, model_config, wrap_attention)
-    ops = EAGER_OPS
-    if cuda and not config.enforce_eager:
-        from engine.cuda_ops import CUDA_OPS  # imports Triton only on CUDA
-
-        ops = CUDA_OPS
     backend = attention_backend(config.device)
     if wrap_attention is not None:
         backend = wrap_attention(backend)
     with torch.device("meta"):
-        model = CausalLM(model_config, backend, ops)
+        model = CausalLM(model_config, backend, model_ops(config))
+    return model_config, _fill(model, config)
+
+
+def model_ops(config: EngineConfig) -> ModelOps:
+    """Triton's fused ops on CUDA unless enforce_eager; torch's otherwise."""
+    if config.device.startswith("cuda") and not config.enforce_eager:
+        from engine.cuda_ops import CUDA_OPS  # imports Triton only on CUDA
+
+        return CUDA_OPS
+    return EAGER_OPS
+
+
+def _fill(model: CausalLM, config: EngineConfig) -> CausalLM:
+    """Materializes the meta-device model: random weights, or the folder's."""
+    dtype = DTYPES[config.dtype]
     if config.model.startswith("random:"):
         init_random_weights(model, config.seed, dtype, config.device)
     else:
         load_weights(model, config.model, dtype, config.device)
-    return model_config, model.eval()
+    return model.eval()
 
 
 def read_model_config(config: EngineConfig) -> ModelConfig:
@@ -65,23 +75,20 @@ def _load_mla_model(
     model_config: ModelConfig,
     wrap_attention: Callable[[Backend], Backend] | None,
 ) -> DeepseekForCausalLM:
-    """The MLA/MoE family, in plain torch on CPU: engine.mla writes the latent rows, through
-    `wrap_attention`'s wrapper if given."""
-    if config.device.startswith("cuda"):
-        raise ValueError(
-            f"device: {config.device!r} is not supported for {model_config.architecture} "
-            "(MLA/MoE): the Triton MLA and MoE kernels are not built yet; use cpu"
-        )
+    """The MLA/MoE family: its latent rows written and attended by engine.mla (CPU) or
+    engine.triton_mla (CUDA), through `wrap_attention`'s wrapper if given; routed experts by
+    moe.gather_experts (CPU) or engine.triton_moe (CUDA)."""
     latent: LatentBackend = mla
+    experts: ExpertsKernel = gather_experts
+    if config.device.startswith("cuda"):
+        from engine import triton_mla, triton_moe  # Triton only on CUDA
+
+        latent, experts = triton_mla, triton_moe.fused_experts
     if wrap_attention is not None:
         latent = wrap_attention(latent)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(model_config, latent=latent)
-    if config.model.startswith("random:"):
-        init_random_weights(model, config.seed, DTYPES[config.dtype], config.device)
-    else:
-        load_weights(model, config.model, DTYPES[config.dtype], config.device)
-    return model.eval()
+        model = DeepseekForCausalLM(model_config, model_ops(config), latent, experts)
+    return _fill(model, config)
 
 
 def attention_backend(device: str) -> AttentionBackend:

@@ -1,0 +1,361 @@
+"""Tests of engine.triton_mla (paged MLA decode) against a float64 dense reference.
+
+Runs like triton_attention_test: through Triton's CPU interpreter when TRITON_INTERPRET=1 or
+without CUDA (tiny latents: kv_lora_rank 64 or 32, rope 16), compiled on a GPU otherwise, where
+the tests marked `cuda` (DeepSeek-V2-Lite shapes, CUDA graph replay) run too:
+    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python -m pytest -q engine/tests/triton_mla_test.py
+    python -m pytest -q engine/tests/triton_mla_test.py
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.tests import triton_mode  # before triton: picks the interpreter on CPU
+
+# isort: split
+import triton.language as tl
+
+from engine import mla, triton_mla
+from engine.attention import AttentionMetadata
+
+KERNEL = triton_mla._split_kernel
+INTERPRETED = triton_mode.interpreted(KERNEL)
+DEVICE = triton_mode.device_of(KERNEL)
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+
+
+def cuda(test):
+    """Needs compiled kernels on a GPU: marked `cuda`, and skipped in the interpreter, where
+    DeepSeek's shapes would take minutes and CUDA graphs do not exist."""
+    skip = pytest.mark.skipif(INTERPRETED, reason="needs compiled kernels on a GPU")
+    return pytest.mark.cuda(skip(test))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _triton_mode():
+    """Errors every test if no mode can run; in interpreter mode, works around two Triton 3.6
+    interpreter bugs as triton_attention_test does (see there): `range()` over a tensor bound,
+    and tl.dot multiplying bf16 operands as their uint16 bit patterns."""
+    if error := triton_mode.mode_error(KERNEL):
+        pytest.fail(error)
+    if not INTERPRETED:
+        yield
+        return
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def patch_tensor_fixed(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = handle.data.astype(np.uint32) << np.uint32(16)
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot_fixed(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_patch_lang_tensor", patch_tensor_fixed)
+        mp.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot_fixed)
+        yield
+
+
+def _nan_filled(shape, dtype):
+    """A tensor whose every element holds the all-ones bit pattern: a NaN in bf16, fp16, fp32."""
+    out = torch.empty(shape, dtype=dtype)
+    out.view({2: torch.int16, 4: torch.int32}[out.element_size()]).fill_(-1)
+    return out
+
+
+def _decode_case(
+    seq_lens, num_heads, rank, rope, block_size, dtype, seed=0, table_width=None, num_blocks=None
+):
+    """A decode batch over scattered blocks of a NaN-filled latent plane: q (a strided view),
+    the plane, metadata (device tensors) and each sequence's latent rows (host).
+
+    All rows but the last are written directly, the new tokens' through write_latent. Slots past
+    each sequence's end keep their NaN. Tables are padded to `table_width` blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    latent_dim = rank + rope
+    needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = num_blocks or sum(needed) + 3
+    cache = _nan_filled((num_blocks, 1, block_size, latent_dim), dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, non-adjacent ids
+    tables = [[free.pop() for _ in range(n)] for n in needed]
+    latents = [torch.randn(n, latent_dim, generator=gen).to(dtype) for n in seq_lens]
+    for table, rows in zip(tables, latents, strict=True):
+        pos = torch.arange(rows.shape[0] - 1)
+        cache[torch.tensor(table)[pos // block_size], 0, pos % block_size] = rows[:-1]
+    width = table_width or max(needed)
+    tables = [t + [0] * (width - len(t)) for t in tables]
+    batch = len(seq_lens)
+    meta = AttentionMetadata.build([1] * batch, seq_lens, tables, block_size, DEVICE)
+    cache = cache.to(DEVICE)
+    new_rows = torch.stack([rows[-1] for rows in latents]).to(DEVICE)
+    triton_mla.write_latent(cache, new_rows, meta.slot_mapping)
+    # A strided q (row stride > heads * latent_dim), as a slice of a wider tensor would be.
+    q = torch.randn(batch, num_heads + 1, latent_dim, generator=gen).to(dtype)[:, :num_heads]
+    return q.to(DEVICE), cache, meta, latents
+
+
+def _reference(q, latents, scale, rank):
+    """Dense float64 attention of each sequence's query heads over its latent rows."""
+    out = []
+    for query, rows in zip(q.double().cpu(), latents, strict=True):
+        rows = rows.double()
+        probs = (query @ rows.T * scale).softmax(-1)  # [heads, seq_len]
+        out.append(probs @ rows[:, :rank])
+    return torch.stack(out)
+
+
+def _decode(q, cache, meta, scale, rank, num_splits):
+    return triton_mla.mla_decode(
+        q, cache, meta.seq_lens, meta.block_tables, scale, rank, num_splits=num_splits
+    )
+
+
+def _assert_matches(out, ref, dtype):
+    tol = TOLERANCE[dtype]
+    assert out.dtype == dtype and out.device.type == DEVICE
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
+
+
+# (heads, (kv_lora_rank, rope), block_size, dtype), pairwise covering. 20 heads: a head block
+# and a partial one. Tiles of these tiny latents are min(64, block_size) rows; in blocks of 128,
+# two tiles a block.
+SHAPES = [
+    (1, (64, 16), 16, torch.bfloat16),
+    (1, (32, 16), 64, torch.float32),
+    (16, (64, 16), 64, torch.float32),
+    (16, (32, 16), 16, torch.bfloat16),
+    (20, (64, 16), 16, torch.float32),
+    (20, (32, 16), 64, torch.bfloat16),
+    (16, (64, 16), 128, torch.bfloat16),
+]
+
+
+def _shape_id(shape):
+    heads, (rank, rope), block_size, dtype = shape
+    return f"h{heads}-r{rank}+{rope}-bs{block_size}-{_dtype_id(dtype)}"
+
+
+def _dtype_id(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("heads,latent,block_size,dtype", SHAPES, ids=map(_shape_id, SHAPES))
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_dense_reference(heads, latent, block_size, dtype, num_splits):
+    # Ragged: one row, a few, exactly two blocks, and lengths not a multiple of the tile.
+    seq_lens = [1, 3, 2 * block_size, 150, 77]
+    rank, rope = latent
+    q, cache, meta, latents = _decode_case(
+        seq_lens, heads, rank, rope, block_size, dtype, table_width=150 // block_size + 3
+    )
+    # Every sequence's last block holds NaN past its end (where the tile reads masked rows).
+    tables = meta.block_tables.tolist()
+    ends = [t[(n - 1) // block_size] for t, n in zip(tables, seq_lens, strict=True)]
+    offsets = [(n - 1) % block_size + 1 for n in seq_lens]
+    assert any(o < block_size for o in offsets)
+    for block, offset in zip(ends, offsets, strict=True):
+        assert cache[block, 0, offset:].isnan().all()
+    scale = (rank + rope) ** -0.5
+    out = _decode(q, cache, meta, scale, rank, num_splits)
+    assert out.shape == (len(seq_lens), heads, rank)
+    _assert_matches(out, _reference(q, latents, scale, rank), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_dtype_id)
+def test_split_count_changes_nothing(dtype):
+    # 16-row tiles (blocks of 16), ten at most: 12 splits leave some empty in every sequence.
+    q, cache, meta, latents = _decode_case([1, 40, 150, 64], 16, 32, 16, 16, dtype)
+    one = _decode(q, cache, meta, 0.2, 32, 1)
+    _assert_matches(one, _reference(q, latents, 0.2, 32), dtype)
+    # Each split rounds p to bf16/fp16 against its own running max: agreement to rounding only.
+    tol = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
+    for num_splits in [2, 7, 12]:
+        many = _decode(q, cache, meta, 0.2, 32, num_splits)
+        torch.testing.assert_close(many, one, atol=tol, rtol=tol)
+
+
+def test_combine_reads_only_the_splits_with_tiles(monkeypatch):
+    """Splits past a sequence's tiles exit without storing: the combine must count them as the
+    split kernel does. The split buffers start out NaN here, so a read of one shows."""
+    q, cache, meta, latents = _decode_case([1, 65, 200], 4, 32, 16, 16, torch.float32, seed=5)
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = _decode(q, cache, meta, 0.2, 32, 6)
+    _assert_matches(out, _reference(q, latents, 0.2, 32), torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_zero_length_rows_give_zeros(num_splits):
+    """A padded batch row (seq_len 0, filling a captured graph's batch) yields 0, not NaN."""
+    q, cache, meta, latents = _decode_case([5, 70], 16, 32, 16, 16, torch.float32)
+    seq_lens = torch.tensor([0, 70], dtype=torch.int32, device=DEVICE)
+    out = triton_mla.mla_decode(
+        q, cache, seq_lens, meta.block_tables, 0.2, 32, num_splits=num_splits
+    )
+    assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu()))
+    _assert_matches(out[1:], _reference(q[1:], latents[1:], 0.2, 32), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_dtype_id)
+def test_write_latent_matches_the_torch_index_write(dtype):
+    """Rows taken as a strided view (a slice of a wider projection), latent_dim not a power of
+    two, written to scattered slots across and within blocks; every other slot keeps its bits."""
+    gen = torch.Generator().manual_seed(5)
+    latent_dim, block_size, num_blocks = 40, 4, 6
+    latent = torch.randn(7, latent_dim + 8, generator=gen).to(dtype).to(DEVICE)[:, 8:]
+    slots = torch.tensor([0, 3, 5, 22, 9, 16, 23], device=DEVICE)
+    ours, theirs = (
+        _nan_filled((num_blocks, 1, block_size, latent_dim), dtype).to(DEVICE) for _ in range(2)
+    )
+    triton_mla.write_latent(ours, latent, slots)
+    mla.write_latent(theirs, latent, slots)
+    assert torch.equal(ours.cpu().view(torch.uint8), theirs.cpu().view(torch.uint8))
+
+
+def test_attend_latent_reads_the_metadata():
+    """The LatentBackend form: lengths and tables from AttentionMetadata, splits chosen."""
+    q, cache, meta, latents = _decode_case([9, 130], 20, 32, 16, 64, torch.float32)
+    out = triton_mla.attend_latent(q, cache, meta, 0.2, 32)
+    _assert_matches(out, _reference(q, latents, 0.2, 32), torch.float32)
+
+
+def test_rejects_a_rank_outside_the_latent():
+    q, cache, meta, _ = _decode_case([3], 1, 32, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        _decode(q, cache, meta, 0.2, 48, None)
+
+
+@pytest.mark.parametrize(
+    "batch,head_blocks,max_tiles,sm_count,expected",
+    [
+        (1, 1, 1000, 132, 132),  # DeepSeek-V2-Lite, bs=1: one program per SM
+        (8, 1, 1000, 132, 17),  # rounded up: ceil(132 / 8)
+        (1, 8, 1000, 132, 17),  # V3's 128 heads: eight head blocks
+        (1, 1, 32, 132, 32),  # capped by the longest possible context's tiles
+        (256, 1, 1000, 132, 1),  # the batch alone fills the GPU
+        (2, 1, 1000, 1, 1),
+    ],
+)
+def test_choose_num_splits(batch, head_blocks, max_tiles, sm_count, expected):
+    assert triton_mla.choose_num_splits(batch, head_blocks, max_tiles, sm_count) == expected
+
+
+# DeepSeek-V2-Lite: 16 heads, kv_lora_rank 512 + rope 64, scale 1/sqrt(128 + 64).
+V2_LITE = dict(heads=16, rank=512, rope=64, scale=192**-0.5)
+
+
+def _device_case(seq_lens, block_size=64, dtype=torch.bfloat16, seed=0, table_width=None):
+    """A DeepSeek-V2-Lite decode batch built on the device, NaN past each sequence's end."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    heads, latent_dim = V2_LITE["heads"], V2_LITE["rank"] + V2_LITE["rope"]
+    needed = [-(-n // block_size) for n in seq_lens]
+    width = table_width or max(needed)
+    num_blocks = sum(needed) + 1
+    cache = torch.randn(num_blocks, 1, block_size, latent_dim, generator=gen, device=DEVICE).to(
+        dtype
+    )
+    free = torch.randperm(num_blocks, generator=gen, device=DEVICE)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32, device=DEVICE)
+    taken = 0
+    for i, n in enumerate(needed):
+        tables[i, :n] = free[taken : taken + n]
+        taken += n
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    pos = torch.arange(width * block_size, device=DEVICE)
+    past_end = pos[None, :] >= lens[:, None]
+    past_end &= (pos // block_size)[None, :] < torch.tensor(needed, device=DEVICE)[:, None]
+    blocks = tables.long().gather(1, (pos // block_size).expand(len(seq_lens), -1))
+    cache[blocks[past_end], 0, (pos % block_size).expand_as(blocks)[past_end]] = float("nan")
+    q = torch.randn(len(seq_lens), heads, latent_dim, generator=gen, device=DEVICE).to(dtype)
+    return q, cache, lens, tables
+
+
+def _absorbed_reference(q, cache, seq_lens, tables, rows_a_call=8):
+    """engine.mla.attend_absorbed in fp32, with W_UK and W_UV identities: its latent output.
+    A few rows a call: SDPA's math path expands the latent context to every head."""
+    heads, rank = V2_LITE["heads"], V2_LITE["rank"]
+    eye = torch.eye(rank, device=q.device)
+    kv_b_weight = torch.cat([eye, eye]).repeat(heads, 1)  # [heads * (nope + v), rank]
+    out = []
+    for rows in torch.arange(q.shape[0], device=q.device).split(rows_a_call):
+        contexts = mla.gather_latents(cache, tables[rows]).float()
+        q_nope, q_pe = q[rows].float().split([rank, q.shape[2] - rank], dim=-1)
+        lens = seq_lens[rows]
+        scale = V2_LITE["scale"]
+        out.append(mla.attend_absorbed(q_nope, q_pe, contexts, lens, kv_b_weight, scale))
+    return torch.cat(out)
+
+
+@cuda
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("context", [1024, 8192])
+def test_deepseek_v2_lite_shapes(context, batch):
+    seq_lens = [context - 37 * i % 1000 for i in range(batch)]  # ragged: tiles end mid-way
+    q, cache, lens, tables = _device_case(seq_lens)
+    out = triton_mla.mla_decode(q, cache, lens, tables, V2_LITE["scale"], V2_LITE["rank"])
+    ref = _absorbed_reference(q, cache, lens, tables)
+    assert out.shape == ref.shape and not out.isnan().any()
+    tol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+
+
+@cuda
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_cuda_graph_replay_matches_eager(num_splits):
+    """write_latent + mla_decode captured once, replayed on new contents of the same tensors,
+    with longer contexts than the captured ones: nothing about lengths may be in the graph."""
+    captured = _device_case([5, 70, 1, 300], seed=0, table_width=40)
+    replayed = _device_case([2500, 2, 64, 1000], seed=1, table_width=40)
+    q, _, lens, tables = captured
+    scale, rank = V2_LITE["scale"], V2_LITE["rank"]
+    new_rows = torch.zeros(4, q.shape[2], dtype=q.dtype, device=DEVICE)
+    slots = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    cache = torch.zeros(80, 1, 64, new_rows.shape[1], dtype=new_rows.dtype, device=DEVICE)
+
+    def step():
+        triton_mla.write_latent(cache, new_rows, slots)
+        return triton_mla.mla_decode(q, cache, lens, tables, scale, rank, num_splits=num_splits)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    q2, cache2, lens2, tables2 = replayed
+    # The new tokens' rows: taken out of the replayed cache and NaN there until the replay
+    # writes them, so attention that read them before write_latent stored them shows.
+    last = (lens2 - 1).long()
+    slots2 = tables2.long().gather(1, (last // 64)[:, None])[:, 0] * 64 + last % 64
+    rows2 = cache2.view(-1, cache2.shape[3])[slots2].clone()
+    cache[: cache2.shape[0]].copy_(cache2)
+    cache.view(-1, cache.shape[3])[slots2] = float("nan")
+    for static, new in [(q, q2), (lens, lens2), (tables, tables2), (new_rows, rows2)]:
+        static.copy_(new)
+    slots.copy_(slots2)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = triton_mla.mla_decode(q2, cache2, lens2, tables2, scale, rank, num_splits=num_splits)
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    ref = _absorbed_reference(q2, cache2, lens2, tables2)
+    tol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)

@@ -1,0 +1,279 @@
+"""Routed experts on the GPU: a fused Triton mixture-of-experts for DeepSeek's MoE layer.
+
+`fused_experts` computes what engine.moe's torch experts (`gather_experts`, Experts' kernel on
+CPU) compute, each token's k experts' SwiGLU outputs, weighted and summed, without their
+per-expert Python loop, which reads the chosen expert ids on the host (`ids.unique().tolist()`)
+and so can be neither overlapped nor captured in a CUDA graph. Here launch grids and buffer
+sizes depend only on shapes (T, k, experts, hidden, intermediate), never on the ids, and no
+value comes back to the host.
+
+A decode step at small batch is memory-bound on the experts' weights, and a token touches only
+k of them: the kernels must stream the chosen experts' weights and no others. So the T * k
+(token, slot) pairs are sorted by expert on the device (a stable sort, then each expert's
+[start, end) of the sorted pairs by a binary search of the expert ids), and each kernel's grid is
+(active expert, block of output columns). Active expert j is the j-th expert that some pair
+chose, found by each program from the experts' bounds; at most min(experts, T * k) experts can
+be chosen, so that is the grid's first dimension, and programs past the step's actual count exit
+at once. At T=1 (DeepSeek-V2-Lite: k=6 of 64 experts) the grid holds only the six experts' blocks,
+rather than 58 experts' worth of programs that would load their bounds and exit.
+
+- `_gate_up_kernel`, grid (active expert, BLOCK_N intermediate columns): walks the expert's
+  sorted pairs in tiles of BLOCK_M rows (tl.dot needs >= 16; at decode most rows are padding,
+  free in a memory-bound loop), gathering each pair's token row of h, and the hidden dimension
+  in BLOCK_K steps, with the gate and up products in two fp32 accumulators, so that one program
+  owns matching gate and up columns. It stores silu(gate) * up to an intermediate [T * k, I] at
+  the pairs' *sorted* positions, so that the down kernel reads each expert's rows contiguously.
+- `_down_kernel`, grid (active expert, BLOCK_N hidden columns): the same walk over the
+  intermediate rows; multiplies each row by its pair's routing weight (float32) and stores it
+  at the pair's own row of a per-pair output [T * k, hidden].
+The k rows of each token are then summed by torch (in fp32, one rounding): no atomics, so the
+result does not depend on the order programs finish in.
+
+Rounding follows the torch path: each projection's output is rounded to the input dtype, as
+F.linear returns it, silu(gate) and its product with up are rounded as separate ops round them,
+and the down output times the fp32 weight is rounded once. Only the sum over the k experts
+differs: the torch path adds in the input dtype expert by expert, this sums in fp32.
+
+On CUDA both kernels are launched with programmatic dependent launch (engine.triton_pdl). They
+wait before their first load: which weights to read depends on the sort just before.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from engine import triton_pdl
+
+__all__ = ["fused_experts"]
+
+_MIN_DOT = 16  # tl.dot needs every dimension >= 16
+# (BLOCK_N, BLOCK_K) when an expert's rows fit one 16-row tile (decode): narrow column blocks,
+# so that T=1 at DeepSeek-V2-Lite's shapes gives 264 gate_up and 384 down programs for the
+# H200's 132 SMs, each streaming long K steps of its expert's weights. Untuned: a starting
+# point, not a measured optimum.
+_DECODE_BLOCKS = (32, 128)
+# With more rows an expert (prefill), wider column blocks re-read fewer rows of h.
+_PREFILL_BLOCKS = (64, 64)
+_MAX_BLOCK_M = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 3
+
+
+def fused_experts(
+    h: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """sum over each token's experts e of weight * down_e(silu(gate_e(h)) * up_e(h)) -> [T, H].
+
+    h [T, H]; weights [T, k] float32; ids [T, k] integer expert ids (distinct within a row, as
+    routing picks them; repeats would also be summed); gate_up [E, 2 * I, H] (gate rows first,
+    then up); down [E, H, I]. h, gate_up and down share one dtype; accumulation is fp32.
+    """
+    num_tokens, hidden = h.shape
+    top_k = ids.shape[1]
+    num_experts, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    assert weights.shape == ids.shape and ids.shape[0] == num_tokens, (weights.shape, ids.shape)
+    assert gate_up.shape == (num_experts, 2 * inter, hidden), gate_up.shape
+    assert down.shape == (num_experts, hidden, inter), down.shape
+    assert h.dtype == gate_up.dtype == down.dtype, (h.dtype, gate_up.dtype, down.dtype)
+    assert weights.dtype == torch.float32, weights.dtype
+    assert gate_up.stride(-1) == 1 and down.stride(-1) == 1, "weights' rows must be contiguous"
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    pairs = num_tokens * top_k
+    active = min(num_experts, pairs)  # the most experts a step's pairs can choose
+    if active == 0:
+        return torch.zeros_like(h)
+    order, bounds = _sort_pairs(ids.reshape(pairs), num_experts)
+    block_n, max_block_k, common = _launch_config(pairs, num_experts, h.device, h.dtype)
+
+    activated = torch.empty(pairs, inter, dtype=h.dtype, device=h.device)
+    block_k = _block_k(hidden, max_block_k)
+    _gate_up_kernel[(active, triton.cdiv(inter, block_n))](
+        h, gate_up, order, bounds, activated,
+        hidden, inter, top_k,
+        h.stride(0), gate_up.stride(0), gate_up.stride(1), activated.stride(0),
+        BLOCK_K=block_k, EVEN_K=hidden % block_k == 0, **common,
+    )  # fmt: skip
+
+    per_pair = torch.empty(pairs, hidden, dtype=h.dtype, device=h.device)
+    block_k = _block_k(inter, max_block_k)
+    _down_kernel[(active, triton.cdiv(hidden, block_n))](
+        activated, down, order, bounds, weights.reshape(pairs), per_pair,
+        inter, hidden,
+        activated.stride(0), down.stride(0), down.stride(1), per_pair.stride(0),
+        BLOCK_K=block_k, EVEN_K=inter % block_k == 0, **common,
+    )  # fmt: skip
+    if top_k == 1:
+        return per_pair
+    # NOTE: torch sums bf16 and fp16 in fp32 and rounds once, in a fixed order.
+    return per_pair.view(num_tokens, top_k, hidden).sum(1)
+
+
+def _sort_pairs(flat_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [T * k]: the pairs' indices sorted by expert, stable; bounds [E + 1] int32: expert
+    e's pairs are order[bounds[e]:bounds[e + 1]]), on the device, with no host sync."""
+    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    experts = torch.arange(num_experts + 1, dtype=sorted_ids.dtype, device=flat_ids.device)
+    return order, torch.searchsorted(sorted_ids, experts, out_int32=True)
+
+
+def _launch_config(pairs: int, num_experts: int, device: torch.device, dtype: torch.dtype):
+    """(BLOCK_N, largest BLOCK_K, the launch arguments both kernels share), from shapes only:
+    BLOCK_M fits an expert's rows if they were spread evenly, in [16, _MAX_BLOCK_M]."""
+    rows_per_expert = -(-pairs // num_experts)
+    block_m = min(_MAX_BLOCK_M, max(_MIN_DOT, triton.next_power_of_2(rows_per_expert)))
+    block_n, max_block_k = _DECODE_BLOCKS if block_m == _MIN_DOT else _PREFILL_BLOCKS
+    pdl = triton_pdl.enabled(device)
+    common = dict(
+        NUM_EXPERTS=num_experts,
+        EXPERTS_PAD=triton.next_power_of_2(num_experts),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        # NOTE: tl.dot defaults to tf32 for fp32 operands, ~3 decimal digits; bf16/fp16 ignore it.
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        PDL=pdl,
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
+        launch_pdl=pdl,
+    )
+    return block_n, max_block_k, common
+
+
+def _block_k(k: int, max_block_k: int) -> int:
+    return min(max_block_k, max(_MIN_DOT, triton.next_power_of_2(k)))
+
+
+@triton.jit
+def _active_expert(bounds_ptr, slot, NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr):
+    """The slot-th expert (by id) that some pair chose, and its [start, end) of the sorted
+    pairs; start == end past the last such expert."""
+    experts = tl.arange(0, EXPERTS_PAD)
+    real = experts < NUM_EXPERTS
+    starts = tl.load(bounds_ptr + experts, mask=real, other=0)
+    ends = tl.load(bounds_ptr + experts + 1, mask=real, other=0)
+    chosen = ends > starts
+    this = chosen & (tl.cumsum(chosen.to(tl.int32), 0) == slot + 1)
+    expert = tl.sum(tl.where(this, experts, 0), 0)
+    return expert, tl.sum(tl.where(this, starts, 0), 0), tl.sum(tl.where(this, ends, 0), 0)
+
+
+@triton.jit
+def _load_x(x_rows, valid, ks, K, EVEN_K: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] of one K step from rows x_rows, zeros where not valid or past K."""
+    if EVEN_K:
+        return tl.load(x_rows[:, None] + ks[None, :], mask=valid[:, None], other=0.0)
+    return tl.load(
+        x_rows[:, None] + ks[None, :], mask=valid[:, None] & (ks < K)[None, :], other=0.0
+    )
+
+
+@triton.jit
+def _load_w(w_cols, ks, K, EVEN_K: tl.constexpr):
+    """The weight tile [BLOCK_K, BLOCK_N] of one K step: rows w_cols (K-contiguous), zero past K."""
+    if EVEN_K:
+        return tl.load(w_cols[None, :] + ks[:, None])
+    return tl.load(w_cols[None, :] + ks[:, None], mask=(ks < K)[:, None], other=0.0)
+
+
+@triton.jit
+def _gate_up_kernel(
+    h_ptr,  # [T, H]
+    w_ptr,  # [E, 2 * I, H]: gate rows, then up rows
+    order_ptr,  # [T * k]: pair index (token * k + slot) of each sorted position
+    bounds_ptr,  # [E + 1] int32: expert e's sorted positions are [bounds[e], bounds[e + 1])
+    out_ptr,  # [T * k, I]: silu(gate) * up, by sorted position
+    H,
+    I,  # noqa: E741 (the intermediate size, as in the papers)
+    TOP_K,
+    stride_ht,
+    stride_we,
+    stride_wn,
+    stride_ot,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    triton_pdl.await_previous_kernel(PDL)
+    expert, start, end = _active_expert(bounds_ptr, tl.program_id(0), NUM_EXPERTS, EXPERTS_PAD)
+    if start == end:  # fewer experts chosen than the grid allows for
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Columns past I re-read the last one: weight loads stay unpredicated, within the expert's
+    # gate and up rows; only the store is masked.
+    gate_cols = w_ptr + expert.to(tl.int64) * stride_we + tl.minimum(cols, I - 1) * stride_wn
+    up_cols = gate_cols + I * stride_wn
+    dtype = out_ptr.dtype.element_ty
+    for m in range(start, end, BLOCK_M):
+        rows = m + tl.arange(0, BLOCK_M)
+        valid = rows < end
+        pairs = tl.load(order_ptr + rows, mask=valid, other=0)
+        x_rows = h_ptr + (pairs // TOP_K) * stride_ht
+        gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(0, H, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)
+            x = _load_x(x_rows, valid, ks, H, EVEN_K)
+            gate = tl.dot(x, _load_w(gate_cols, ks, H, EVEN_K), gate, input_precision=PRECISION)
+            up = tl.dot(x, _load_w(up_cols, ks, H, EVEN_K), up, input_precision=PRECISION)
+        # Rounded as F.linear's output, then F.silu's, then the product's.
+        g32 = gate.to(dtype).to(tl.float32)
+        silu = (g32 / (1.0 + tl.exp(-g32))).to(dtype).to(tl.float32)
+        out = (silu * up.to(dtype).to(tl.float32)).to(dtype)
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+        tl.store(out_ptrs, out, mask=valid[:, None] & (cols < I)[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    x_ptr,  # [T * k, I]: the gate_up kernel's output, by sorted position
+    w_ptr,  # [E, H, I]
+    order_ptr,  # [T * k]
+    bounds_ptr,  # [E + 1] int32
+    weights_ptr,  # [T * k] float32: routing weight of each pair
+    out_ptr,  # [T * k, H]: weight * down(x), by pair
+    I,  # noqa: E741
+    H,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_ot,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    triton_pdl.await_previous_kernel(PDL)
+    expert, start, end = _active_expert(bounds_ptr, tl.program_id(0), NUM_EXPERTS, EXPERTS_PAD)
+    if start == end:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + tl.minimum(cols, H - 1) * stride_wn
+    dtype = out_ptr.dtype.element_ty
+    for m in range(start, end, BLOCK_M):
+        rows = m + tl.arange(0, BLOCK_M)
+        valid = rows < end
+        pairs = tl.load(order_ptr + rows, mask=valid, other=0)
+        x_rows = x_ptr + rows.to(tl.int64) * stride_xt
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(0, I, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)
+            x = _load_x(x_rows, valid, ks, I, EVEN_K)
+            acc = tl.dot(x, _load_w(w_cols, ks, I, EVEN_K), acc, input_precision=PRECISION)
+        weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0)
+        # F.linear's output, rounded, times the fp32 weight, rounded once (as the torch path).
+        out = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
+        out_ptrs = out_ptr + pairs[:, None] * stride_ot + cols[None, :]
+        tl.store(out_ptrs, out, mask=valid[:, None] & (cols < H)[None, :])
