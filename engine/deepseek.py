@@ -29,7 +29,7 @@ from engine.model import (
     RotaryEmbedding,
     rope_inv_freq,
 )
-from engine.moe import ExpertsKernel, MoE, gather_experts
+from engine.moe import TORCH_KERNELS, MoE, MoeKernels
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -39,7 +39,7 @@ class DeepseekDecoderLayer(nn.Module):
         layer: int,
         ops: ModelOps,
         latent: LatentBackend,
-        experts: ExpertsKernel,
+        experts: MoeKernels,
     ) -> None:
         super().__init__()
         assert config.moe is not None
@@ -66,14 +66,14 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekForCausalLM(CausalLM):
     """CausalLM's forward, logits and buffers over DeepSeek decoder layers, which write and
     attend their latent rows through `latent` (engine.mla itself on CPU, engine.triton_mla on
-    CUDA, or a wrapper of either) and compute routed experts with `experts`."""
+    CUDA, or a wrapper of either) and route and compute experts with `experts`."""
 
     def __init__(
         self,
         config: ModelConfig,
         ops: ModelOps = EAGER_OPS,
         latent: LatentBackend = torch_mla,
-        experts: ExpertsKernel = gather_experts,
+        experts: MoeKernels = TORCH_KERNELS,
     ) -> None:
         if config.mla is None or config.moe is None:
             raise ValueError(f"{config.architecture} is not an MLA/MoE architecture")

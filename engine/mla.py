@@ -14,11 +14,12 @@ There are two ways to attend, equal in exact arithmetic:
   against the cached rows directly; the latent output is mapped to V's space by W_UV. Nothing
   per head is built from the context, so a decode step reads latent rows only.
 
-The model writes latent rows, and attends decode-only batches in latent space, through a
-`LatentBackend` chosen by whoever builds it: this module is itself the CPU one (`write_latent`,
-`attend_latent`), engine.triton_mla the CUDA one (kernels a CUDA graph can capture); a wrapper
-(the prefill's KV publisher) acts on each layer's freshly written rows. Batches with prompt
-chunks go through `paged_mla` (torch) on either device.
+The model writes latent rows (normalizing c_kv and rotating k_pe, and q_pe with them), and
+attends decode-only batches in latent space, through a `LatentBackend` chosen by whoever builds
+it: this module is itself the CPU one (`store_latent`, `attend_latent`), engine.triton_mla the
+CUDA one (kernels a CUDA graph can capture); a wrapper (the prefill's KV publisher) acts on each
+layer's freshly written rows. Batches with prompt chunks go through `paged_mla` (torch) on
+either device.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, causal_attention
 from engine.config import ModelConfig
 from engine.deepseek_config import YarnRopeScaling
-from engine.model import Linear, ModelOps, NormInput, RMSNorm, RotaryEmbedding
+from engine.model import Linear, ModelOps, NormInput, RMSNorm, RotaryEmbedding, rms_norm, rope
 
 # NOTE: transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon,
 # not the config's rms_norm_eps.
@@ -45,27 +46,44 @@ class LatentBackend(Protocol):
     """How a layer's new latent rows reach its plane, and how a decode-only batch attends to
     its cached rows: this module's functions, engine.triton_mla's, or a wrapper of either."""
 
-    def write_latent(
-        self, cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None: ...
+    def store_latent(
+        self,
+        cache: torch.Tensor,
+        kv_a: torch.Tensor,
+        q_pe: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        interleaved: bool,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Stores the new tokens' latent rows [rms_norm(c_kv) * norm_weight | RoPE(k_pe)] at
+        their slots, from kv_a = [c_kv | k_pe] [T, kv_lora_rank + rope] (kv_a_proj_with_mqa's
+        output), and returns q_pe [T, heads, rope] RoPE'd, a new tensor. RoPE by cos, sin
+        [T, rope / 2] as engine.model.rope (`interleaved`: pairs come out de-interleaved)."""
+        ...
 
     def attend_latent(
         self,
-        q: torch.Tensor,
+        q_c: torch.Tensor,
+        q_pe: torch.Tensor,
         cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        kv_lora_rank: int,
     ) -> torch.Tensor:
-        """q [n, heads, latent_dim], row i sequence i's one new token (already written) ->
-        [n, heads, kv_lora_rank]: attention over the sequence's latent rows, the first
-        kv_lora_rank channels of each being its value."""
+        """The query [q_c | q_pe] (q_c [n, heads, kv_lora_rank], q_pe [n, heads, rope], any
+        strides with contiguous channels), row i sequence i's one new token (already
+        written) -> [n, heads, kv_lora_rank], any strides: attention over the sequence's
+        latent rows, the first kv_lora_rank channels of each being its value."""
         ...
 
 
 class MlaAttention(nn.Module):
     """One layer's MLA, with Hugging Face's parameter names (q_proj when q_lora_rank is None,
-    else q_a_proj, q_a_layernorm and q_b_proj)."""
+    else q_a_proj, q_a_layernorm and q_b_proj), except that the two projections of the input,
+    q_proj (or q_a_proj) and kv_a_proj_with_mqa, are one: `fused_qkv_a_proj` (engine.weights
+    fills its rows from both)."""
 
     def __init__(self, config: ModelConfig, ops: ModelOps, backend: LatentBackend) -> None:
         super().__init__()
@@ -77,13 +95,11 @@ class MlaAttention(nn.Module):
         self.ops = ops
         hidden, heads = config.hidden_size, config.num_heads
         q_rows = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
-        if mla.q_lora_rank is None:
-            self.q_proj = Linear(hidden, q_rows, False, ops)
-        else:
-            self.q_a_proj = Linear(hidden, mla.q_lora_rank, False, ops)
+        self.q_a_rows = q_rows if mla.q_lora_rank is None else mla.q_lora_rank
+        self.fused_qkv_a_proj = Linear(hidden, self.q_a_rows + mla.latent_dim, False, ops)
+        if mla.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, ops)
             self.q_b_proj = Linear(mla.q_lora_rank, q_rows, False, ops)
-        self.kv_a_proj_with_mqa = Linear(hidden, mla.latent_dim, False, ops)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, ops)
         kv_rows = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
         self.kv_b_proj = Linear(mla.kv_lora_rank, kv_rows, False, ops)
@@ -104,25 +120,25 @@ class MlaAttention(nn.Module):
         mla = self.mla
         h, residual = inp.compute(self.ops)
         tokens = h.shape[0]
-        if mla.q_lora_rank is None:
-            q = self.q_proj(h)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        q, kv_a = self.fused_qkv_a_proj(h).split([self.q_a_rows, mla.latent_dim], dim=-1)
+        if mla.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(tokens, self.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim)
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(h).split([mla.kv_lora_rank, mla.qk_rope_head_dim], -1)
-        q_pe, k_pe = self.ops.rope(q_pe, k_pe[:, None], cos, sin, mla.rope_interleave)
         (cache,) = kv_cache
-        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe[:, 0]), dim=-1)
-        self.backend.write_latent(cache, latent, meta.slot_mapping)
+        norm = self.kv_a_layernorm
+        q_pe = self.backend.store_latent(
+            cache, kv_a, q_pe, norm.weight, norm.eps, cos, sin,
+            mla.rope_interleave, meta.slot_mapping,
+        )  # fmt: skip
         w = self.kv_b_proj.weight
         if meta.max_query_len == 1:  # decode only: the backend's kernel (CUDA-graph safe)
-            q_latent = absorb_query(q_nope, q_pe, w)
-            o_latent = self.backend.attend_latent(q_latent, cache, meta, self.scale, w.shape[1])
+            q_c = absorb_query(q_nope, w)
+            o_latent = self.backend.attend_latent(q_c, q_pe, cache, meta, self.scale)
             o = expand_output(o_latent, w, mla.qk_nope_head_dim)
         else:
             o = paged_mla(q_nope, q_pe, cache, meta, w, self.scale)
-        return self.o_proj.add_forward(o.reshape(tokens, -1), residual, next_norm)
+        return self.o_proj.add_forward(o.view(tokens, -1), residual, next_norm)
 
 
 def softmax_scale(config: ModelConfig) -> float:
@@ -172,6 +188,24 @@ def write_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.
     """Stores new tokens' latent rows [T, latent_dim] at their slots of the plane."""
     block_size = cache.shape[2]
     cache[slot_mapping // block_size, 0, slot_mapping % block_size] = latent
+
+
+def store_latent(
+    cache: torch.Tensor,
+    kv_a: torch.Tensor,
+    q_pe: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """LatentBackend.store_latent in torch: engine.model's norm and RoPE, then `write_latent`."""
+    c_kv, k_pe = kv_a.split([kv_a.shape[1] - q_pe.shape[2], q_pe.shape[2]], dim=-1)
+    q_pe, k_pe = rope(q_pe, k_pe[:, None], cos, sin, interleaved)
+    write_latent(cache, torch.cat((rms_norm(c_kv, norm_weight, eps), k_pe[:, 0]), -1), slot_mapping)
+    return q_pe
 
 
 def paged_mla(
@@ -247,39 +281,44 @@ def attend_absorbed(
 ) -> torch.Tensor:
     """One query per row (its context's last token) against its latent context [n, L, dim],
     valid up to seq_lens [n], in latent space: W_UK absorbed into q, W_UV applied after."""
-    q = absorb_query(q_nope, q_pe, kv_b_weight)
+    q = torch.cat((absorb_query(q_nope, kv_b_weight), q_pe), dim=-1)
     o = latent_attention(q, contexts, seq_lens, scale, kv_b_weight.shape[1])
     return expand_output(o, kv_b_weight, q_nope.shape[2])
 
 
-def absorb_query(
-    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b_weight: torch.Tensor
-) -> torch.Tensor:
-    """[q_nope W_UK | q_pe] [n, heads, kv_lora_rank + rope]: each head's query in latent space,
-    W_UK being the K rows of kv_b_weight [heads * (nope + v), kv_lora_rank]."""
+def absorb_query(q_nope: torch.Tensor, kv_b_weight: torch.Tensor) -> torch.Tensor:
+    """q_nope W_UK [n, heads, kv_lora_rank], a view of a [heads, n, kv_lora_rank] tensor: each
+    head's query in latent space, W_UK being the K rows of kv_b_weight [heads * (nope + v),
+    kv_lora_rank]. One batched GEMM over heads (cuBLAS takes q_nope's and W_UK's strided views as
+    they are: no copy)."""
     heads, nope = q_nope.shape[1:]
     w_uk = kv_b_weight.view(heads, -1, kv_b_weight.shape[1])[:, :nope]  # [heads, nope, rank]
-    return torch.cat((torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_pe), dim=-1)
+    return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
 
 def expand_output(o: torch.Tensor, kv_b_weight: torch.Tensor, nope: int) -> torch.Tensor:
-    """Latent attention output [n, heads, kv_lora_rank] -> V's space [n, heads, v_head_dim] by
-    W_UV, the V rows of kv_b_weight."""
-    heads = o.shape[1]
-    w_uv = kv_b_weight.view(heads, -1, kv_b_weight.shape[1])[:, nope:]  # [heads, v, rank]
-    return torch.einsum("nhr,hvr->nhv", o, w_uv)
+    """Latent attention output [n, heads, kv_lora_rank] (any strides; [heads, n, rank] in
+    memory reads best) -> V's space [n, heads, v_head_dim], contiguous, by W_UV, the V rows of
+    kv_b_weight: one batched GEMM over heads writing each head's columns of the result, which
+    o_proj then reads as [n, heads * v_head_dim] without a copy."""
+    n, heads, rank = o.shape
+    w_uv = kv_b_weight.view(heads, -1, rank)[:, nope:]  # [heads, v, rank]
+    out = o.new_empty(n, heads, w_uv.shape[1])
+    torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+    return out
 
 
 def attend_latent(
-    q: torch.Tensor,
+    q_c: torch.Tensor,
+    q_pe: torch.Tensor,
     cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    kv_lora_rank: int,
 ) -> torch.Tensor:
     """LatentBackend.attend_latent in torch: the contexts gathered, then `latent_attention`."""
     contexts = gather_latents(cache, meta.block_tables)
-    return latent_attention(q, contexts, meta.seq_lens, scale, kv_lora_rank)
+    q = torch.cat((q_c, q_pe), dim=-1)
+    return latent_attention(q, contexts, meta.seq_lens, scale, q_c.shape[2])
 
 
 def latent_attention(

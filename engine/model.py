@@ -286,10 +286,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: ModelOps) -> None:
+    """SwiGLU of `width` channels (default: the config's intermediate_size)."""
+
+    def __init__(self, config: ModelConfig, ops: ModelOps, width: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, ops)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, ops)
+        width = width or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * width, False, ops)
+        self.down_proj = Linear(width, config.hidden_size, False, ops)
         self.ops = ops
 
     def forward(self, inp: NormInput, next_norm: RMSNorm) -> NormInput:

@@ -17,7 +17,7 @@ from engine.deepseek import DeepseekForCausalLM
 from engine.engine_config import DTYPES, EngineConfig
 from engine.mla import LatentBackend
 from engine.model import EAGER_OPS, CausalLM, ModelOps
-from engine.moe import ExpertsKernel, gather_experts
+from engine.moe import TORCH_KERNELS, MoeKernels
 from engine.weights import init_random_weights, load_weights
 
 Backend = AttentionBackend | LatentBackend
@@ -76,14 +76,14 @@ def _load_mla_model(
     wrap_attention: Callable[[Backend], Backend] | None,
 ) -> DeepseekForCausalLM:
     """The MLA/MoE family: its latent rows written and attended by engine.mla (CPU) or
-    engine.triton_mla (CUDA), through `wrap_attention`'s wrapper if given; routed experts by
-    moe.gather_experts (CPU) or engine.triton_moe (CUDA)."""
+    engine.triton_mla (CUDA), through `wrap_attention`'s wrapper if given; experts routed and
+    computed by moe.TORCH_KERNELS (CPU) or engine.triton_moe.KERNELS (CUDA)."""
     latent: LatentBackend = mla
-    experts: ExpertsKernel = gather_experts
+    experts: MoeKernels = TORCH_KERNELS
     if config.device.startswith("cuda"):
         from engine import triton_mla, triton_moe  # Triton only on CUDA
 
-        latent, experts = triton_mla, triton_moe.fused_experts
+        latent, experts = triton_mla, triton_moe.KERNELS
     if wrap_attention is not None:
         latent = wrap_attention(latent)
     with torch.device("meta"):

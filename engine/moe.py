@@ -13,6 +13,7 @@ transformers holds them in memory; engine.weights maps checkpoints' per-expert n
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.deepseek_config import MoeConfig
-from engine.model import Linear, ModelOps, NormInput, RMSNorm, silu_and_mul
+from engine.model import MLP, ModelOps, NormInput, RMSNorm, silu_and_mul
 
 
 def route(
@@ -71,16 +72,33 @@ class Router(nn.Module):
             else None
         )
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
-        logits = F.linear(h.float(), self.weight)
-        return route(logits, self.e_score_correction_bias, self.moe)
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] -> router logits [T, experts] float32."""
+        return F.linear(h.float(), self.weight)
 
 
-ExpertsKernel = Callable[..., torch.Tensor]
-"""(h [T, hidden], weights [T, k] float32, ids [T, k], gate_up_proj, down_proj) -> [T, hidden]:
-the sum over each token's experts e of weight * expert_e(h). `gather_experts` below (CPU), or
-engine.triton_moe.fused_experts (CUDA: one kernel per projection, no host sync)."""
+@dataclass(frozen=True)
+class Routing:
+    """Each token's chosen experts, and optionally its (token, slot) pairs sorted by expert."""
+
+    weights: torch.Tensor  # [T, k] float32
+    ids: torch.Tensor  # [T, k] integer expert ids, distinct within a row
+    # [T * k]: the pairs' indices (token * k + slot) sorted by expert, or None (the experts
+    # kernel sorts them itself, or needs no sort).
+    order: torch.Tensor | None = None
+    bounds: torch.Tensor | None = None  # [experts + 1] int32: expert e's are order[b[e]:b[e+1]]
+
+
+@dataclass(frozen=True)
+class MoeKernels:
+    """How a MoE layer routes and computes its experts: TORCH_KERNELS below (CPU), or
+    engine.triton_moe.KERNELS (CUDA: routing and sorting in one kernel, one kernel per
+    projection, no host sync)."""
+
+    # (logits [T, experts] float32, correction bias [experts] | None, MoeConfig) -> Routing
+    route: Callable[[torch.Tensor, torch.Tensor | None, MoeConfig], Routing]
+    # (h [T, hidden], Routing, gate_up_proj, down_proj) -> [T, hidden]
+    experts: Callable[[torch.Tensor, Routing, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def gather_experts(
@@ -90,8 +108,9 @@ def gather_experts(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
 ) -> torch.Tensor:
-    """ExpertsKernel in torch: one gather and two matmuls per expert that some token chose, so
-    that a step reads the weights of the experts it touches, not all of them."""
+    """The sum over each token's experts e of weight * expert_e(h), in torch: one gather and two
+    matmuls per expert that some token chose, so that a step reads the weights of the experts
+    it touches, not all of them."""
     out = torch.zeros_like(h)
     for expert in ids.unique().tolist():
         tokens, slot = torch.where(ids == expert)
@@ -101,10 +120,25 @@ def gather_experts(
     return out
 
 
+def _torch_route(
+    logits: torch.Tensor, correction_bias: torch.Tensor | None, moe: MoeConfig
+) -> Routing:
+    return Routing(*route(logits, correction_bias, moe))
+
+
+def _torch_experts(
+    h: torch.Tensor, routing: Routing, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+) -> torch.Tensor:
+    return gather_experts(h, routing.weights, routing.ids, gate_up_proj, down_proj)
+
+
+TORCH_KERNELS = MoeKernels(route=_torch_route, experts=_torch_experts)
+
+
 class Experts(nn.Module):
     """The routed experts' SwiGLU weights, stacked, computed by `kernel`."""
 
-    def __init__(self, config: ModelConfig, moe: MoeConfig, kernel: ExpertsKernel) -> None:
+    def __init__(self, config: ModelConfig, moe: MoeConfig, kernel: Callable) -> None:
         super().__init__()
         size = moe.moe_intermediate_size
         experts = moe.n_routed_experts
@@ -112,41 +146,36 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(experts, config.hidden_size, size))
         self.kernel = kernel
 
-    def forward(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, routing: Routing) -> torch.Tensor:
         """sum over each token's experts e of weight * expert_e(h) -> [T, hidden]."""
-        return self.kernel(h, weights, ids, self.gate_up_proj, self.down_proj)
-
-
-class SharedExperts(nn.Module):
-    """The MLP every token goes through: n_shared_experts experts as one wider SwiGLU."""
-
-    def __init__(self, config: ModelConfig, width: int, ops: ModelOps) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * width, False, ops)
-        self.down_proj = Linear(width, config.hidden_size, False, ops)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+        return self.kernel(h, routing, self.gate_up_proj, self.down_proj)
 
 
 class MoE(nn.Module):
     """Router, routed experts and shared experts: Hugging Face's `mlp.` of a sparse layer."""
 
-    def __init__(self, config: ModelConfig, ops: ModelOps, kernel: ExpertsKernel) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps, kernels: MoeKernels) -> None:
         super().__init__()
         moe = config.moe
         assert moe is not None
         self.ops = ops
+        self.route = kernels.route
         self.gate = Router(config, moe)
-        self.experts = Experts(config, moe, kernel)
+        self.experts = Experts(config, moe, kernels.experts)
+        # The MLP every token goes through: n_shared_experts experts as one wider SwiGLU.
         width = moe.n_shared_experts * moe.moe_intermediate_size
-        self.shared_experts = SharedExperts(config, width, ops) if width else None
+        self.shared_experts = MLP(config, ops, width) if width else None
 
     def forward(self, inp: NormInput, next_norm: RMSNorm) -> NormInput:
         """next_norm(MoE output + the input's x + residual), as engine.model.MLP."""
         h, residual = inp.compute(self.ops)
-        weights, ids = self.gate(h)
-        out = self.experts(h, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(h)
-        return NormInput(out, residual, next_norm.weight, next_norm.eps)
+        moe = self.gate.moe
+        routing = self.route(self.gate(h), self.gate.e_score_correction_bias, moe)
+        routed = self.experts(h, routing)
+        if self.shared_experts is None:
+            return NormInput(routed, residual, next_norm.weight, next_norm.eps)
+        # The shared experts' SwiGLU from `inp` (on CUDA its norm is computed inside the
+        # projection), the routed output and the residual added by its down projection's op.
+        shared = self.shared_experts
+        x, _ = self.ops.gate_up_silu(inp, shared.gate_up_proj.weight)
+        return shared.down_proj.add_forward(x, residual + routed, next_norm)

@@ -1,12 +1,13 @@
 """Paged MLA decode on the GPU: a Triton split-K kernel over the latent cache (DeepSeek-V2/V3).
 
-The absorbed form of engine.mla (`attend_absorbed`) for decode batches: row i of q [n, heads,
-latent_dim] is sequence i's one new token, its query already in latent space ([q_nope W_UK |
-q_pe]); it attends over the sequence's cached latent rows [c_kv | k_pe] (engine.mla's plane
-[num_blocks, 1, block_size, latent_dim]), scoring all latent_dim channels and averaging the
-first kv_lora_rank (c_kv) as values. W_UV is applied by the caller. `write_latent` stores the new
-rows first. With `attend_latent`, `mla_decode` taking engine.attention's metadata, this module
-is engine.mla's LatentBackend on CUDA. All three are CUDA-graph capturable: launch grids and
+The absorbed form of engine.mla (`attend_absorbed`) for decode batches: row i of the query
+[q_c | q_pe] [n, heads, latent_dim] is sequence i's one new token, already in latent space (q_c
+= q_nope W_UK, and q_pe, given apart so that no kernel concatenates them); it attends over the
+sequence's cached latent rows [c_kv | k_pe] (engine.mla's plane [num_blocks, 1, block_size,
+latent_dim]), scoring all latent_dim channels and averaging the first kv_lora_rank (c_kv) as
+values. W_UV is applied by the caller. `store_latent` makes and stores the new rows first (and
+rotates q_pe). With `attend_latent`, `mla_decode` taking engine.attention's metadata, this
+module is engine.mla's LatentBackend on CUDA. All three are CUDA-graph capturable: launch grids and
 buffer sizes depend only on host ints (shapes), never on tensor values.
 
 The design follows engine.triton_attention's split kernel; what differs comes from MLA's one
@@ -29,7 +30,7 @@ shared latent "kv head", 576 channels wide (512 + 64 for DeepSeek), read as both
 - `_combine_kernel`, grid (sequence, head, channel block): merges the partial outputs of the
   splits with tiles by log-sum-exp. Unlike triton_attention's, it splits the 512 channels over
   programs: a [splits, 512] fp32 chunk per program would be 4× that kernel's registers.
-- `_write_latent_kernel`, grid (token,): copies one latent row to its slot.
+- `store_latent` is engine.triton_latent_store's (the new rows' norm, RoPE and store).
 
 Splits (`choose_num_splits`): about one program per SM, where triton_attention aims at two. A
 split's partial output (BLOCK_H × kv_lora_rank fp32: 32 KiB, the bytes of 28 bf16 latent rows)
@@ -49,8 +50,9 @@ import triton.language as tl
 from engine import triton_pdl
 from engine.attention import AttentionMetadata
 from engine.triton_attention import _sm_count, _split_tiles
+from engine.triton_latent_store import store_latent
 
-__all__ = ["attend_latent", "choose_num_splits", "mla_decode", "write_latent"]
+__all__ = ["attend_latent", "choose_num_splits", "mla_decode", "store_latent"]
 
 _LOG2_E = 1.4426950408889634
 # Latent tile bytes per loop step: 32 DeepSeek rows in bf16 (36 KiB, about the K plus V bytes of
@@ -72,72 +74,79 @@ _MAX_COMBINE_CHUNK = 64
 
 
 def mla_decode(
-    q: torch.Tensor,
+    q_c: torch.Tensor,
+    q_pe: torch.Tensor,
     cache: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
-    kv_lora_rank: int,
-    *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Absorbed MLA of the latent queries q [n, heads, latent_dim] (row i: sequence i's one
-    decode token) over each sequence's cached latent rows, seq_lens [n] int32 of them in the
-    blocks of block_tables [n, w] int32 of the plane cache [num_blocks, 1, block_size,
-    latent_dim], the new tokens' rows already written -> [n, heads, kv_lora_rank] in q's dtype.
-    `num_splits` overrides the split count (tests and tuning); None picks it with
-    `choose_num_splits`."""
-    batch, num_heads, latent_dim = q.shape
-    _, planes, block_size, cache_dim = cache.shape
-    assert planes == 1 and cache_dim == latent_dim, (cache.shape, q.shape)
-    assert seq_lens.shape[0] == batch == block_tables.shape[0], "one query row per sequence"
-    assert q.dtype == cache.dtype, (q.dtype, cache.dtype)
-    assert cache.stride(-1) == 1, "latent rows must be contiguous"
-    if not 0 < kv_lora_rank < latent_dim:
-        raise ValueError(f"kv_lora_rank must be in (0, {latent_dim}), got {kv_lora_rank}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    """Attention of the query [q_c | q_pe] (q_c [n, heads, kv_lora_rank], q_pe [n, heads,
+    rope], rows sequence i's new token, any strides with contiguous channels) over the latent
+    rows of each sequence (seq_lens [n] int32, block_tables [n, width] int32), the plane [blocks,
+    1, block_size, kv_lora_rank + rope] holding the new tokens' rows already -> [n, heads,
+    kv_lora_rank] in q's dtype, a view of a [heads, n, kv_lora_rank] tensor (W_UV's batched GEMM
+    reads it as it is). `num_splits` overrides the split count (tests and tuning); None picks it
+    with `choose_num_splits`."""
+    _check_shapes(q_c, q_pe, cache, seq_lens, block_tables)
+    batch, num_heads, kv_lora_rank = q_c.shape
+    rope_dim = q_pe.shape[2]
+    block_size, cache_dim = cache.shape[2:]
+    q_c, q_pe = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_c, q_pe))
     head_blocks = triton.cdiv(num_heads, _BLOCK_H)
     assert block_size >= _MIN_DOT and block_size & (block_size - 1) == 0, block_size
     assert block_tables.shape[1] >= 1, "block tables need a column"
-    row_bytes = latent_dim * cache.element_size()
+    row_bytes = cache_dim * cache.element_size()
     tile = min(block_size, _tile_tokens(row_bytes))  # a tile lies in one block
     if num_splits is None:
         # The longest context any replay of a captured graph may bring: the block table's width.
         max_tiles = triton.cdiv(block_tables.shape[1] * block_size, tile)
-        num_splits = choose_num_splits(batch, head_blocks, max_tiles, _sm_count(q.device))
+        num_splits = choose_num_splits(batch, head_blocks, max_tiles, _sm_count(q_c.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
-    out = q.new_empty(batch, num_heads, kv_lora_rank)
+    out = q_c.new_empty(num_heads, batch, kv_lora_rank).transpose(0, 1)
     if num_splits == 1:
         partial, lse = out, out  # the kernel writes the output itself and no lse
         partial_strides, lse_strides = (out.stride(0), out.stride(1), 0), (0, 0)
     else:
         partial = torch.empty(
-            batch, num_heads, num_splits, kv_lora_rank, dtype=torch.float32, device=q.device
+            batch, num_heads, num_splits, kv_lora_rank, dtype=torch.float32, device=q_c.device
         )
-        lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q_c.device)
         partial_strides, lse_strides = partial.stride()[:3], lse.stride()[:2]
     rank_pad = max(_MIN_DOT, triton.next_power_of_2(kv_lora_rank))
-    rope_dim = latent_dim - kv_lora_rank
-    pdl = triton_pdl.enabled(q.device)
+    pdl = triton_pdl.enabled(q_c.device)
     _split_kernel[(head_blocks, batch, num_splits)](
-        q, cache, seq_lens, block_tables, partial, lse,
+        q_c, q_pe, cache, seq_lens, block_tables, partial, lse,
         scale * _LOG2_E, num_splits, num_heads,
-        q.stride(0), q.stride(1), cache.stride(0), cache.stride(2), block_tables.stride(0),
+        q_c.stride(0), q_c.stride(1), q_pe.stride(0), q_pe.stride(1),
+        cache.stride(0), cache.stride(2), block_tables.stride(0),
         *partial_strides, *lse_strides,
         RANK=kv_lora_rank, RANK_PAD=rank_pad,
         ROPE=rope_dim, ROPE_PAD=max(_MIN_DOT, triton.next_power_of_2(rope_dim)),
         BLOCK_H=_BLOCK_H, BLOCK_SIZE=block_size, TILE=tile,
         # NOTE: tl.dot defaults to tf32 for fp32 operands, ~3 decimal digits; bf16/fp16 ignore it.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q_c.dtype == torch.float32 else "tf32",
         WRITE_LSE=num_splits > 1, PDL=pdl,
         num_warps=_NUM_WARPS, num_stages=_num_stages(tile * row_bytes), launch_pdl=pdl,
     )  # fmt: skip
     if num_splits > 1:
         _combine(partial, lse, out, seq_lens, tile)
     return out
+
+
+def _check_shapes(q_c, q_pe, cache, seq_lens, block_tables) -> None:
+    rank, rope = q_c.shape[2], q_pe.shape[2]
+    assert cache.shape[1] == 1 and q_pe.shape[:2] == q_c.shape[:2], (cache.shape, q_c.shape)
+    if rank < 1 or rope < 1 or rank + rope != cache.shape[3]:
+        raise ValueError(
+            f"kv_lora_rank + rope must split the latent ({cache.shape[3]}), got {rank} + {rope}"
+        )
+    assert seq_lens.shape[0] == q_c.shape[0] == block_tables.shape[0], "a query row a sequence"
+    assert q_c.dtype == q_pe.dtype == cache.dtype, (q_c.dtype, q_pe.dtype, cache.dtype)
+    assert cache.stride(-1) == 1, "latent rows must be contiguous"
 
 
 def _combine(
@@ -156,35 +165,15 @@ def _combine(
 
 
 def attend_latent(
-    q: torch.Tensor,
+    q_c: torch.Tensor,
+    q_pe: torch.Tensor,
     cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    kv_lora_rank: int,
 ) -> torch.Tensor:
     """engine.mla.LatentBackend.attend_latent: `mla_decode` of a decode-only batch."""
     assert meta.max_query_len == 1, "one new token per sequence"
-    return mla_decode(q, cache, meta.seq_lens, meta.block_tables, scale, kv_lora_rank)
-
-
-def write_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Stores new tokens' latent rows [T, latent_dim] at their slots (slot_mapping [T] int64) of
-    the plane [num_blocks, 1, block_size, latent_dim], as engine.mla.write_latent does, in one
-    kernel."""
-    num_tokens, latent_dim = latent.shape
-    if num_tokens == 0:
-        return
-    assert cache.shape[1] == 1 and cache.shape[3] == latent_dim, (cache.shape, latent.shape)
-    assert cache.stride(-1) == 1, "latent rows must be contiguous"
-    if latent.stride(-1) != 1:
-        latent = latent.contiguous()
-    pdl = triton_pdl.enabled(latent.device)
-    _write_latent_kernel[(num_tokens,)](
-        latent, cache, slot_mapping,
-        latent.stride(0), cache.stride(0), cache.stride(2), cache.shape[2],
-        LATENT_DIM=latent_dim, LATENT_PAD=triton.next_power_of_2(latent_dim),
-        PDL=pdl, launch_pdl=pdl,
-    )  # fmt: skip
+    return mla_decode(q_c, q_pe, cache, meta.seq_lens, meta.block_tables, scale)
 
 
 def choose_num_splits(batch: int, head_blocks: int, max_tiles: int, sm_count: int) -> int:
@@ -249,7 +238,8 @@ def _attend_tile(
 
 @triton.jit
 def _split_kernel(
-    q_ptr,  # [B, heads, latent_dim]
+    q_c_ptr,  # [B, heads, RANK]
+    q_pe_ptr,  # [B, heads, ROPE]
     cache_ptr,  # [blocks, 1, block_size, latent_dim]
     seq_lens_ptr,
     block_tables_ptr,
@@ -258,8 +248,10 @@ def _split_kernel(
     scale_log2,  # softmax scale times log2(e): exp2 replaces exp
     num_splits,
     num_heads,
-    stride_qb,
-    stride_qh,
+    stride_qcb,
+    stride_qch,
+    stride_qpb,
+    stride_qph,
     stride_cb,
     stride_ct,
     stride_table,
@@ -300,10 +292,11 @@ def _split_kernel(
     # q and the new token's row come from the kernels before (lengths and block tables were
     # written before the step's first kernel).
     triton_pdl.await_previous_kernel(PDL)
-    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
-    q_c = tl.load(q_rows + rank_dims[None, :], mask=rank_mask, other=0.0)
+    q_c_rows = q_c_ptr + seq * stride_qcb + heads[:, None] * stride_qch
+    q_c = tl.load(q_c_rows + rank_dims[None, :], mask=rank_mask, other=0.0)
     rope_mask = head_mask[:, None] & (rope_dims < ROPE)[None, :]
-    q_pe = tl.load(q_rows + RANK + rope_dims[None, :], mask=rope_mask, other=0.0)
+    q_pe_rows = q_pe_ptr + seq * stride_qpb + heads[:, None] * stride_qph
+    q_pe = tl.load(q_pe_rows + rope_dims[None, :], mask=rope_mask, other=0.0)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 domain
     sum_exp = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m)
@@ -393,26 +386,3 @@ def _combine_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=dim_mask,
     )
-
-
-@triton.jit
-def _write_latent_kernel(
-    latent_ptr,  # [T, latent_dim]
-    cache_ptr,  # [blocks, 1, block_size, latent_dim]
-    slot_ptr,  # [T] int64
-    stride_lt,
-    stride_cb,
-    stride_ct,
-    block_size,
-    LATENT_DIM: tl.constexpr,
-    LATENT_PAD: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    triton_pdl.await_previous_kernel(PDL)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    dims = tl.arange(0, LATENT_PAD)
-    mask = dims < LATENT_DIM
-    row = tl.load(latent_ptr + token * stride_lt + dims, mask=mask)
-    dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
-    tl.store(dst + dims, row.to(cache_ptr.dtype.element_ty), mask=mask)

@@ -34,7 +34,10 @@ F.linear returns it, silu(gate) and its product with up are rounded as separate 
 and the down output times the fp32 weight is rounded once. Only the sum over the k experts
 differs: the torch path adds in the input dtype expert by expert, this sums in fp32.
 
-On CUDA both kernels are launched with programmatic dependent launch (engine.triton_pdl). They
+`KERNELS.route` is engine.triton_route's `route_and_sort`: at decode sizes the routing and that
+sort in one kernel.
+
+On CUDA the kernels are launched with programmatic dependent launch (engine.triton_pdl). They
 wait before their first load: which weights to read depends on the sort just before.
 """
 
@@ -43,8 +46,10 @@ import triton
 import triton.language as tl
 
 from engine import triton_pdl
+from engine.moe import MoeKernels, Routing
+from engine.triton_route import route_and_sort
 
-__all__ = ["fused_experts"]
+__all__ = ["KERNELS", "fused_experts"]
 
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 # (BLOCK_N, BLOCK_K) when an expert's rows fit one 16-row tile (decode): narrow column blocks,
@@ -65,12 +70,15 @@ def fused_experts(
     ids: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    sorted_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum over each token's experts e of weight * down_e(silu(gate_e(h)) * up_e(h)) -> [T, H].
 
     h [T, H]; weights [T, k] float32; ids [T, k] integer expert ids (distinct within a row, as
     routing picks them; repeats would also be summed); gate_up [E, 2 * I, H] (gate rows first,
     then up); down [E, H, I]. h, gate_up and down share one dtype; accumulation is fp32.
+    sorted_pairs: (order, bounds) of the pairs as Routing holds them (route_and_sort), else
+    sorted here.
     """
     num_tokens, hidden = h.shape
     top_k = ids.shape[1]
@@ -87,7 +95,9 @@ def fused_experts(
     active = min(num_experts, pairs)  # the most experts a step's pairs can choose
     if active == 0:
         return torch.zeros_like(h)
-    order, bounds = _sort_pairs(ids.reshape(pairs), num_experts)
+    if sorted_pairs is None:
+        sorted_pairs = _sort_pairs(ids.reshape(pairs), num_experts)
+    order, bounds = sorted_pairs
     block_n, max_block_k, common = _launch_config(pairs, num_experts, h.device, h.dtype)
 
     activated = torch.empty(pairs, inter, dtype=h.dtype, device=h.device)
@@ -145,6 +155,17 @@ def _launch_config(pairs: int, num_experts: int, device: torch.device, dtype: to
 
 def _block_k(k: int, max_block_k: int) -> int:
     return min(max_block_k, max(_MIN_DOT, triton.next_power_of_2(k)))
+
+
+def _experts(
+    h: torch.Tensor, routing: Routing, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    sorted_pairs = None if routing.order is None else (routing.order, routing.bounds)
+    return fused_experts(h, routing.weights, routing.ids, gate_up, down, sorted_pairs)
+
+
+KERNELS = MoeKernels(route=route_and_sort, experts=_experts)
+"""engine.moe.MoE's kernels on CUDA."""
 
 
 @triton.jit

@@ -178,6 +178,11 @@ def _fused_parts(config: ModelConfig, module: str, rows: int) -> list[tuple[str,
     their rows; itself alone if it fuses nothing."""
     if module == "gate_up_proj":
         sizes = [("gate_proj", rows // 2), ("up_proj", rows // 2)]
+    elif module == "fused_qkv_a_proj":  # MLA: q's projection (or its bottleneck), then the latent's
+        assert config.mla is not None
+        q_part = "q_proj" if config.mla.q_lora_rank is None else "q_a_proj"
+        latent = config.mla.latent_dim
+        sizes = [(q_part, rows - latent), ("kv_a_proj_with_mqa", latent)]
     elif module == "qkv_proj":
         kv_rows = config.num_kv_heads * config.head_dim
         sizes = [("q_proj", rows - 2 * kv_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)]

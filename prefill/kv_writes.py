@@ -17,7 +17,7 @@ staging, whole blocks at a time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,24 +93,30 @@ def layer_ops(
 
 
 def gather_blocks(
-    view: torch.Tensor, src_blocks: Sequence[int], start: int, end: int, out: torch.Tensor
+    view: torch.Tensor,
+    src_blocks: Sequence[int],
+    start: int,
+    end: int,
+    out: torch.Tensor,
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Copies tokens [start, end) of every head from `view` into `out`, the destination's
     blocks laid out "HND", token `start` at out[0, :, 0].
 
-    view: one layer's K (or V) on the sender, as `token_rows` takes it.
+    view: one layer's K, V or latent on the sender, as `token_rows` takes it.
     src_blocks: the sequence's blocks in `view`, in token order.
     out: [n, num_heads, out_block_size, head_dim] with n * out_block_size >= end - start; rows
       past end - start are left as they are.
+    convert: [T, num_heads, row] as read -> [T, num_heads, head_dim] as `out` holds them (e.g.
+      fp8 rows with their scales, dequantized); None: copied as they are.
     """
     block_size = view_block_size(view)
     tokens = torch.arange(start, end, device=view.device)
     blocks = torch.as_tensor(src_blocks, device=view.device)[tokens // block_size]
     rows = tokens - start
     out_block_size = out.shape[2]
-    out[rows // out_block_size, :, rows % out_block_size] = token_rows(
-        view, blocks, tokens % block_size
-    )
+    got = token_rows(view, blocks, tokens % block_size)
+    out[rows // out_block_size, :, rows % out_block_size] = got if convert is None else convert(got)
 
 
 def token_rows(view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

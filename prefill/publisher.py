@@ -1,7 +1,7 @@
 """Sends each layer's KV as soon as that layer is computed.
 
 `KvPublisher` wraps the model's attention backend (engine.attention's `write_kv`, or for an MLA
-model engine.mla's `write_latent`): when layer l's KV of a step (K and V, or the latent rows) has
+model engine.mla's `store_latent`): when layer l's KV of a step (K and V, or the latent rows) has
 been written into the local cache, every armed `LayerwiseSend` (a request whose prompt completes
 in this step) hands the writes of layer l to the KvSender (prefill/kv_sender.py), so layer l
 moves while layers l+1... compute.
@@ -59,7 +59,7 @@ class LayerwiseSend:
 
 class KvPublisher:
     """An attention backend (or, for an MLA model, a latent backend: engine.mla's
-    `write_latent`) that forwards to `inner` and, after each layer's KV write, tells the armed
+    `store_latent`) that forwards to `inner` and, after each layer's KV write, tells the armed
     sessions that this layer is ready."""
 
     def __init__(self) -> None:
@@ -85,12 +85,15 @@ class KvPublisher:
         self.inner.write_kv(k_cache, v_cache, k, v, slot_mapping)
         self._announce(k_cache)
 
-    def write_latent(self, cache, latent, slot_mapping) -> None:
-        self.inner.write_latent(cache, latent, slot_mapping)
+    def store_latent(self, cache, kv_a, q_pe, norm_weight, eps, cos, sin, interleaved, slots):
+        q_pe = self.inner.store_latent(
+            cache, kv_a, q_pe, norm_weight, eps, cos, sin, interleaved, slots
+        )
         self._announce(cache)
+        return q_pe
 
-    def attend_latent(self, q, cache, meta: AttentionMetadata, scale: float, kv_lora_rank: int):
-        return self.inner.attend_latent(q, cache, meta, scale, kv_lora_rank)
+    def attend_latent(self, q_c, q_pe, cache, meta: AttentionMetadata, scale: float):
+        return self.inner.attend_latent(q_c, q_pe, cache, meta, scale)
 
     def _announce(self, first_plane: torch.Tensor) -> None:
         if self.armed:

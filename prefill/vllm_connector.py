@@ -9,6 +9,8 @@ with max_tokens=1) has its prompt's KV written into the ticket's decode blocks, 
 soon as vLLM computed it; the reply's `kv_transfer_params` carry the first token. Every other
 request is left alone. The connector is a thin facade: vLLM builds it twice, once per role,
 and each role forwards to its side (prefill/vllm_scheduler_side.py, prefill/vllm_worker_side.py).
+An MLA model's (DeepSeek-V2/V3) KV goes as the decode server's "mla-latent" format: one latent
+plane a layer, sent by one tensor-parallel rank (vllm_worker_side.LATENT_SENDER_RANK).
 
 Hooks in vLLM's call order, per engine step:
   scheduler: update_state_after_alloc -> build_connector_meta -> (forward) -> request_finished
@@ -22,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 import transport
+from prefill.ticket import KV_FORMAT_HND, KV_FORMAT_MLA_LATENT
 from prefill.vllm_config import TandemConnectorConfig
-from prefill.vllm_layouts import refuse_latent_cache
+from prefill.vllm_layouts import CPU_LATENT_BACKENDS, check_latent_write, refuse_unpaired_rope
 from prefill.vllm_metadata import TandemMetadata
 from prefill.vllm_scheduler_side import SchedulerSide
-from prefill.vllm_worker_side import WorkerFacts, WorkerSide
+from prefill.vllm_worker_side import WorkerFacts, WorkerSide, num_senders
 
 if TYPE_CHECKING:
     import torch
@@ -52,22 +55,27 @@ class TandemConnector(KVConnectorBase_V1):
                 "cache groups; only models with one (every layer full attention) are supported"
             )
         model = vllm_config.model_config
-        refuse_latent_cache(model.model, model.use_mla)  # in both roles: vLLM stops at start-up
-        parallel = vllm_config.parallel_config
+        kv_format = KV_FORMAT_MLA_LATENT if model.use_mla else KV_FORMAT_HND
+        hf_config = model.hf_text_config
+        if model.use_mla:  # in both roles: vLLM stops at start-up
+            refuse_unpaired_rope(model.model, getattr(hf_config, "rope_interleave", True))
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(num_senders=parallel.tensor_parallel_size)
+            self._scheduler = SchedulerSide(num_senders=num_senders(kv_format, tp_size))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             facts = WorkerFacts(
                 model_name=model.served_model_name or model.model,
-                num_kv_heads=model.get_total_num_kv_heads(),
-                head_dim=model.get_head_size(),
+                num_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
+                head_dim=model.get_head_size(),  # MLA: kv_lora_rank + qk_rope_head_dim
                 block_size=vllm_config.cache_config.block_size,
                 tp_rank=get_tensor_model_parallel_rank(),
-                tp_size=parallel.tensor_parallel_size,
+                tp_size=tp_size,
+                kv_format=kv_format,
+                kv_lora_rank=hf_config.kv_lora_rank if model.use_mla else 0,
             )
             agent = transport.create(self.config.transport, host=self.config.host)
             self._worker = WorkerSide(self.config, facts, agent)
@@ -85,6 +93,13 @@ class TandemConnector(KVConnectorBase_V1):
         context = self._vllm_config.compilation_config.static_forward_context
         attention = context[layers[0][0]]
         backend = attention.attn_backend.get_name()
+        facts = self._worker.facts
+        if facts.latent:
+            kv_cache_dtype = attention.kv_cache_dtype
+            if facts.sends:
+                _check_cpu_latent(attention, backend, layers[0][1], facts)
+            self._worker.register(layers, backend, kv_cache_dtype=kv_cache_dtype)
+            return
         cpu_layout = "vllm-cpu"
         if backend == "CPU_ATTN":
             from prefill.vllm_layouts import detect_cpu_layout
@@ -92,7 +107,6 @@ class TandemConnector(KVConnectorBase_V1):
             def write(key, value, cache, slots) -> None:
                 attention.impl.do_kv_cache_update(attention, key, value, cache, slots)
 
-            facts = self._worker.facts
             cpu_layout = detect_cpu_layout(layers[0][1], len(facts.heads), facts.head_dim, write)
         self._worker.register(layers, backend, cpu_layout)
 
@@ -142,3 +156,21 @@ class TandemConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler.has_pending_work()
+
+
+def _check_cpu_latent(attention, backend: str, like: torch.Tensor, facts: WorkerFacts) -> None:
+    """On CPU, that the MLA backend's own cache update stores rows the worker side reads
+    (vllm_layouts.check_latent_write); GPU layouts are read as vLLM documents them."""
+    if backend not in CPU_LATENT_BACKENDS:
+        return
+    rank = facts.kv_lora_rank
+
+    def write(latent, cache, slots) -> None:
+        # NOTE: as MLAAttention.bind_kv_cache does, the backend gets [blocks, block_size, row].
+        rows = cache[:, 0] if cache.dim() == 4 else cache
+        kv_c, k_pe = latent[:, :rank].contiguous(), latent[:, None, rank:].contiguous()
+        attention.impl.do_kv_cache_update(
+            kv_c, k_pe, rows, slots, attention.kv_cache_dtype, attention._k_scale
+        )
+
+    check_latent_write(backend, like, rank, facts.head_dim - rank, write)

@@ -15,15 +15,32 @@ send path gathers from (`kv_writes.gather_blocks`): K and V each
                        physical order the tensor's strides say (NHD or HND).
   vllm-flash-kv-first  The older FlashAttention layout [2, blocks, block_size, heads, head_dim].
 
-No other layout is guessed: an unknown backend or shape is refused by name. Which CPU layout a
-cache has depends on the kernel vLLM picks for the machine, so `detect_cpu_layout` writes known
-K and V through that kernel and keeps the layout that reads them back.
+An MLA model's layer caches one latent row per token, [c_kv | k_pe] (kv_lora_rank +
+qk_rope_head_dim, 576 for DeepSeek-V3), [blocks, 1, block_size, row] as vLLM >= 0.32 hands it
+over ([blocks, block_size, row] before). It is read as one head (`latent_views`) and sent in the
+decode server's "mla-latent" format, which orders k_pe's channels otherwise
+(`to_decode_rope_order`):
+
+  vllm-mla             The rows in the cache's dtype (kv_cache_dtype auto, bfloat16, float16,
+                       float32): CPU_MLA and AMX_MLA on CPU, FlashMLA, FlashInfer, CUTLASS,
+                       Triton and FlashAttention MLA on GPU (concat_and_cache_mla), 1152 bytes
+                       a token in bf16.
+  vllm-mla-fp8-ds      FlashMLA's "fp8_ds_mla": 656 bytes a token, the 512 c_kv values as
+                       float8_e4m3fn, their 4 float32 scales (one per 128 values), then k_pe as
+                       64 bfloat16. The decode server's caches hold no fp8: sent dequantized
+                       to bfloat16 (`dequantize_fp8_ds_mla`), as vLLM's own prefill reads it.
+
+No other layout is guessed: an unknown backend, shape or KV cache dtype is refused by name. Which
+CPU layout a cache has depends on the kernel vLLM picks for the machine, so `detect_cpu_layout`
+writes known K and V through that kernel and keeps the layout that reads them back;
+`check_latent_write` does the same for an MLA cache on CPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -32,36 +49,49 @@ from prefill.kv_writes import token_rows, view_block_size
 LAYOUT_VERSION = 1
 FLASH_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
 CPU_LAYOUTS = ("vllm-cpu", "vllm-cpu-amx")
+LATENT_BACKENDS = (
+    "CPU_MLA", "AMX_MLA", "FLASHMLA", "FLASHMLA_SPARSE", "FLASHINFER_MLA", "CUTLASS_MLA",
+    "TRITON_MLA", "FLASH_ATTN_MLA",
+)  # fmt: skip
+"""vLLM's MLA backends whose cache holds one latent row per token."""
+CPU_LATENT_BACKENDS = ("CPU_MLA", "AMX_MLA")
+LATENT_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+"""vLLM kv_cache_dtype values of a latent cache sent in its own dtype (auto: the model's)."""
+FP8_DS_MLA = "fp8_ds_mla"
+FP8_DS_MLA_ROW_BYTES = 656
+_FP8_DS_NOPE, _FP8_DS_TILE, _FP8_DS_ROPE = 512, 128, 64  # c_kv values, values per scale, k_pe
 _AMX_TILE = 16  # tokens (K) or dimensions (V) in one AMX tile row group
 _AMX_PAIR = 2  # bf16 values in one 32-bit AMX element
 
 
 @dataclass(frozen=True)
 class CacheViews:
-    """One layer's cache as K and V views, as `kv_writes.token_rows` reads them: each
-    [num_blocks, num_kv_heads, block_size, head_dim], or tiled (vllm-cpu-amx)."""
+    """One layer's cache as views that `kv_writes.token_rows` reads: K and V, each [num_blocks,
+    num_kv_heads, block_size, head_dim] or tiled (vllm-cpu-amx); or an MLA cache's one latent
+    plane as `k`, [num_blocks, 1, block_size, row]."""
 
     layout: str
     """Layout name, for the Hello descriptor."""
     k: torch.Tensor
-    v: torch.Tensor
+    v: torch.Tensor | None = None
+    """None: a latent cache, whose one plane is `k`."""
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Rows as `token_rows` reads them -> rows as sent (of `dtype`); None: sent as read."""
+    sent_dtype: torch.dtype | None = None
+    """The element type `convert` makes, where it is not k's."""
+
+    @property
+    def planes(self) -> tuple[torch.Tensor, ...]:
+        return (self.k,) if self.v is None else (self.k, self.v)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The element type sent (the descriptor's kv_dtype)."""
+        return self.sent_dtype or self.k.dtype
 
     @property
     def block_size(self) -> int:
         return view_block_size(self.k)
-
-
-def refuse_latent_cache(model: str, use_mla: bool) -> None:
-    """ValueError when vLLM caches `model`'s KV as an MLA latent (its ModelConfig.use_mla):
-    the views above are per-head K and V, and reading vLLM's MLA caches (one latent row per
-    token) into the decode server's "mla-latent" blocks is not built. Refused when the
-    connector is built, so vLLM stops at start-up instead of sending wrong KV."""
-    if use_mla:
-        raise ValueError(
-            f"TandemConnector: {model} is an MLA model: sending vLLM's MLA latent cache is not "
-            "built (prefill/vllm_layouts.py reads per-head K/V only); serve it disaggregated "
-            "with tandem's prefill server (python -m prefill.server)"
-        )
 
 
 def cache_views(
@@ -162,3 +192,119 @@ def detect_cpu_layout(
         f"{head_dim}) stores KV in none of the layouts tandem reads ({', '.join(CPU_LAYOUTS)}): "
         f"refusing to send wrong KV"
     )
+
+
+def latent_views(
+    backend: str,
+    cache: torch.Tensor,
+    kv_lora_rank: int,
+    rope_dim: int,
+    kv_cache_dtype: str = "auto",
+) -> CacheViews:
+    """The latent plane of `cache`, one layer's MLA cache as vLLM's `register_kv_caches` hands
+    it over, as one head, converting to the decode server's rows; ValueError naming the
+    backend, shape or dtype when it is not one of the latent layouts above. `kv_cache_dtype`:
+    the layer's (vLLM's MLAAttention.kv_cache_dtype)."""
+    if backend not in LATENT_BACKENDS:
+        raise ValueError(
+            f"vLLM MLA attention backend {backend}: not one tandem reads (known: "
+            f"{', '.join(LATENT_BACKENDS)})"
+        )
+    fp8 = kv_cache_dtype == FP8_DS_MLA
+    if not fp8 and kv_cache_dtype not in LATENT_CACHE_DTYPES:
+        raise ValueError(
+            f"vLLM {backend} KV cache dtype {kv_cache_dtype} ({cache.dtype}): tandem sends "
+            f"latent caches of {', '.join(LATENT_CACHE_DTYPES)} in their dtype, and "
+            f"{FP8_DS_MLA} dequantized to bfloat16"
+        )
+    latent_dim = kv_lora_rank + rope_dim
+    rows = cache.unsqueeze(1) if cache.dim() == 3 else cache
+    width = FP8_DS_MLA_ROW_BYTES if fp8 else latent_dim
+    if rows.dim() != 4 or rows.shape[1] != 1 or rows.shape[3] != width or rows.stride(3) != 1:
+        raise ValueError(
+            f"vLLM {backend} cache of shape {list(cache.shape)} and strides "
+            f"{list(cache.stride())}: expected [blocks, (1,) block_size, {width}] with each "
+            f"row contiguous ({kv_cache_dtype} latent of {latent_dim})"
+        )
+    fp8_latent = (_FP8_DS_NOPE, _FP8_DS_ROPE)
+    if fp8 != (cache.element_size() == 1) or (fp8 and (kv_lora_rank, rope_dim) != fp8_latent):
+        raise ValueError(
+            f"vLLM {backend} {kv_cache_dtype} cache of {cache.dtype} for a latent of "
+            f"{kv_lora_rank} + {rope_dim}: {FP8_DS_MLA} holds the bytes of a {_FP8_DS_NOPE} + "
+            f"{_FP8_DS_ROPE} latent, the others its elements"
+        )
+    if fp8:
+        return CacheViews(
+            "vllm-mla-fp8-ds", rows.view(torch.uint8), convert=_fp8_ds_mla_to_decode,
+            sent_dtype=torch.bfloat16,
+        )  # fmt: skip
+    to_decode = partial(to_decode_rope_order, kv_lora_rank=kv_lora_rank)
+    return CacheViews("vllm-mla", rows, convert=to_decode)
+
+
+def to_decode_rope_order(rows: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
+    """Latent rows [..., kv_lora_rank + rope_dim] as vLLM caches them -> as the decode server
+    does. NOTE: vLLM's MLA rotates k_pe's RoPE pairs (2i, 2i + 1) in place (GPT-J style);
+    tandem's engine, as transformers with rope_interleave, stores each pair's first channel and
+    then each pair's second (engine.model.rope, interleaved), and orders q_pe the same way."""
+    rope = rows[..., kv_lora_rank:]
+    return torch.cat((rows[..., :kv_lora_rank], rope[..., 0::2], rope[..., 1::2]), dim=-1)
+
+
+def refuse_unpaired_rope(model: str, rope_interleave: bool) -> None:
+    """ValueError for an MLA model whose config pairs RoPE channels (i, i + rope_dim / 2)
+    (rope_interleave false): vLLM's DeepSeek MLA rotates pairs (2i, 2i + 1) whatever the config
+    says, so its latent is not the one tandem's decode server computes with."""
+    if not rope_interleave:
+        raise ValueError(
+            f"TandemConnector: {model} has rope_interleave false; vLLM's MLA rotates RoPE "
+            "pairs (2i, 2i+1) regardless, so its cached k_pe is not what tandem's decode "
+            "server expects"
+        )
+
+
+def dequantize_fp8_ds_mla(rows: torch.Tensor) -> torch.Tensor:
+    """[..., 656] bytes of fp8_ds_mla rows -> [..., 576] bfloat16 latent rows, in vLLM's order:
+    each 128 c_kv values times their float32 scale, then k_pe as stored (vLLM's
+    cp_gather_and_upconvert_fp8_kv_cache, in torch)."""
+    rows = rows.contiguous()  # NOTE: dtype views below need each row's bytes at offsets % 4 == 0
+    lead = rows.shape[:-1]
+    nope_end = _FP8_DS_NOPE
+    scales_end = nope_end + 4 * (_FP8_DS_NOPE // _FP8_DS_TILE)
+    nope = rows[..., :nope_end].view(torch.float8_e4m3fn).float()
+    scales = rows[..., nope_end:scales_end].view(torch.float32)
+    rope = rows[..., scales_end:].view(torch.bfloat16)
+    nope = nope.view(*lead, -1, _FP8_DS_TILE) * scales[..., None]
+    return torch.cat((nope.view(*lead, _FP8_DS_NOPE), rope.float()), dim=-1).to(torch.bfloat16)
+
+
+def _fp8_ds_mla_to_decode(rows: torch.Tensor) -> torch.Tensor:
+    return to_decode_rope_order(dequantize_fp8_ds_mla(rows), _FP8_DS_NOPE)
+
+
+def check_latent_write(
+    backend: str,
+    like: torch.Tensor,
+    kv_lora_rank: int,
+    rope_dim: int,
+    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+) -> None:
+    """ValueError unless the MLA backend's own cache update, `write(latent, cache,
+    slot_mapping)` with latent [T, kv_lora_rank + rope_dim], stores rows where `latent_views`
+    reads them: known rows written into a two-block scratch cache shaped like `like`. A kernel
+    that stores the latent otherwise (another CPU ISA, a new vLLM) stops start-up instead of
+    sending wrong KV. For caches of the model's dtype (CPU's: kv_cache_dtype auto)."""
+    scratch = torch.zeros((2, *like.shape[1:]), dtype=like.dtype, device=like.device)
+    views = latent_views(backend, scratch, kv_lora_rank, rope_dim)
+    block_size, latent_dim = views.block_size, kv_lora_rank + rope_dim
+    slots = torch.tensor([block_size + 3, 1, block_size * 2 - 1, 0], device=like.device)
+    latent = torch.arange(1, len(slots) * latent_dim + 1, dtype=torch.float32, device=like.device)
+    latent = (latent % 251).view(len(slots), latent_dim).to(views.dtype)
+    write(latent, scratch, slots)
+    got = token_rows(views.k, slots // block_size, slots % block_size)[:, 0]
+    if not torch.equal(got, latent):
+        raise ValueError(
+            f"vLLM attention backend {backend} ({like.dtype}, block size {block_size}) stores "
+            f"the latent in none of the layouts tandem reads ({views.layout}): refusing to send "
+            "wrong KV"
+        )

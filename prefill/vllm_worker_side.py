@@ -1,13 +1,15 @@
 """The connector's worker side (one per vLLM tensor-parallel rank): sends its KV heads of each
 ticketed request into the decode server's blocks, layer by layer, through the KvSender
 (prefill/kv_sender.py: Hello, connect, posting, deadline and commit are its job). What is vLLM's
-is here: its cache layouts, and staging.
+is here: its cache layouts, and staging. An MLA model's layers hold one latent plane, which
+every rank holds whole: one rank sends it (LATENT_SENDER_RANK).
 
 A request's life here:
   bind, with its first SendPlan -> a sender session opens (connecting in the background)
   -> save_layer, for each layer of each step with a plan: the plan's tokens of that layer are
      gathered from vLLM's cache into staging slots, converted to the decode layout (HND, the
-     decode server's block size), and handed to the sender
+     decode server's block size; a latent in its row order, fp8 dequantized), and handed to
+     the sender
   -> step_done after its final plan: the sender commits once every write has ended.
 A plan's error (the request ended before its prompt was prefilled) fails the session: the
 decode server fails the request with that reason and never decodes wrong KV.
@@ -28,9 +30,16 @@ import torch
 from prefill.kv_sender import KvSender
 from prefill.kv_writes import BlockLayout, LayerKV, gather_blocks, layer_ops
 from prefill.send_session import SendSession, SessionState, Target
-from prefill.ticket import KvTransfer, dtype_name, layout_descriptor, rank_heads
+from prefill.ticket import (
+    KV_FORMAT_HND,
+    KV_FORMAT_MLA_LATENT,
+    KvTransfer,
+    dtype_name,
+    layout_descriptor,
+    rank_heads,
+)
 from prefill.vllm_config import TandemConnectorConfig
-from prefill.vllm_layouts import LAYOUT_VERSION, CacheViews, cache_views
+from prefill.vllm_layouts import LAYOUT_VERSION, CacheViews, cache_views, latent_views
 from prefill.vllm_metadata import SendPlan, TandemMetadata
 from prefill.vllm_staging import StagingRing
 from proto.tandem.v1 import decode_pb2
@@ -43,25 +52,69 @@ STAGING_STALL_S = 1.0
 decode server that answers takes milliseconds; one that does not must not stall the engine."""
 
 
+LATENT_SENDER_RANK = 0
+"""The tensor-parallel rank that sends an MLA model's KV. NOTE: the latent has no heads to split,
+so every rank holds all of it; the decode server wants each layer written once and every layer
+committed by each sender the ticket names. So one rank sends every layer and commits, and the
+others send nothing (`num_senders`)."""
+
+
+def num_senders(kv_format: str, tp_size: int) -> int:
+    """Sender ranks that a ticket for vLLM must name: every rank for per-head K and V (each
+    sends the heads it holds), one for an MLA latent."""
+    return 1 if kv_format == KV_FORMAT_MLA_LATENT else tp_size
+
+
 @dataclass(frozen=True)
 class WorkerFacts:
     """What the worker side knows of vLLM's configuration."""
 
     model_name: str
     num_kv_heads: int
-    """KV heads of the whole model."""
+    """KV heads of the whole model; 1 for an MLA latent."""
     head_dim: int
+    """Elements of one head; of one latent row (kv_lora_rank + qk_rope_head_dim) for MLA."""
     block_size: int
     """Tokens per block id of a SendPlan (vLLM's scheduler block size)."""
     tp_rank: int
     tp_size: int
+    kv_format: str = KV_FORMAT_HND
+    """What a layer caches, as the descriptor names it: "hnd" (K and V) or "mla-latent"."""
+    kv_lora_rank: int = 0
+    """MLA: the latent's c_kv channels; k_pe (RoPE) is the rest of head_dim."""
 
     def __post_init__(self) -> None:
-        rank_heads(self.num_kv_heads, self.tp_size, self.tp_rank)  # uneven heads: refused now
+        if self.kv_format not in (KV_FORMAT_HND, KV_FORMAT_MLA_LATENT):
+            raise ValueError(f"kv_format: {self.kv_format!r} is neither hnd nor mla-latent")
+        if self.latent and self.num_kv_heads != 1:
+            raise ValueError(f"num_kv_heads: an MLA latent is one head, not {self.num_kv_heads}")
+        rope_dim = self.head_dim - self.kv_lora_rank
+        if self.latent and not (0 < self.kv_lora_rank < self.head_dim and rope_dim % 2 == 0):
+            raise ValueError(
+                f"kv_lora_rank: {self.kv_lora_rank} must leave an even k_pe in a latent of "
+                f"{self.head_dim}"
+            )
+        if not self.latent:
+            rank_heads(self.num_kv_heads, self.tp_size, self.tp_rank)  # uneven heads: refused now
+
+    @property
+    def latent(self) -> bool:
+        return self.kv_format == KV_FORMAT_MLA_LATENT
+
+    @property
+    def sends(self) -> bool:
+        """Whether this rank sends KV at all."""
+        return not self.latent or self.tp_rank == LATENT_SENDER_RANK
+
+    @property
+    def num_senders(self) -> int:
+        return num_senders(self.kv_format, self.tp_size)
 
     @property
     def heads(self) -> range:
-        """The model's KV heads this rank holds."""
+        """The model's KV heads this rank sends (the latent's one head)."""
+        if self.latent:
+            return range(1)
         return rank_heads(self.num_kv_heads, self.tp_size, self.tp_rank)
 
 
@@ -71,7 +124,8 @@ class WorkerSide:
         self.facts = facts
         self.agent = agent
         self.sender: KvSender | None = None
-        """Once the caches are registered (the sender's Hello carries their layout)."""
+        """Once the caches are registered (the sender's Hello carries their layout); stays None
+        on a rank that sends nothing (`WorkerFacts.sends`)."""
         self._views: list[CacheViews] = []
         self._layer_of: dict[str, int] = {}
         self._split = 1
@@ -84,14 +138,27 @@ class WorkerSide:
         return len(self._sessions)
 
     def register(
-        self, layers: list[tuple[str, torch.Tensor]], backend: str, cpu_layout: str = "vllm-cpu"
+        self,
+        layers: list[tuple[str, torch.Tensor]],
+        backend: str,
+        cpu_layout: str = "vllm-cpu",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """vLLM's per-layer cache tensors, in layer order, its attention backend's name and, on
-        CPU, which of its layouts the caches have (vllm_layouts.detect_cpu_layout)."""
+        CPU, which of its layouts the caches have (vllm_layouts.detect_cpu_layout); for an MLA
+        model, its layers' KV cache dtype (vLLM's MLAAttention.kv_cache_dtype)."""
+        if not self.facts.sends:
+            return
         heads, head_dim = len(self.facts.heads), self.facts.head_dim
-        self._views = [cache_views(backend, t, heads, head_dim, cpu_layout) for _, t in layers]
+        if self.facts.latent:
+            rank, rope_dim = self.facts.kv_lora_rank, head_dim - self.facts.kv_lora_rank
+            self._views = [
+                latent_views(backend, t, rank, rope_dim, kv_cache_dtype) for _, t in layers
+            ]
+        else:
+            self._views = [cache_views(backend, t, heads, head_dim, cpu_layout) for _, t in layers]
         self._layer_of = {name: i for i, (name, _) in enumerate(layers)}
-        k = self._views[0].k
+        k, dtype = self._views[0].k, self._views[0].dtype
         kernel_block_size = self._views[0].block_size
         if self.facts.block_size % kernel_block_size:
             raise ValueError(
@@ -107,19 +174,22 @@ class WorkerSide:
         layout = layout_descriptor(
             model_name=self.facts.model_name, num_layers=len(layers),
             num_kv_heads=self.facts.num_kv_heads, head_dim=head_dim,
-            kv_dtype=dtype_name(k.dtype), block_size=kernel_block_size,
+            kv_dtype=dtype_name(dtype), block_size=kernel_block_size,
             layout=self._views[0].layout, layout_version=LAYOUT_VERSION,
-            tp_size=self.facts.tp_size, transport=self.config.transport,
+            tp_size=self.facts.num_senders, transport=self.config.transport,
+            kv_format=self.facts.kv_format,
         )  # fmt: skip
         self.sender = KvSender(
             self.agent, layout, sender_id=f"vllm-rank{self.facts.tp_rank}",
             rank=self.facts.tp_rank, heads=self.facts.heads,
-            token_bytes=head_dim * k.element_size(), timeout_s=self.config.transfer_timeout_s,
+            token_bytes=head_dim * dtype.itemsize, timeout_s=self.config.transfer_timeout_s,
         )  # fmt: skip
 
     def bind(self, meta: TandemMetadata) -> None:
         """Before a step's forward: the step's plans; new requests open a sender session."""
         self._step = []
+        if self.sender is None:
+            return  # a rank that sends nothing
         for plan in meta.plans:
             session = self._sessions.get(plan.req_id)
             if session is None:
@@ -160,11 +230,12 @@ class WorkerSide:
         return self.sender.open(transfer, plan.error or self._staging_problem(transfer.ticket))
 
     def _staging_problem(self, ticket: decode_pb2.Ticket) -> str:
-        block = 2 * len(self.facts.heads) * ticket.layout.block_size * self.sender.token_bytes
+        planes = len(self._views[0].planes)
+        block = planes * len(self.facts.heads) * ticket.layout.block_size * self.sender.token_bytes
         if self._ring.slot_bytes < block:
             return (
                 f"staging_mb: a slot of {self._ring.slot_bytes} bytes cannot hold one decode "
-                f"block of K and V ({block} bytes)"
+                f"block of {'K and V' if planes == 2 else 'the latent'} ({block} bytes)"
             )
         return ""
 
@@ -172,26 +243,26 @@ class WorkerSide:
         """Tokens [start, end) of one layer, from the decode block holding `start` on (rows
         before `start` in that block are sent again: their values are already there)."""
         views, dst = self._views[layer], session.dst_layout
-        heads, block_size = views.k.shape[1], dst.block_size
+        planes, heads, block_size = len(views.planes), views.k.shape[1], dst.block_size
         block_bytes = heads * block_size * dst.token_stride
         staging = BlockLayout(block_size, block_bytes, block_size * dst.token_stride,
                               dst.token_stride)  # fmt: skip
-        per_slot = self._ring.slot_bytes // (2 * block_bytes) * block_size
+        per_slot = self._ring.slot_bytes // (planes * block_bytes) * block_size
         num_tokens = session.ticket.num_tokens
         for first in range(start // block_size * block_size, end, per_slot):
             last = min(end, first + per_slot)
             count = -(-(last - first) // block_size)
             slot, slot_posts = self._ring.take(self._stalled)
-            stage = slot[: 2 * count * block_bytes].view(views.k.dtype)
-            stage = stage.view(2, count, heads, block_size, self.facts.head_dim)
-            gather_blocks(views.k, session.src_blocks, first, last, stage[0])
-            gather_blocks(views.v, session.src_blocks, first, last, stage[1])
+            stage = slot[: planes * count * block_bytes].view(views.dtype)
+            stage = stage.view(planes, count, heads, block_size, self.facts.head_dim)
+            for plane, out in zip(views.planes, stage, strict=True):
+                gather_blocks(plane, session.src_blocks, first, last, out, views.convert)
             ready = None
             if stage.is_cuda:
                 ready = torch.cuda.Event()
                 ready.record()
             run = _StagedRun(
-                LayerKV(stage[0].data_ptr(), stage[1].data_ptr()), staging, dst, layer,
+                LayerKV(*(out.data_ptr() for out in stage)), staging, dst, layer,
                 session.ticket.block_ids[first // block_size :][:count], last - first,
                 pad_tail=last == num_tokens,
             )  # fmt: skip
@@ -210,7 +281,7 @@ class WorkerSide:
 
 @dataclass(frozen=True)
 class _StagedRun:
-    """One layer's K and V of a run of tokens, in staging as whole decode blocks."""
+    """One layer's K and V (or latent) of a run of tokens, in staging as whole decode blocks."""
 
     src: LayerKV
     staging: BlockLayout
@@ -222,8 +293,9 @@ class _StagedRun:
 
     def ops(self, target: Target) -> list[WriteOp]:
         regions = target.shard.layers[self.layer]
+        dst = LayerKV(regions.k.addr, regions.v.addr if regions.HasField("v") else None)
         return layer_ops(
-            self.src, LayerKV(regions.k.addr, regions.v.addr), self.staging, self.dst,
+            self.src, dst, self.staging, self.dst,
             range(len(self.dst_blocks)), self.dst_blocks, self.num_tokens, target.heads,
             target.dst_head_offset, pad_tail=self.pad_tail,
         )  # fmt: skip

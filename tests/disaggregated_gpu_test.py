@@ -1,5 +1,7 @@
 """The disaggregated path on CUDA: decode server (Triton attention, CUDA graphs, fused ops) and
-prefill server on the GPU, KV moved VRAM to VRAM by NIXL, against one engine on the same GPU.
+prefill server on the GPU, KV moved VRAM to VRAM by NIXL, against one engine on the same GPU:
+for the Llama family (K and V planes) and the DeepSeek-V3 family (one latent plane a layer,
+Triton MLA decode and fused MoE).
 
 Tagged `gpu`: `./bazelw test --config=gpu //tests:disaggregated_gpu_test` on a CUDA machine, or
 there without Bazel: `PYTHONPATH=.devicepack:. python3 -m pytest tests/disaggregated_gpu_test.py`.
@@ -18,26 +20,29 @@ from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.servers import start
 
-ARGS = ["--model", "random:tiny", "--device", "cuda", "--dtype", "float32", "--block-size", "16"]
+OPTIONS = ["--device", "cuda", "--dtype", "float32", "--block-size", "16"]
 PROMPTS = [[5, 17, 3, 99, 4], list(range(1, 200)), [7] * 33]
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def stack():
+@pytest.fixture(scope="module", params=["random:tiny", "random:deepseek-tiny"])
+def stack(request):
+    model = request.param
+    args = ["--model", model, *OPTIONS]
     decode, m = start(
-        ["decode.server", *ARGS, "--transport", "nixl", "--kv-cache-gb", "0.05"],
+        ["decode.server", *args, "--transport", "nixl", "--kv-cache-gb", "0.05"],
         r"serving gRPC on [\d.]+:(\d+)",
         timeout=300,
     )
     address = f"127.0.0.1:{m.group(1)}"
     prefill, m = start(
-        ["prefill.server", *ARGS, "--transport", "nixl", "--kv-cache-gb", "0.05", "--port", "0"],
+        ["prefill.server", *args, "--transport", "nixl", "--kv-cache-gb", "0.05", "--port", "0"],
         r"serving on (http://[\d.:]+)",
         timeout=300,
     )
     channel = grpc.insecure_channel(address)
-    yield decode_pb2_grpc.DecodeServiceStub(channel), httpx.Client(base_url=m.group(1)), address
+    stub = decode_pb2_grpc.DecodeServiceStub(channel)
+    yield stub, httpx.Client(base_url=m.group(1)), address, model
     channel.close()
     for proc in (prefill, decode):
         proc.terminate()
@@ -45,9 +50,9 @@ def stack():
 
 
 def test_tokens_equal_one_engine_on_the_same_gpu(stack):
-    stub, http, address = stack
+    stub, http, address, model = stack
     engine = LLMEngine.build(
-        EngineConfig(model="random:tiny", device="cuda", dtype="float32", block_size=16,
+        EngineConfig(model=model, device="cuda", dtype="float32", block_size=16,
                      kv_cache_gb=0.05)
     )  # fmt: skip
     for i, prompt in enumerate(PROMPTS):

@@ -79,8 +79,7 @@ def _decode_case(
     """A decode batch over scattered blocks of a NaN-filled latent plane: q (a strided view),
     the plane, metadata (device tensors) and each sequence's latent rows (host).
 
-    All rows but the last are written directly, the new tokens' through write_latent. Slots past
-    each sequence's end keep their NaN. Tables are padded to `table_width` blocks."""
+    Slots past each sequence's end keep their NaN. Tables are padded to `table_width` blocks."""
     gen = torch.Generator().manual_seed(seed)
     latent_dim = rank + rope
     needed = [-(-n // block_size) for n in seq_lens]
@@ -98,7 +97,7 @@ def _decode_case(
     meta = AttentionMetadata.build([1] * batch, seq_lens, tables, block_size, DEVICE)
     cache = cache.to(DEVICE)
     new_rows = torch.stack([rows[-1] for rows in latents]).to(DEVICE)
-    triton_mla.write_latent(cache, new_rows, meta.slot_mapping)
+    mla.write_latent(cache, new_rows, meta.slot_mapping)
     # A strided q (row stride > heads * latent_dim), as a slice of a wider tensor would be.
     q = torch.randn(batch, num_heads + 1, latent_dim, generator=gen).to(dtype)[:, :num_heads]
     return q.to(DEVICE), cache, meta, latents
@@ -114,10 +113,22 @@ def _reference(q, latents, scale, rank):
     return torch.stack(out)
 
 
-def _decode(q, cache, meta, scale, rank, num_splits):
-    return triton_mla.mla_decode(
-        q, cache, meta.seq_lens, meta.block_tables, scale, rank, num_splits=num_splits
+def _split_query(q, rank):
+    """q [n, heads, latent_dim] as the model hands it to mla_decode: q_c copied into a [heads,
+    n, rank] tensor (the absorbing GEMM's output), q_pe a strided view."""
+    q_c = q[..., :rank].transpose(0, 1).contiguous().transpose(0, 1)
+    return q_c, q[..., rank:]
+
+
+def _decode(q, cache, meta, scale, rank, num_splits, seq_lens=None):
+    lens = meta.seq_lens if seq_lens is None else seq_lens
+    q_c, q_pe = _split_query(q, rank)
+    out = triton_mla.mla_decode(
+        q_c, q_pe, cache, lens, meta.block_tables, scale, num_splits=num_splits
     )
+    # [heads, n, rank] in memory: W_UV's batched GEMM reads it without a copy.
+    assert out.transpose(0, 1).is_contiguous()
+    return out
 
 
 def _assert_matches(out, ref, dtype):
@@ -205,34 +216,74 @@ def test_zero_length_rows_give_zeros(num_splits):
     """A padded batch row (seq_len 0, filling a captured graph's batch) yields 0, not NaN."""
     q, cache, meta, latents = _decode_case([5, 70], 16, 32, 16, 16, torch.float32)
     seq_lens = torch.tensor([0, 70], dtype=torch.int32, device=DEVICE)
-    out = triton_mla.mla_decode(
-        q, cache, seq_lens, meta.block_tables, 0.2, 32, num_splits=num_splits
-    )
+    out = _decode(q, cache, meta, 0.2, 32, num_splits, seq_lens=seq_lens)
     assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu()))
     _assert_matches(out[1:], _reference(q[1:], latents[1:], 0.2, 32), torch.float32)
 
 
+def _store_case(dtype, heads=3, rank=40, rope=16, tokens=7, seed=5):
+    """Inputs of store_latent: kv_a and q_pe strided views (of wider projections), a NaN-filled
+    plane of blocks of 4, scattered slots across and within blocks."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+    kv_a = randn(tokens, rank + rope + 8)[:, 8:]
+    q_pe = randn(tokens, heads, rope + 24)[..., 24:]
+    norm_weight = randn(rank)
+    angles = torch.rand(tokens, rope // 2, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    slots = torch.tensor([0, 3, 5, 22, 9, 16, 23][:tokens], device=DEVICE)
+    cache = _nan_filled((6, 1, 4, rank + rope), dtype).to(DEVICE)
+    return cache, (kv_a, q_pe, norm_weight, 1e-6, cos, sin), slots
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_dtype_id)
-def test_write_latent_matches_the_torch_index_write(dtype):
-    """Rows taken as a strided view (a slice of a wider projection), latent_dim not a power of
-    two, written to scattered slots across and within blocks; every other slot keeps its bits."""
-    gen = torch.Generator().manual_seed(5)
-    latent_dim, block_size, num_blocks = 40, 4, 6
-    latent = torch.randn(7, latent_dim + 8, generator=gen).to(dtype).to(DEVICE)[:, 8:]
-    slots = torch.tensor([0, 3, 5, 22, 9, 16, 23], device=DEVICE)
-    ours, theirs = (
-        _nan_filled((num_blocks, 1, block_size, latent_dim), dtype).to(DEVICE) for _ in range(2)
-    )
-    triton_mla.write_latent(ours, latent, slots)
-    mla.write_latent(theirs, latent, slots)
-    assert torch.equal(ours.cpu().view(torch.uint8), theirs.cpu().view(torch.uint8))
+def test_store_latent_matches_the_torch_path(dtype, interleaved):
+    """Norm, RoPE and store in one kernel against engine.mla's torch ops: the rows at their
+    slots and q_pe equal up to rounding (the torch RoPE rounds each product), and every other
+    slot keeps its bits."""
+    cache, args, slots = _store_case(dtype)
+    theirs = cache.clone()
+    q_ours = triton_mla.store_latent(cache, *args, interleaved, slots)
+    q_theirs = mla.store_latent(theirs, *args, interleaved, slots)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(q_ours, q_theirs, atol=tol, rtol=tol)
+    assert q_ours.is_contiguous()
+    written = torch.zeros(cache.shape[0] * cache.shape[2], dtype=torch.bool)
+    written[slots.cpu()] = True
+    rows, rows_theirs = (c.cpu().view(-1, c.shape[3]) for c in (cache, theirs))
+    assert torch.equal(rows[~written].view(torch.uint8), rows_theirs[~written].view(torch.uint8))
+    torch.testing.assert_close(rows[written], rows_theirs[written], atol=tol, rtol=tol)
+
+
+def test_store_latent_of_no_tokens():
+    cache, args, slots = _store_case(torch.float32, tokens=0)
+    before = cache.clone()
+    q_pe = triton_mla.store_latent(cache, *args, False, slots)
+    assert q_pe.shape == (0, 3, 16)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
 
 
 def test_attend_latent_reads_the_metadata():
     """The LatentBackend form: lengths and tables from AttentionMetadata, splits chosen."""
     q, cache, meta, latents = _decode_case([9, 130], 20, 32, 16, 64, torch.float32)
-    out = triton_mla.attend_latent(q, cache, meta, 0.2, 32)
+    out = triton_mla.attend_latent(*_split_query(q, 32), cache, meta, 0.2)
     _assert_matches(out, _reference(q, latents, 0.2, 32), torch.float32)
+
+
+def test_backends_agree_on_a_decode_step():
+    """store_latent then attend_latent, as MlaAttention calls them, in Triton and in torch."""
+    q, cache, meta, _ = _decode_case([9, 30, 1], 4, 40, 16, 16, torch.float32)
+    _, args, _ = _store_case(torch.float32, heads=4, tokens=3)
+    theirs = cache.clone()
+    outs = []
+    for backend, plane in [(triton_mla, cache), (mla, theirs)]:
+        q_pe = backend.store_latent(plane, *args, True, meta.slot_mapping)
+        outs.append(backend.attend_latent(q[..., :40], q_pe, plane, meta, 0.2))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
 
 
 def test_rejects_a_rank_outside_the_latent():
@@ -308,54 +359,72 @@ def _absorbed_reference(q, cache, seq_lens, tables, rows_a_call=8):
 def test_deepseek_v2_lite_shapes(context, batch):
     seq_lens = [context - 37 * i % 1000 for i in range(batch)]  # ragged: tiles end mid-way
     q, cache, lens, tables = _device_case(seq_lens)
-    out = triton_mla.mla_decode(q, cache, lens, tables, V2_LITE["scale"], V2_LITE["rank"])
+    q_c, q_pe = _split_query(q, V2_LITE["rank"])
+    out = triton_mla.mla_decode(q_c, q_pe, cache, lens, tables, V2_LITE["scale"])
     ref = _absorbed_reference(q, cache, lens, tables)
     assert out.shape == ref.shape and not out.isnan().any()
     tol = TOLERANCE[torch.bfloat16]
     torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
 
 
+def _new_token_inputs(batch, seed):
+    """store_latent's inputs after the cache and slots, DeepSeek-V2-Lite's shapes, bf16."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    heads, rank, rope = V2_LITE["heads"], V2_LITE["rank"], V2_LITE["rope"]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=DEVICE).to(torch.bfloat16)
+
+    angles = torch.rand(batch, rope // 2, generator=gen, device=DEVICE) * 6
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    return [randn(batch, rank + rope), randn(batch, heads, rope), randn(rank), 1e-6, cos, sin]
+
+
 @cuda
 @pytest.mark.parametrize("num_splits", [None, 1])
 def test_cuda_graph_replay_matches_eager(num_splits):
-    """write_latent + mla_decode captured once, replayed on new contents of the same tensors,
+    """store_latent + mla_decode captured once, replayed on new contents of the same tensors,
     with longer contexts than the captured ones: nothing about lengths may be in the graph."""
-    captured = _device_case([5, 70, 1, 300], seed=0, table_width=40)
-    replayed = _device_case([2500, 2, 64, 1000], seed=1, table_width=40)
-    q, _, lens, tables = captured
+    q, _, lens, tables = _device_case([5, 70, 1, 300], seed=0, table_width=40)
+    q2, cache2, lens2, tables2 = _device_case([2500, 2, 64, 1000], seed=1, table_width=40)
     scale, rank = V2_LITE["scale"], V2_LITE["rank"]
-    new_rows = torch.zeros(4, q.shape[2], dtype=q.dtype, device=DEVICE)
+    q_c, _ = _split_query(q, rank)
+    inputs = _new_token_inputs(4, seed=2)
     slots = torch.zeros(4, dtype=torch.int64, device=DEVICE)
-    cache = torch.zeros(80, 1, 64, new_rows.shape[1], dtype=new_rows.dtype, device=DEVICE)
+    cache = torch.zeros(80, 1, 64, q.shape[2], dtype=q.dtype, device=DEVICE)
 
-    def step():
-        triton_mla.write_latent(cache, new_rows, slots)
-        return triton_mla.mla_decode(q, cache, lens, tables, scale, rank, num_splits=num_splits)
+    def step(cache, q_c, inputs, lens, tables, slots):
+        q_pe = triton_mla.store_latent(cache, *inputs, True, slots)
+        return triton_mla.mla_decode(q_c, q_pe, cache, lens, tables, scale, num_splits=num_splits)
 
+    args = (cache, q_c, inputs, lens, tables, slots)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        step()  # compiles the kernels outside the capture
+        step(*args)  # compiles the kernels outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = step()
+        out = step(*args)
 
-    q2, cache2, lens2, tables2 = replayed
-    # The new tokens' rows: taken out of the replayed cache and NaN there until the replay
-    # writes them, so attention that read them before write_latent stored them shows.
+    # The new tokens' slots hold NaN until the replay writes them, so attention that read them
+    # before store_latent stored them shows.
     last = (lens2 - 1).long()
     slots2 = tables2.long().gather(1, (last // 64)[:, None])[:, 0] * 64 + last % 64
-    rows2 = cache2.view(-1, cache2.shape[3])[slots2].clone()
+    cache2.view(-1, cache2.shape[3])[slots2] = float("nan")
     cache[: cache2.shape[0]].copy_(cache2)
-    cache.view(-1, cache.shape[3])[slots2] = float("nan")
-    for static, new in [(q, q2), (lens, lens2), (tables, tables2), (new_rows, rows2)]:
+    inputs2 = _new_token_inputs(4, seed=3)
+    for static, new in [(q_c, q2[..., :rank]), (lens, lens2), (tables, tables2), (slots, slots2)]:
         static.copy_(new)
-    slots.copy_(slots2)
+    for static, new in zip(inputs, inputs2, strict=True):
+        if isinstance(static, torch.Tensor):
+            static.copy_(new)
     graph.replay()
     torch.cuda.synchronize()
-    eager = triton_mla.mla_decode(q2, cache2, lens2, tables2, scale, rank, num_splits=num_splits)
+    q_c2, _ = _split_query(q2, rank)
+    eager = step(cache2, q_c2, inputs2, lens2, tables2, slots2)
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
-    ref = _absorbed_reference(q2, cache2, lens2, tables2)
+    q_pe2 = triton_mla.store_latent(cache2, *inputs2, True, slots2)
+    ref = _absorbed_reference(torch.cat((q2[..., :rank], q_pe2), -1), cache2, lens2, tables2)
     tol = TOLERANCE[torch.bfloat16]
     torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)

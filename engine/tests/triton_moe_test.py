@@ -19,7 +19,11 @@ from engine.tests import triton_mode  # before triton: picks the interpreter on 
 # isort: split
 import triton.language as tl
 
-from engine import triton_moe
+from engine import triton_moe, triton_route
+from engine.deepseek_config import MoeConfig
+from engine.model import EAGER_OPS, NormInput, RMSNorm
+from engine.moe import TORCH_KERNELS, MoE, route
+from engine.presets import PRESETS
 
 KERNEL = triton_moe._gate_up_kernel
 INTERPRETED = triton_mode.interpreted(KERNEL)
@@ -166,6 +170,106 @@ def test_deterministic_and_independent_of_slot_order():
     torch.testing.assert_close(swapped, out, atol=0, rtol=0)
 
 
+def _moe(experts, k, n_group, topk_group, method, scoring, norm=True, scale=2.5) -> MoeConfig:
+    return MoeConfig(
+        n_routed_experts=experts,
+        num_experts_per_tok=k,
+        moe_intermediate_size=8,
+        n_shared_experts=1,
+        n_group=n_group,
+        topk_group=topk_group,
+        topk_method=method,
+        scoring_func=scoring,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scale,
+        first_k_dense_replace=0,
+    )
+
+
+ROUTERS = {
+    "v3": _moe(256, 8, 8, 4, "noaux_tc", "sigmoid"),
+    "v2_lite": _moe(64, 6, 1, 1, "greedy", "softmax", norm=False, scale=1.0),
+    "v2": _moe(160, 6, 8, 3, "group_limited_greedy", "softmax", norm=False, scale=16.0),
+    "v3_unnormed": _moe(16, 3, 4, 2, "noaux_tc", "sigmoid", norm=False),
+}
+
+
+def _router_inputs(moe: MoeConfig, num_tokens: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, moe.n_routed_experts, generator=gen) * 2
+    bias = None
+    if moe.topk_method == "noaux_tc":
+        bias = torch.randn(moe.n_routed_experts, generator=gen) * 0.1
+    return logits.to(DEVICE), None if bias is None else bias.to(DEVICE)
+
+
+def _assert_routes_as_torch(routing, logits, bias, moe):
+    """Same expert sets per token, and their weights, as engine.moe.route; order and bounds sort
+    the pairs by expert, stably."""
+    weights, ids = route(logits, bias, moe)
+    by_id, got_by_id = ids.sort(dim=1), routing.ids.long().sort(dim=1)
+    assert torch.equal(got_by_id.values, by_id.values)
+    torch.testing.assert_close(
+        routing.weights.gather(1, got_by_id.indices), weights.gather(1, by_id.indices)
+    )
+    flat = routing.ids.flatten().long()
+    expected_order = torch.sort(flat, stable=True).indices
+    assert torch.equal(routing.order.long(), expected_order)
+    counts = torch.bincount(flat, minlength=moe.n_routed_experts)
+    expected_bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    assert torch.equal(routing.bounds.long(), expected_bounds)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_route_and_sort_matches_torch_route(router, num_tokens):
+    """One program routes and sorts; 40 tokens of 256 experts take three 16-token blocks."""
+    moe = ROUTERS[router]
+    logits, bias = _router_inputs(moe, num_tokens, seed=num_tokens)
+    routing = triton_route.route_and_sort(logits, bias, moe)
+    assert routing.order is not None
+    _assert_routes_as_torch(routing, logits, bias, moe)
+
+
+def test_route_and_sort_leaves_large_batches_to_torch():
+    """Past _MAX_ROUTED_PAIRS pairs (prefill): torch's route, and fused_experts sorts."""
+    moe = ROUTERS["v2_lite"]
+    logits, bias = _router_inputs(moe, triton_route._MAX_ROUTED_PAIRS // 6 + 1)
+    routing = triton_route.route_and_sort(logits, bias, moe)
+    weights, ids = route(logits, bias, moe)
+    assert routing.order is None and torch.equal(routing.ids, ids)
+    assert torch.equal(routing.weights, weights)
+
+
+def test_experts_with_routed_sort_match_own_sort():
+    moe = _moe(8, 2, 1, 1, "greedy", "softmax")
+    h, _, _, gate_up, down = _case(17, 2, 8, 64, 48, torch.bfloat16, seed=5, ids=None)
+    gate_up = torch.nan_to_num(gate_up, nan=0.01)
+    down = torch.nan_to_num(down, nan=0.01)
+    logits, bias = _router_inputs(moe, 17)
+    routing = triton_route.route_and_sort(logits, bias, moe)
+    out = triton_moe.KERNELS.experts(h, routing, gate_up, down)
+    own = triton_moe.fused_experts(h, routing.weights, routing.ids, gate_up, down)
+    torch.testing.assert_close(out, own, atol=0, rtol=0)
+
+
+def test_moe_layer_with_triton_kernels_matches_torch_kernels():
+    """engine.moe.MoE (deepseek-tiny: noaux_tc, 8 experts, a shared one) through KERNELS and
+    through TORCH_KERNELS, with the same weights."""
+    config = PRESETS["deepseek-tiny"]
+    gen = torch.Generator().manual_seed(6)
+    layers = [MoE(config, EAGER_OPS, kernels) for kernels in (triton_moe.KERNELS, TORCH_KERNELS)]
+    with torch.no_grad():
+        for param in layers[0].parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+        layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(5, config.hidden_size, generator=gen)
+    norm = RMSNorm(config.hidden_size, 1e-6, EAGER_OPS)
+    outs = [layer.to(DEVICE)(NormInput(x.to(DEVICE), None, norm.weight.to(DEVICE), 1e-6), norm)
+            for layer in layers]  # fmt: skip
+    torch.testing.assert_close(outs[0].x, outs[1].x, rtol=1e-5, atol=1e-5)
+
+
 def _capture(step):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -203,3 +307,18 @@ def test_deepseek_v2_lite_shapes(num_tokens):
     """64 experts, 6 a token, hidden 2048, intermediate 1408, bf16: decode and prefill sizes."""
     inputs = _case(num_tokens, 6, 64, 2048, 1408, torch.bfloat16, seed=4)
     _assert_matches(triton_moe.fused_experts(*inputs), _reference(*inputs), torch.bfloat16)
+
+
+@cuda
+@pytest.mark.parametrize("router", ["v3", "v2_lite"])
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_cuda_graph_replay_of_route_and_sort(router, num_tokens):
+    """Routing and sorting captured once, replayed with new logits."""
+    moe = ROUTERS[router]
+    logits, bias = _router_inputs(moe, num_tokens, seed=0)
+    logits2, _ = _router_inputs(moe, num_tokens, seed=1)
+    graph, routing = _capture(lambda: triton_route.route_and_sort(logits, bias, moe))
+    logits.copy_(logits2)
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_routes_as_torch(routing, logits2, bias, moe)

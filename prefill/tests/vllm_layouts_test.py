@@ -1,13 +1,22 @@
-"""vLLM's cache layouts as tandem reads them. The CPU one is checked against vLLM's own CPU
-kernel (it stores K transposed); the GPU ones are checked through the whole send path in
-vllm_worker_side_test.py."""
+"""vLLM's cache layouts as tandem reads them. The CPU ones are checked against vLLM's own CPU
+kernels (the dense one stores K transposed; the MLA ones store latent rows); the GPU ones are
+checked through the whole send path in vllm_worker_side_test.py and vllm_mla_test.py (FlashMLA's
+fp8 latent there too, against rows built as vLLM documents them)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from prefill.vllm_layouts import cache_views, detect_cpu_layout, refuse_latent_cache
+from prefill.kv_writes import token_rows
+from prefill.vllm_layouts import (
+    cache_views,
+    check_latent_write,
+    detect_cpu_layout,
+    latent_views,
+    refuse_unpaired_rope,
+    to_decode_rope_order,
+)
 
 HEADS, DIM, BLOCK = 3, 64, 128  # SmolLM2's KV heads and head_dim, vLLM's CPU block size
 
@@ -93,9 +102,137 @@ def test_detection_names_a_shape_no_cpu_layout_has():
         detect_cpu_layout(torch.empty(2, HEADS, BLOCK, DIM), HEADS, DIM, never)
 
 
-def test_an_mla_model_is_refused_naming_what_is_missing():
-    """vLLM's MLA cache holds one latent row per token, which no view above reads: the
-    connector stops vLLM at start-up instead of sending wrong KV."""
-    with pytest.raises(ValueError, match="sending vLLM's MLA latent cache is not built"):
-        refuse_latent_cache("deepseek-ai/DeepSeek-V3", use_mla=True)
-    refuse_latent_cache("HuggingFaceTB/SmolLM2-135M-Instruct", use_mla=False)
+# -- MLA latent caches ------------------------------------------------------------------------
+
+KV_LORA, ROPE = 512, 64  # DeepSeek-V3's latent row: c_kv, then k_pe
+LATENT = KV_LORA + ROPE
+
+
+def _cpu_mla_write(latent, cache, slots) -> None:
+    """What vLLM's CPU_MLA backend runs to store a step's latent rows (its impl's
+    do_kv_cache_update, given [blocks, block_size, row] as MLAAttention binds it)."""
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    impl = CPUMLAImpl(
+        num_heads=1, head_size=LATENT, scale=1.0, num_kv_heads=1, alibi_slopes=None,
+        sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
+        attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, q_lora_rank=None,
+        kv_lora_rank=KV_LORA, qk_nope_head_dim=128, qk_rope_head_dim=LATENT - KV_LORA,
+        qk_head_dim=128 + LATENT - KV_LORA, v_head_dim=128, kv_b_proj=None,
+    )  # fmt: skip
+    kv_c, k_pe = latent[:, :KV_LORA], latent[:, None, KV_LORA:]
+    impl.do_kv_cache_update(kv_c, k_pe, cache[:, 0], slots, "auto", None)
+
+
+def _amx_mla_write(latent, cache, slots) -> None:
+    """AMX_MLA's store (its kernel runs on any x86 CPU; bf16 only)."""
+    from vllm import _custom_ops as ops
+
+    kv_c, k_pe = latent[:, :KV_LORA].contiguous(), latent[:, KV_LORA:].contiguous()
+    ops.amx_mla_concat_and_cache(kv_c, k_pe, cache[:, 0], slots)
+
+
+@pytest.mark.parametrize(
+    ("backend", "write", "dtype", "block_size"),
+    [
+        ("CPU_MLA", _cpu_mla_write, torch.float32, 16),  # the CPU platform's block size for it
+        ("CPU_MLA", _cpu_mla_write, torch.bfloat16, 16),
+        ("AMX_MLA", _amx_mla_write, torch.bfloat16, 32),
+    ],
+)
+def test_the_latent_view_reads_what_vllms_cpu_mla_kernels_wrote(backend, write, dtype, block_size):
+    like = torch.empty(6, 1, block_size, LATENT, dtype=dtype)
+    check_latent_write(backend, like, KV_LORA, ROPE, write)  # raises if it reads otherwise
+    # And rows written at scattered slots of a larger cache read back through the view.
+    cache = torch.zeros_like(like)
+    slots = torch.tensor([5 * block_size + 2, 3, 2 * block_size, block_size - 1])
+    latent = torch.randn(len(slots), LATENT).to(dtype)
+    write(latent, cache, slots)
+    views = latent_views(backend, cache, KV_LORA, ROPE)
+    assert (views.layout, views.v, views.dtype, views.block_size) == ("vllm-mla", None, dtype,
+                                                                      block_size)  # fmt: skip
+    assert torch.equal(token_rows(views.k, slots // block_size, slots % block_size)[:, 0], latent)
+
+
+def test_a_kernel_storing_the_latent_otherwise_is_refused():
+    def rope_first(latent, cache, slots) -> None:
+        rows = cache.view(-1, LATENT)
+        rows[slots] = torch.cat((latent[:, KV_LORA:], latent[:, :KV_LORA]), dim=-1)
+
+    like = torch.empty(2, 1, 16, LATENT)
+    with pytest.raises(ValueError, match=r"CPU_MLA .* stores the latent in none of the layouts"):
+        check_latent_write("CPU_MLA", like, KV_LORA, ROPE, rope_first)
+
+
+def test_gpu_latent_caches_are_read_through_their_strides():
+    """FlashMLA and the other GPU MLA backends: [blocks, block_size, 576] bf16 rows (1152 bytes
+    a token), [blocks, 1, block_size, 576] since vLLM 0.32; a block may be padded."""
+    padded = torch.randn(5, 70, LATENT, dtype=torch.bfloat16)  # 64 tokens a block, 6 rows pad
+    for cache in (padded[:, :64], padded[:, None, :64]):
+        views = latent_views("FLASHMLA", cache, KV_LORA, ROPE)
+        assert views.k.shape == (5, 1, 64, LATENT) and views.k.stride()[2:] == (LATENT, 1)
+        got = token_rows(views.k, torch.tensor([4, 0]), torch.tensor([63, 1]))[:, 0]
+        assert torch.equal(got, torch.stack([padded[4, 63], padded[0, 1]]))
+
+
+@pytest.mark.parametrize(
+    ("backend", "cache", "kv_cache_dtype", "named"),
+    [
+        ("FLASHMLA_SPARSE", torch.empty(2, 16, 656, dtype=torch.uint8), "nvfp4_ds_mla",
+         "KV cache dtype nvfp4_ds_mla"),
+        ("FLASHMLA", torch.empty(2, 16, 576, dtype=torch.uint8), "fp8",
+         "KV cache dtype fp8 (torch.uint8)"),
+        ("FLASHMLA", torch.empty(2, 16, 512, dtype=torch.bfloat16), "auto",
+         "expected [blocks, (1,) block_size, 576]"),
+        ("FLASHMLA_SPARSE", torch.empty(2, 16, 576, dtype=torch.uint8), "fp8_ds_mla",
+         "expected [blocks, (1,) block_size, 656]"),
+        ("FLASHMLA_SPARSE", torch.empty(2, 16, 656, dtype=torch.bfloat16), "fp8_ds_mla",
+         "fp8_ds_mla holds the bytes of a 512 + 64 latent"),
+        ("FLASHMLA", torch.empty(2, 16, 576, dtype=torch.float8_e4m3fn), "auto",
+         "fp8_ds_mla holds the bytes of a 512 + 64 latent, the others its elements"),
+        ("DEEPSEEK_V32_INDEXER", torch.empty(2, 16, 576), "auto",
+         "backend DEEPSEEK_V32_INDEXER: not one tandem reads"),
+    ],
+)  # fmt: skip
+def test_a_latent_cache_tandem_cannot_send_is_refused_by_name(
+    backend, cache, kv_cache_dtype, named
+):
+    with pytest.raises(ValueError) as error:
+        latent_views(backend, cache, KV_LORA, ROPE, kv_cache_dtype)
+    assert named in str(error.value)
+
+
+def test_vllms_k_pe_reordered_is_what_tandems_engine_caches():
+    """vLLM rotates k_pe's pairs (2i, 2i+1) where they lie (GPT-J style); tandem's engine (as
+    transformers, rope_interleave) rotates them de-interleaved. The same token's latent, after
+    `to_decode_rope_order`, must be tandem's."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from engine.model import rope
+
+    torch.manual_seed(0)
+    tokens = 7
+    positions = torch.arange(100, 100 + tokens)
+    c_kv, k_pe = torch.randn(tokens, KV_LORA), torch.randn(tokens, 1, ROPE)
+    default = {"rope_type": "default", "rope_theta": 10000.0}
+    with set_current_vllm_config(VllmConfig()):
+        vllm_rope = get_rope(ROPE, 1024, rope_parameters=default, is_neox_style=False)
+    # vLLM's torch RoPE (its CPU kernel misreads [tokens, 1, 64] views: tests/vllm_mla_test.py)
+    _, vllm_k = vllm_rope.forward_static(
+        positions, torch.zeros(tokens, 1, ROPE), k_pe.clone(), ROPE, ROPE,
+        vllm_rope.cos_sin_cache, False,
+    )  # fmt: skip
+    cos, sin = vllm_rope.cos_sin_cache[positions].chunk(2, dim=-1)
+    _, tandem_k = rope(torch.zeros(tokens, 1, ROPE), k_pe, cos, sin, interleaved=True)
+    sent = to_decode_rope_order(torch.cat((c_kv, vllm_k[:, 0]), dim=-1), KV_LORA)
+    assert torch.equal(sent[:, :KV_LORA], c_kv)
+    torch.testing.assert_close(sent[:, KV_LORA:], tandem_k[:, 0], rtol=0, atol=1e-6)
+    assert not torch.allclose(vllm_k[:, 0], tandem_k[:, 0], atol=1e-3)  # the order matters
+
+
+def test_an_mla_model_pairing_rope_channels_by_halves_is_refused():
+    with pytest.raises(ValueError, match="rope_interleave false; vLLM's MLA rotates RoPE pairs"):
+        refuse_unpaired_rope("m", rope_interleave=False)
+    refuse_unpaired_rope("deepseek-ai/DeepSeek-V3", rope_interleave=True)
