@@ -58,7 +58,8 @@ def route(
 class Router(nn.Module):
     """gate.weight [experts, hidden] and gate.e_score_correction_bias [experts] (noaux_tc) kept
     in float32 whatever the model's dtype: the router computes in float32 (as transformers does,
-    which converts its weight every step), so a float32 copy saves that conversion's kernel."""
+    which converts its weight every step), so a float32 copy saves that conversion's kernel.
+    MoeKernels.route computes the logits from them."""
 
     float32_parameters = ("weight", "e_score_correction_bias")
 
@@ -71,10 +72,6 @@ class Router(nn.Module):
             if moe.topk_method == "noaux_tc"
             else None
         )
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h [T, hidden] -> router logits [T, experts] float32."""
-        return F.linear(h.float(), self.weight)
 
 
 @dataclass(frozen=True)
@@ -92,13 +89,18 @@ class Routing:
 @dataclass(frozen=True)
 class MoeKernels:
     """How a MoE layer routes and computes its experts: TORCH_KERNELS below (CPU), or
-    engine.triton_moe.KERNELS (CUDA: routing and sorting in one kernel, one kernel per
-    projection, no host sync)."""
+    engine.triton_moe.KERNELS (CUDA: the router's logits in one kernel, routing and sorting in
+    one, one kernel per projection and one for the sum over k plus the residual, no host
+    sync)."""
 
-    # (logits [T, experts] float32, correction bias [experts] | None, MoeConfig) -> Routing
-    route: Callable[[torch.Tensor, torch.Tensor | None, MoeConfig], Routing]
-    # (h [T, hidden], Routing, gate_up_proj, down_proj) -> [T, hidden]
-    experts: Callable[[torch.Tensor, Routing, torch.Tensor, torch.Tensor], torch.Tensor]
+    # (h [T, hidden], gate.weight [experts, hidden] float32, correction bias [experts] | None,
+    # MoeConfig) -> Routing, from the logits F.linear(h.float(), gate.weight)
+    route: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, MoeConfig], Routing]
+    # (h [T, hidden], Routing, gate_up_proj, down_proj, residual [T, hidden] | None)
+    # -> [T, hidden]: the routed experts' output, plus residual if given
+    experts: Callable[
+        [torch.Tensor, Routing, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+    ]
 
 
 def gather_experts(
@@ -121,15 +123,20 @@ def gather_experts(
 
 
 def _torch_route(
-    logits: torch.Tensor, correction_bias: torch.Tensor | None, moe: MoeConfig
+    h: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None, moe: MoeConfig
 ) -> Routing:
-    return Routing(*route(logits, correction_bias, moe))
+    return Routing(*route(F.linear(h.float(), weight), correction_bias, moe))
 
 
 def _torch_experts(
-    h: torch.Tensor, routing: Routing, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+    h: torch.Tensor,
+    routing: Routing,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    residual: torch.Tensor | None,
 ) -> torch.Tensor:
-    return gather_experts(h, routing.weights, routing.ids, gate_up_proj, down_proj)
+    out = gather_experts(h, routing.weights, routing.ids, gate_up_proj, down_proj)
+    return out if residual is None else residual + out
 
 
 TORCH_KERNELS = MoeKernels(route=_torch_route, experts=_torch_experts)
@@ -146,9 +153,12 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(experts, config.hidden_size, size))
         self.kernel = kernel
 
-    def forward(self, h: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """sum over each token's experts e of weight * expert_e(h) -> [T, hidden]."""
-        return self.kernel(h, routing, self.gate_up_proj, self.down_proj)
+    def forward(
+        self, h: torch.Tensor, routing: Routing, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """sum over each token's experts e of weight * expert_e(h), plus residual if given
+        -> [T, hidden]."""
+        return self.kernel(h, routing, self.gate_up_proj, self.down_proj, residual)
 
 
 class MoE(nn.Module):
@@ -169,13 +179,13 @@ class MoE(nn.Module):
     def forward(self, inp: NormInput, next_norm: RMSNorm) -> NormInput:
         """next_norm(MoE output + the input's x + residual), as engine.model.MLP."""
         h, residual = inp.compute(self.ops)
-        moe = self.gate.moe
-        routing = self.route(self.gate(h), self.gate.e_score_correction_bias, moe)
-        routed = self.experts(h, routing)
+        gate = self.gate
+        routing = self.route(h, gate.weight, gate.e_score_correction_bias, gate.moe)
         if self.shared_experts is None:
-            return NormInput(routed, residual, next_norm.weight, next_norm.eps)
+            return NormInput(self.experts(h, routing), residual, next_norm.weight, next_norm.eps)
         # The shared experts' SwiGLU from `inp` (on CUDA its norm is computed inside the
-        # projection), the routed output and the residual added by its down projection's op.
+        # projection); the residual is added to the routed output by the experts' last kernel,
+        # that sum to the shared output by its down projection's op.
         shared = self.shared_experts
         x, _ = self.ops.gate_up_silu(inp, shared.gate_up_proj.weight)
-        return shared.down_proj.add_forward(x, residual + routed, next_norm)
+        return shared.down_proj.add_forward(x, self.experts(h, routing, residual), next_norm)

@@ -26,16 +26,19 @@ rather than 58 experts' worth of programs that would load their bounds and exit.
 - `_down_kernel`, grid (active expert, BLOCK_N hidden columns): the same walk over the
   intermediate rows; multiplies each row by its pair's routing weight (float32) and stores it
   at the pair's own row of a per-pair output [T * k, hidden].
-The k rows of each token are then summed by torch (in fp32, one rounding): no atomics, so the
-result does not depend on the order programs finish in.
+- `_sum_pairs_kernel`, grid (token, BLOCK_SUM hidden columns): each token's k rows summed in
+  fp32, in slot order, plus the optional residual (the layer's, so that MoE's separate add
+  disappears), rounded once: no atomics, so the result does not depend on the order programs
+  finish in.
 
 Rounding follows the torch path: each projection's output is rounded to the input dtype, as
 F.linear returns it, silu(gate) and its product with up are rounded as separate ops round them,
 and the down output times the fp32 weight is rounded once. Only the sum over the k experts
-differs: the torch path adds in the input dtype expert by expert, this sums in fp32.
+differs: the torch path adds in the input dtype expert by expert, then the residual, this sums
+all in fp32.
 
-`KERNELS.route` is engine.triton_route's `route_and_sort`: at decode sizes the routing and that
-sort in one kernel.
+`KERNELS.route` is engine.triton_route's `route_tokens`: at decode sizes the router's logits in
+one kernel, the routing and that sort in another.
 
 On CUDA the kernels are launched with programmatic dependent launch (engine.triton_pdl). They
 wait before their first load: which weights to read depends on the sort just before.
@@ -47,7 +50,7 @@ import triton.language as tl
 
 from engine import triton_pdl
 from engine.moe import MoeKernels, Routing
-from engine.triton_route import route_and_sort
+from engine.triton_route import route_tokens
 
 __all__ = ["KERNELS", "fused_experts"]
 
@@ -62,6 +65,7 @@ _PREFILL_BLOCKS = (64, 64)
 _MAX_BLOCK_M = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 3
+_BLOCK_SUM = 256  # _sum_pairs_kernel's columns per program: 8 a token at DeepSeek-V2-Lite's H
 
 
 def fused_experts(
@@ -71,6 +75,7 @@ def fused_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     sorted_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum over each token's experts e of weight * down_e(silu(gate_e(h)) * up_e(h)) -> [T, H].
 
@@ -78,7 +83,7 @@ def fused_experts(
     routing picks them; repeats would also be summed); gate_up [E, 2 * I, H] (gate rows first,
     then up); down [E, H, I]. h, gate_up and down share one dtype; accumulation is fp32.
     sorted_pairs: (order, bounds) of the pairs as Routing holds them (route_and_sort), else
-    sorted here.
+    sorted here. residual [T, H] (h's dtype): added to the sum, in fp32 with one rounding.
     """
     num_tokens, hidden = h.shape
     top_k = ids.shape[1]
@@ -94,7 +99,7 @@ def fused_experts(
     pairs = num_tokens * top_k
     active = min(num_experts, pairs)  # the most experts a step's pairs can choose
     if active == 0:
-        return torch.zeros_like(h)
+        return torch.zeros_like(h) if residual is None else residual.clone()
     if sorted_pairs is None:
         sorted_pairs = _sort_pairs(ids.reshape(pairs), num_experts)
     order, bounds = sorted_pairs
@@ -117,10 +122,26 @@ def fused_experts(
         activated.stride(0), down.stride(0), down.stride(1), per_pair.stride(0),
         BLOCK_K=block_k, EVEN_K=inter % block_k == 0, **common,
     )  # fmt: skip
-    if top_k == 1:
-        return per_pair
-    # NOTE: torch sums bf16 and fp16 in fp32 and rounds once, in a fixed order.
-    return per_pair.view(num_tokens, top_k, hidden).sum(1)
+    return _sum_pairs(per_pair.view(num_tokens, top_k, hidden), residual)
+
+
+def _sum_pairs(per_pair: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """per_pair [T, k, H] summed over k, plus residual [T, H] if given, in fp32 -> [T, H]."""
+    num_tokens, top_k, hidden = per_pair.shape
+    if residual is not None:
+        assert residual.shape == (num_tokens, hidden), residual.shape
+        assert residual.dtype == per_pair.dtype, (residual.dtype, per_pair.dtype)
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    out = torch.empty(num_tokens, hidden, dtype=per_pair.dtype, device=per_pair.device)
+    pdl = triton_pdl.enabled(per_pair.device)
+    _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, _BLOCK_SUM))](
+        per_pair, out if residual is None else residual, out,
+        hidden, per_pair.stride(0), per_pair.stride(1),
+        0 if residual is None else residual.stride(0), out.stride(0),
+        K=top_k, HAS_RESIDUAL=residual is not None, BLOCK_N=_BLOCK_SUM,
+        PDL=pdl, num_warps=_NUM_WARPS, launch_pdl=pdl,
+    )  # fmt: skip
+    return out
 
 
 def _sort_pairs(flat_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,13 +179,17 @@ def _block_k(k: int, max_block_k: int) -> int:
 
 
 def _experts(
-    h: torch.Tensor, routing: Routing, gate_up: torch.Tensor, down: torch.Tensor
+    h: torch.Tensor,
+    routing: Routing,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    residual: torch.Tensor | None,
 ) -> torch.Tensor:
     sorted_pairs = None if routing.order is None else (routing.order, routing.bounds)
-    return fused_experts(h, routing.weights, routing.ids, gate_up, down, sorted_pairs)
+    return fused_experts(h, routing.weights, routing.ids, gate_up, down, sorted_pairs, residual)
 
 
-KERNELS = MoeKernels(route=route_and_sort, experts=_experts)
+KERNELS = MoeKernels(route=route_tokens, experts=_experts)
 """engine.moe.MoE's kernels on CUDA."""
 
 
@@ -298,3 +323,31 @@ def _down_kernel(
         out = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
         out_ptrs = out_ptr + pairs[:, None] * stride_ot + cols[None, :]
         tl.store(out_ptrs, out, mask=valid[:, None] & (cols < H)[None, :])
+
+
+@triton.jit
+def _sum_pairs_kernel(
+    pairs_ptr,  # [T, k, H]: the down kernel's output
+    residual_ptr,  # [T, H] (read only if HAS_RESIDUAL)
+    out_ptr,  # [T, H]
+    H,
+    stride_pt,
+    stride_pk,
+    stride_rt,
+    stride_ot,
+    K: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    triton_pdl.await_previous_kernel(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = cols < H
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_RESIDUAL:
+        acc += tl.load(residual_ptr + token * stride_rt + cols, mask=live, other=0.0).to(tl.float32)
+    for slot in tl.static_range(K):
+        row = pairs_ptr + token * stride_pt + slot * stride_pk
+        acc += tl.load(row + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=live)

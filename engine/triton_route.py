@@ -1,5 +1,9 @@
 """DeepSeek's MoE routing on the GPU, with the sort of the (token, slot) pairs by expert that
-engine.triton_moe's fused_experts needs, in one Triton program at decode sizes.
+engine.triton_moe's fused_experts needs: at decode sizes the router's logits in one kernel, then
+the routing and the sort in one Triton program.
+
+`router_logits` computes F.linear(h.float(), gate.weight) in float32 in one kernel, where torch
+takes three (h.float()'s copy, then cuBLAS's fp32 GEMV and its reduction).
 
 `route_and_sort` computes engine.moe.route's choice and weights (sigmoid or softmax scores, the
 correction bias, the group limit of noaux_tc and group_limited_greedy, top-k, norm_topk_prob,
@@ -10,6 +14,7 @@ programmatic dependent launch (engine.triton_pdl).
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -23,6 +28,86 @@ _NUM_WARPS = 4
 _MAX_ROUTED_PAIRS = 1024
 _MAX_ROUTED_EXPERTS = 256
 _ROUTE_TILE = 4096
+# router_logits' kernel up to this many tokens (decode batches); F.linear past it. Its programs
+# hold [BLOCK_T, BLOCK_E, BLOCK_H] products of at most _LOGITS_TILE, and read h in steps of at
+# most _MAX_LOGITS_BLOCK_H columns.
+_MAX_LOGITS_TOKENS = 128
+_LOGITS_TILE = 8192
+_MAX_LOGITS_BLOCK_H = 2048
+
+
+def route_tokens(
+    h: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None, moe: MoeConfig
+) -> Routing:
+    """engine.moe.MoeKernels.route on CUDA: route_and_sort of router_logits(h, weight)."""
+    return route_and_sort(router_logits(h, weight), correction_bias, moe)
+
+
+def router_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(h.float(), weight) -> [T, E] float32: h [T, H] (any float dtype, upcast
+    exactly), weight [E, H] float32. At decode sizes one kernel with a program per (BLOCK_E
+    experts, BLOCK_T tokens): at T=1 a program per expert (64 programs at DeepSeek-V2-Lite's
+    512 KB of weights, 256 at V3's 7 MB), each streaming its expert's row; wider tiles as T
+    grows, so that each weight is read once per BLOCK_T tokens. Untuned."""
+    num_tokens, hidden = h.shape
+    num_experts = weight.shape[0]
+    if num_tokens > _MAX_LOGITS_TOKENS or num_tokens == 0:
+        return F.linear(h.float(), weight)
+    assert weight.dtype == torch.float32 and weight.shape[1] == hidden, (weight.dtype, weight.shape)
+    assert weight.stride(-1) == 1, weight.stride()
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=h.device)
+    block_t = min(triton.next_power_of_2(num_tokens), 16)
+    block_e = max(1, block_t // 4)
+    block_h = min(
+        triton.next_power_of_2(hidden), _MAX_LOGITS_BLOCK_H, _LOGITS_TILE // (block_t * block_e)
+    )
+    pdl = triton_pdl.enabled(h.device)
+    _logits_kernel[(triton.cdiv(num_experts, block_e), triton.cdiv(num_tokens, block_t))](
+        h, weight, logits,
+        num_tokens, num_experts, hidden, h.stride(0), weight.stride(0), logits.stride(0),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h, EVEN_H=hidden % block_h == 0,
+        PDL=pdl, num_warps=_NUM_WARPS, launch_pdl=pdl,
+    )  # fmt: skip
+    return logits
+
+
+@triton.jit
+def _logits_kernel(
+    h_ptr,  # [T, H] any float dtype
+    w_ptr,  # [E, H] float32
+    out_ptr,  # [T, E] float32
+    T,
+    E,
+    H,
+    stride_ht,
+    stride_we,
+    stride_ot,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    triton_pdl.await_previous_kernel(PDL)
+    tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    # Rows past T and E re-read the last one: loads stay unpredicated but on H; only the store
+    # is masked.
+    x_rows = h_ptr + tl.minimum(tokens, T - 1).to(tl.int64) * stride_ht
+    w_rows = w_ptr + tl.minimum(experts, E - 1).to(tl.int64) * stride_we
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for k in range(0, H, BLOCK_H):
+        ks = k + tl.arange(0, BLOCK_H)
+        if EVEN_H:
+            x = tl.load(x_rows[:, None] + ks[None, :])
+            w = tl.load(w_rows[:, None] + ks[None, :])
+        else:
+            x = tl.load(x_rows[:, None] + ks[None, :], mask=(ks < H)[None, :], other=0.0)
+            w = tl.load(w_rows[:, None] + ks[None, :], mask=(ks < H)[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], 2)
+    out_ptrs = out_ptr + tokens[:, None] * stride_ot + experts[None, :]
+    tl.store(out_ptrs, acc, mask=(tokens < T)[:, None] & (experts < E)[None, :])
 
 
 def route_and_sort(

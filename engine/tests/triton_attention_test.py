@@ -17,14 +17,12 @@ without it every test here errors, saying so.
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
 
 from engine.tests import triton_mode  # before triton: picks the interpreter on CPU
 
 # isort: split
-import triton.language as tl
 
 from engine import attention, triton_attention
 from engine.attention import AttentionMetadata
@@ -37,39 +35,7 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
 @pytest.fixture(scope="module", autouse=True)
 def _triton_mode():
-    """Errors every test if no mode can run; in interpreter mode, works around two Triton 3.6
-    interpreter bugs, leaving the kernels' code path unchanged.
-
-    NOTE: (1) `range()` over a tensor bound calls int() on a 1-element array, which numpy >= 2.4
-    rejects (triton-lang/triton#9171, fixed after 3.6). (2) tl.dot multiplies bf16 operands as
-    their uint16 bit patterns; they are widened to fp32 exactly first, as the GPU does.
-    """
-    if error := triton_mode.mode_error(triton_attention._split_kernel):
-        pytest.fail(error)  # every test errors, loudly; other test files still run
-    if not INTERPRETED:
-        yield
-        return
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def patch_tensor_fixed(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
-
-    def widen(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        bits = handle.data.astype(np.uint32) << np.uint32(16)
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def create_dot_fixed(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter, "_patch_lang_tensor", patch_tensor_fixed)
-        mp.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot_fixed)
+    with triton_mode.runnable(triton_attention._split_kernel):
         yield
 
 

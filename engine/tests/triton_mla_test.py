@@ -7,14 +7,12 @@ the tests marked `cuda` (DeepSeek-V2-Lite shapes, CUDA graph replay) run too:
     python -m pytest -q engine/tests/triton_mla_test.py
 """
 
-import numpy as np
 import pytest
 import torch
 
 from engine.tests import triton_mode  # before triton: picks the interpreter on CPU
 
 # isort: split
-import triton.language as tl
 
 from engine import mla, triton_mla
 from engine.attention import AttentionMetadata
@@ -25,44 +23,12 @@ DEVICE = triton_mode.device_of(KERNEL)
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
 
-def cuda(test):
-    """Needs compiled kernels on a GPU: marked `cuda`, and skipped in the interpreter, where
-    DeepSeek's shapes would take minutes and CUDA graphs do not exist."""
-    skip = pytest.mark.skipif(INTERPRETED, reason="needs compiled kernels on a GPU")
-    return pytest.mark.cuda(skip(test))
+cuda = triton_mode.cuda_only
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _triton_mode():
-    """Errors every test if no mode can run; in interpreter mode, works around two Triton 3.6
-    interpreter bugs as triton_attention_test does (see there): `range()` over a tensor bound,
-    and tl.dot multiplying bf16 operands as their uint16 bit patterns."""
-    if error := triton_mode.mode_error(KERNEL):
-        pytest.fail(error)
-    if not INTERPRETED:
-        yield
-        return
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def patch_tensor_fixed(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
-
-    def widen(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        bits = handle.data.astype(np.uint32) << np.uint32(16)
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def create_dot_fixed(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter, "_patch_lang_tensor", patch_tensor_fixed)
-        mp.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot_fixed)
+    with triton_mode.runnable(KERNEL):
         yield
 
 

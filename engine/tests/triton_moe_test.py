@@ -9,7 +9,6 @@ Every case fills the weights of the experts no token chose with NaN: were any of
 output would not be finite.
 """
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +16,6 @@ import torch.nn.functional as F
 from engine.tests import triton_mode  # before triton: picks the interpreter on CPU
 
 # isort: split
-import triton.language as tl
 
 from engine import triton_moe, triton_route
 from engine.deepseek_config import MoeConfig
@@ -34,58 +32,12 @@ DEVICE = triton_mode.device_of(KERNEL)
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 
-def cuda(test):
-    """Needs compiled kernels on a GPU: marked `cuda` (deselected by `-m "not cuda"`), and
-    skipped in interpreter mode, where it would take minutes or fail."""
-    return pytest.mark.cuda(pytest.mark.skipif(INTERPRETED, reason="needs CUDA")(test))
+cuda = triton_mode.cuda_only
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _triton_mode():
-    """Errors every test if no mode can run; in interpreter mode, works around three Triton 3.6
-    interpreter bugs, leaving the kernels' code path unchanged.
-
-    NOTE: (1) `range()` over a tensor bound calls int() on a 1-element array, which numpy >= 2.4
-    rejects (triton-lang/triton#9171, fixed after 3.6). (2) tl.dot multiplies bf16 operands as
-    their uint16 bit patterns; they are widened to fp32 exactly first, as the GPU does. (3) fp32
-    -> bf16 casts truncate the mantissa, where the GPU rounds to nearest even; truncation biases
-    every rounded intermediate towards zero (a 1.6% error at T=1).
-    """
-    if error := triton_mode.mode_error(KERNEL):
-        pytest.fail(error)
-    if not INTERPRETED:
-        yield
-        return
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-    create_dot = interpreter.InterpreterBuilder.create_dot
-    cast_impl = interpreter.InterpreterBuilder.cast_impl
-
-    def patch_tensor_fixed(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
-
-    def widen(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        bits = handle.data.astype(np.uint32) << np.uint32(16)
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def create_dot_fixed(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    def cast_impl_fixed(self, src, dst_type):
-        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
-            return cast_impl(self, src, dst_type)
-        bits = np.asarray(src.data, dtype=np.float32).view(np.uint32)
-        rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> 16
-        return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter, "_patch_lang_tensor", patch_tensor_fixed)
-        mp.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot_fixed)
-        mp.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl_fixed)
+    with triton_mode.runnable(KERNEL):
         yield
 
 
@@ -170,6 +122,58 @@ def test_deterministic_and_independent_of_slot_order():
     torch.testing.assert_close(swapped, out, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_residual_added_to_experts_sum(dtype):
+    """fused_experts(residual=r) is r + the sum, rounded once: within the sum's tolerance of
+    float64 (the residual adds no rounding of its own)."""
+    h, weights, ids, gate_up, down = _case(17, 6, 8, 72, 40, dtype, seed=7)
+    residual = torch.randn(h.shape, generator=torch.Generator().manual_seed(8)).to(h)
+    out = triton_moe.fused_experts(h, weights, ids, gate_up, down, residual=residual)
+    _assert_matches(out, _reference(h, weights, ids, gate_up, down) + residual.double(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("top_k", [1, 6])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["sum", "sum_residual"])
+def test_sum_pairs_matches_torch(with_residual, top_k, dtype):
+    """The k rows of each token (and the residual) summed in fp32 and rounded once: the exact
+    sum rounded, but for fp32's summation order (bf16: torch's default tolerance, ~1 ulp); H=300
+    is not a multiple of the 256-column blocks."""
+    gen = torch.Generator().manual_seed(top_k)
+    per_pair = torch.randn(3, top_k, 300, generator=gen).to(dtype).to(DEVICE)
+    residual = torch.randn(3, 300, generator=gen).to(dtype).to(DEVICE) if with_residual else None
+    expected = per_pair.double().sum(1) + (0 if residual is None else residual.double())
+    out = triton_moe._sum_pairs(per_pair, residual)
+    assert out.dtype == dtype
+    tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}
+    torch.testing.assert_close(out, expected.to(dtype), **tolerance)
+
+
+# (tokens, experts, hidden): one expert a program at T=1, H past one 2048-column step and not a
+# multiple of it; 4 experts a program at 16 tokens, E not a multiple of 4; two token blocks.
+LOGIT_SHAPES = [(1, 64, 2048), (1, 16, 2600), (5, 9, 72), (17, 10, 96), (40, 160, 64)]
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", LOGIT_SHAPES, ids=lambda s: "T{}_E{}_H{}".format(*s))
+def test_router_logits_match_f_linear(shape, dtype):
+    """As F.linear(h.float(), w): h is upcast exactly, so every dtype gets fp32's tolerance
+    (summation order only: ~1e-7 relative a term)."""
+    num_tokens, num_experts, hidden = shape
+    gen = torch.Generator().manual_seed(num_tokens)
+    h = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(num_experts, hidden, generator=gen) * hidden**-0.5).to(DEVICE)
+    logits = triton_route.router_logits(h, weight)
+    assert logits.dtype == torch.float32 and logits.shape == (num_tokens, num_experts)
+    torch.testing.assert_close(logits, F.linear(h.float(), weight), rtol=1e-5, atol=1e-5)
+
+
+def test_router_logits_leave_large_batches_to_f_linear():
+    h = torch.randn(triton_route._MAX_LOGITS_TOKENS + 1, 32).bfloat16().to(DEVICE)
+    weight = torch.randn(8, 32).to(DEVICE)
+    assert torch.equal(triton_route.router_logits(h, weight), F.linear(h.float(), weight))
+
+
 def _moe(experts, k, n_group, topk_group, method, scoring, norm=True, scale=2.5) -> MoeConfig:
     return MoeConfig(
         n_routed_experts=experts,
@@ -248,7 +252,7 @@ def test_experts_with_routed_sort_match_own_sort():
     down = torch.nan_to_num(down, nan=0.01)
     logits, bias = _router_inputs(moe, 17)
     routing = triton_route.route_and_sort(logits, bias, moe)
-    out = triton_moe.KERNELS.experts(h, routing, gate_up, down)
+    out = triton_moe.KERNELS.experts(h, routing, gate_up, down, None)
     own = triton_moe.fused_experts(h, routing.weights, routing.ids, gate_up, down)
     torch.testing.assert_close(out, own, atol=0, rtol=0)
 
@@ -322,3 +326,32 @@ def test_cuda_graph_replay_of_route_and_sort(router, num_tokens):
     graph.replay()
     torch.cuda.synchronize()
     _assert_routes_as_torch(routing, logits2, bias, moe)
+
+
+@cuda
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_cuda_graph_replay_of_moe_kernels(num_tokens):
+    """KERNELS.route (logits, routing and sort) and KERNELS.experts with a residual, captured
+    once at DeepSeek-V2-Lite's routing, replayed with new hidden states and residual."""
+    moe = ROUTERS["v2_lite"]
+    shape = (num_tokens, 6, 64, 512, 192)
+    h, _, _, gate_up, down = _case(*shape, torch.bfloat16, seed=0)
+    h2 = _case(*shape, torch.bfloat16, seed=1)[0]
+    gate_up = torch.randn_like(gate_up, dtype=torch.float32).mul_(512**-0.5).bfloat16()
+    down = torch.randn_like(down, dtype=torch.float32).mul_(192**-0.5).bfloat16()
+    weight = torch.randn(64, 512, device=DEVICE) * 512**-0.5
+    residual, residual2 = torch.randn(2, *h.shape, device=DEVICE).bfloat16()
+
+    def step(h, residual):
+        routing = triton_moe.KERNELS.route(h, weight, None, moe)
+        return triton_moe.KERNELS.experts(h, routing, gate_up, down, residual)
+
+    graph, out = _capture(lambda: step(h, residual))
+    h.copy_(h2)
+    residual.copy_(residual2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, step(h2, residual2), atol=0, rtol=0)
+    torch.testing.assert_close(
+        triton_route.router_logits(h2, weight), F.linear(h2.float(), weight), rtol=1e-5, atol=1e-5
+    )
