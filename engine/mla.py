@@ -16,7 +16,7 @@ There are two ways to attend, equal in exact arithmetic:
 
 The model writes latent rows (normalizing c_kv and rotating k_pe, and q_pe with them), and
 attends decode-only batches in latent space, through a `LatentBackend` chosen by whoever builds
-it: this module is itself the CPU one (`store_latent`, `attend_latent`), engine.triton_mla the
+it: this module is itself the CPU one (`store_latent`, `decode_attention`), engine.triton_mla the
 CUDA one (kernels a CUDA graph can capture); a wrapper (the prefill's KV publisher) acts on each
 layer's freshly written rows. Batches with prompt chunks go through `paged_mla` (torch) on
 either device.
@@ -64,18 +64,21 @@ class LatentBackend(Protocol):
         [T, rope / 2] as engine.model.rope (`interleaved`: pairs come out de-interleaved)."""
         ...
 
-    def attend_latent(
+    def decode_attention(
         self,
-        q_c: torch.Tensor,
+        q_nope: torch.Tensor,
         q_pe: torch.Tensor,
         cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_b_weight: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """The query [q_c | q_pe] (q_c [n, heads, kv_lora_rank], q_pe [n, heads, rope], any
-        strides with contiguous channels), row i sequence i's one new token (already
-        written) -> [n, heads, kv_lora_rank], any strides: attention over the sequence's
-        latent rows, the first kv_lora_rank channels of each being its value."""
+        """The absorbed form for a decode-only batch: the query [q_nope | q_pe] (q_nope [n,
+        heads, nope], q_pe [n, heads, rope] RoPE'd, any strides with contiguous channels), row
+        i sequence i's one new token (already written), taken into latent space by W_UK
+        (`absorb_query`), attends over the sequence's latent rows, the first kv_lora_rank
+        channels of each being its value, and the output leaves by W_UV (`expand_output`)
+        -> [n, heads, v_head_dim] contiguous."""
         ...
 
 
@@ -132,10 +135,8 @@ class MlaAttention(nn.Module):
             mla.rope_interleave, meta.slot_mapping,
         )  # fmt: skip
         w = self.kv_b_proj.weight
-        if meta.max_query_len == 1:  # decode only: the backend's kernel (CUDA-graph safe)
-            q_c = absorb_query(q_nope, w)
-            o_latent = self.backend.attend_latent(q_c, q_pe, cache, meta, self.scale)
-            o = expand_output(o_latent, w, mla.qk_nope_head_dim)
+        if meta.max_query_len == 1:  # decode only: the backend's kernels (CUDA-graph safe)
+            o = self.backend.decode_attention(q_nope, q_pe, cache, meta, w, self.scale)
         else:
             o = paged_mla(q_nope, q_pe, cache, meta, w, self.scale)
         return self.o_proj.add_forward(o.view(tokens, -1), residual, next_norm)
@@ -308,6 +309,20 @@ def expand_output(o: torch.Tensor, kv_b_weight: torch.Tensor, nope: int) -> torc
     return out
 
 
+def decode_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_b_weight: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """LatentBackend.decode_attention in torch."""
+    q_c = absorb_query(q_nope, kv_b_weight)
+    o = attend_latent(q_c, q_pe, cache, meta, scale)
+    return expand_output(o, kv_b_weight, q_nope.shape[2])
+
+
 def attend_latent(
     q_c: torch.Tensor,
     q_pe: torch.Tensor,
@@ -315,7 +330,8 @@ def attend_latent(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """LatentBackend.attend_latent in torch: the contexts gathered, then `latent_attention`."""
+    """Latent attention of q [q_c | q_pe] (q_c = q_nope W_UK [n, heads, kv_lora_rank]) -> [n,
+    heads, kv_lora_rank]: the contexts gathered, then `latent_attention`."""
     contexts = gather_latents(cache, meta.block_tables)
     q = torch.cat((q_c, q_pe), dim=-1)
     return latent_attention(q, contexts, meta.seq_lens, scale, q_c.shape[2])

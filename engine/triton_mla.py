@@ -5,9 +5,9 @@ The absorbed form of engine.mla (`attend_absorbed`) for decode batches: row i of
 = q_nope W_UK, and q_pe, given apart so that no kernel concatenates them); it attends over the
 sequence's cached latent rows [c_kv | k_pe] (engine.mla's plane [num_blocks, 1, block_size,
 latent_dim]), scoring all latent_dim channels and averaging the first kv_lora_rank (c_kv) as
-values. W_UV is applied by the caller. `store_latent` makes and stores the new rows first (and
-rotates q_pe). With `attend_latent`, `mla_decode` taking engine.attention's metadata, this
-module is engine.mla's LatentBackend on CUDA. All three are CUDA-graph capturable: launch grids and
+values. `store_latent` makes and stores the new rows first (and rotates q_pe). With
+`decode_attention` (W_UK, `mla_decode`, W_UV: engine.triton_mla_heads), this module is
+engine.mla's LatentBackend on CUDA. All three are CUDA-graph capturable: launch grids and
 buffer sizes depend only on host ints (shapes), never on tensor values.
 
 The design follows engine.triton_attention's split kernel; what differs comes from MLA's one
@@ -47,12 +47,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import triton_pdl
+from engine import triton_mla_heads, triton_pdl
 from engine.attention import AttentionMetadata
 from engine.triton_attention import _sm_count, _split_tiles
 from engine.triton_latent_store import store_latent
 
-__all__ = ["attend_latent", "choose_num_splits", "mla_decode", "store_latent"]
+__all__ = ["choose_num_splits", "decode_attention", "mla_decode", "store_latent"]
 
 _LOG2_E = 1.4426950408889634
 # Latent tile bytes per loop step: 32 DeepSeek rows in bf16 (36 KiB, about the K plus V bytes of
@@ -164,16 +164,20 @@ def _combine(
     )  # fmt: skip
 
 
-def attend_latent(
-    q_c: torch.Tensor,
+def decode_attention(
+    q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     cache: torch.Tensor,
     meta: AttentionMetadata,
+    kv_b_weight: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """engine.mla.LatentBackend.attend_latent: `mla_decode` of a decode-only batch."""
+    """engine.mla.LatentBackend.decode_attention: W_UK, `mla_decode` and W_UV of a decode-only
+    batch (engine.triton_mla_heads for the projections)."""
     assert meta.max_query_len == 1, "one new token per sequence"
-    return mla_decode(q_c, q_pe, cache, meta.seq_lens, meta.block_tables, scale)
+    q_c = triton_mla_heads.absorb_query(q_nope, kv_b_weight)
+    o = mla_decode(q_c, q_pe, cache, meta.seq_lens, meta.block_tables, scale)
+    return triton_mla_heads.expand_output(o, kv_b_weight, q_nope.shape[2])
 
 
 def choose_num_splits(batch: int, head_blocks: int, max_tiles: int, sm_count: int) -> int:

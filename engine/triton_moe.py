@@ -37,6 +37,9 @@ and the down output times the fp32 weight is rounded once. Only the sum over the
 differs: the torch path adds in the input dtype expert by expert, then the residual, this sums
 all in fp32.
 
+One token (bs=1 decode) goes to engine.triton_moe_gemv instead: GEMVs over its k experts, whose
+down kernel also sums over k.
+
 `KERNELS.route` is engine.triton_route's `route_tokens`: at decode sizes the router's logits in
 one kernel, the routing and that sort in another.
 
@@ -48,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import triton_pdl
+from engine import triton_moe_gemv, triton_pdl
 from engine.moe import MoeKernels, Routing
 from engine.triton_route import route_tokens
 
@@ -96,6 +99,8 @@ def fused_experts(
     assert weights.dtype == torch.float32, weights.dtype
     assert gate_up.stride(-1) == 1 and down.stride(-1) == 1, "weights' rows must be contiguous"
     h = h if h.stride(-1) == 1 else h.contiguous()
+    if triton_moe_gemv.applies(h):  # one token: GEMVs over its experts, no sort, no tiles
+        return triton_moe_gemv.one_token_experts(h, weights, ids, gate_up, down, residual)
     pairs = num_tokens * top_k
     active = min(num_experts, pairs)  # the most experts a step's pairs can choose
     if active == 0:

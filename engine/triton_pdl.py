@@ -28,3 +28,13 @@ def await_previous_kernel(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def await_previous_kernel_then_release(PDL: tl.constexpr):
+    """await_previous_kernel, but the next kernel may launch only once every program has
+    waited: so it may read, before its own wait, what the kernel before this one wrote (the
+    routing that picks a kernel's weights, say), though not what this one writes."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -92,8 +92,8 @@ class KvPublisher:
         self._announce(cache)
         return q_pe
 
-    def attend_latent(self, q_c, q_pe, cache, meta: AttentionMetadata, scale: float):
-        return self.inner.attend_latent(q_c, q_pe, cache, meta, scale)
+    def decode_attention(self, q_nope, q_pe, cache, meta: AttentionMetadata, kv_b, scale: float):
+        return self.inner.decode_attention(q_nope, q_pe, cache, meta, kv_b, scale)
 
     def _announce(self, first_plane: torch.Tensor) -> None:
         if self.armed:

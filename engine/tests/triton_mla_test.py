@@ -14,7 +14,7 @@ from engine.tests import triton_mode  # before triton: picks the interpreter on 
 
 # isort: split
 
-from engine import mla, triton_mla
+from engine import mla, triton_mla, triton_mla_heads
 from engine.attention import AttentionMetadata
 
 KERNEL = triton_mla._split_kernel
@@ -233,22 +233,71 @@ def test_store_latent_of_no_tokens():
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
 
 
-def test_attend_latent_reads_the_metadata():
-    """The LatentBackend form: lengths and tables from AttentionMetadata, splits chosen."""
-    q, cache, meta, latents = _decode_case([9, 130], 20, 32, 16, 64, torch.float32)
-    out = triton_mla.attend_latent(*_split_query(q, 32), cache, meta, 0.2)
-    _assert_matches(out, _reference(q, latents, 0.2, 32), torch.float32)
+def _kv_b(heads, nope, v, rank, dtype, seed=5):
+    """kv_b_proj's weight [heads * (nope + v), rank]: W_UK's rows, then W_UV's, head by head."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(heads * (nope + v), rank, generator=gen) * rank**-0.5).to(dtype)
+
+
+def _q_nope(n, heads, nope, dtype, seed=6):
+    """q_nope as the model splits it from q: a strided view of [n, heads, nope + rope]."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, heads, nope + 16, generator=gen).to(dtype).to(DEVICE)[..., :nope]
+
+
+# (heads, nope, v, rank): nope and v not powers of two (masked K and outputs); DeepSeek's.
+HEAD_SHAPES = [(20, 24, 40, 32), (16, 128, 128, 512)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
+@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=lambda s: "h{}_nope{}_v{}_rank{}".format(*s))
+def test_one_token_projections_match_float64(shape, dtype):
+    """W_UK and W_UV for one token (engine.triton_mla_heads' kernel): each output rounded once
+    from the exact product, as the batched GEMM of engine.mla rounds it."""
+    heads, nope, v, rank = shape
+    kv_b = _kv_b(heads, nope, v, rank, dtype).to(DEVICE)
+    q_nope = _q_nope(1, heads, nope, dtype)
+    w = kv_b.double().cpu().view(heads, nope + v, rank)
+    q_c = triton_mla_heads.absorb_query(q_nope, kv_b)
+    expected = torch.einsum("nhi,hir->nhr", q_nope.double().cpu(), w[:, :nope])
+    # fp32: summation order only; bf16: within one rounding of the exact product rounded.
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(q_c.cpu(), expected.to(dtype), **tolerance)
+    o = torch.randn(1, heads, rank, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = triton_mla_heads.expand_output(o.to(DEVICE), kv_b, nope)
+    assert out.shape == (1, heads, v) and out.is_contiguous()
+    expected = torch.einsum("nhr,hvr->nhv", o.double(), w[:, nope:])
+    torch.testing.assert_close(out.cpu(), expected.to(dtype), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
+@pytest.mark.parametrize("seq_lens", [[130], [9, 130, 1]], ids=["one_token", "batch"])
+def test_decode_attention_matches_the_torch_backend(seq_lens, dtype):
+    """The LatentBackend form, as MlaAttention calls it: lengths and tables from the metadata,
+    splits chosen, W_UK and W_UV by engine.triton_mla_heads (one token) or batched GEMMs."""
+    heads, nope, v, rank = HEAD_SHAPES[0]
+    q, cache, meta, _ = _decode_case(seq_lens, heads, rank, 16, 64, dtype)
+    kv_b = _kv_b(heads, nope, v, rank, dtype).to(DEVICE)
+    q_nope = _q_nope(len(seq_lens), heads, nope, dtype)
+    ours = triton_mla.decode_attention(q_nope, q[..., rank:], cache, meta, kv_b, 0.2)
+    theirs = mla.decode_attention(q_nope, q[..., rank:], cache, meta, kv_b, 0.2)
+    assert ours.shape == (len(seq_lens), heads, v) and ours.is_contiguous()
+    assert not ours.isnan().any()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(ours, theirs, atol=tol, rtol=tol)
 
 
 def test_backends_agree_on_a_decode_step():
-    """store_latent then attend_latent, as MlaAttention calls them, in Triton and in torch."""
-    q, cache, meta, _ = _decode_case([9, 30, 1], 4, 40, 16, 16, torch.float32)
+    """store_latent then decode_attention, as MlaAttention calls them, in Triton and in torch."""
+    _, cache, meta, _ = _decode_case([9, 30, 1], 4, 40, 16, 16, torch.float32)
     _, args, _ = _store_case(torch.float32, heads=4, tokens=3)
+    kv_b = _kv_b(4, 24, 32, 40, torch.float32).to(DEVICE)
+    q_nope = _q_nope(3, 4, 24, torch.float32)
     theirs = cache.clone()
     outs = []
     for backend, plane in [(triton_mla, cache), (mla, theirs)]:
         q_pe = backend.store_latent(plane, *args, True, meta.slot_mapping)
-        outs.append(backend.attend_latent(q[..., :40], q_pe, plane, meta, 0.2))
+        outs.append(backend.decode_attention(q_nope, q_pe, plane, meta, kv_b, 0.2))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
 
 

@@ -113,6 +113,19 @@ def test_many_tokens_choosing_one_expert(shared_slot, dtype):
     _assert_matches(triton_moe.fused_experts(*inputs), _reference(*inputs), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_token_path_equals_tiled_path(dtype):
+    """One token's GEMVs (engine.triton_moe_gemv) and the sorted, tiled kernels give the same
+    result but for fp32's summation order (bf16: within one rounding)."""
+    h, weights, ids, gate_up, down = _case(1, 6, 64, 64, 80, dtype, seed=4)
+    gemv = triton_moe.fused_experts(h, weights, ids, gate_up, down)
+    # The same token twice runs the tiled kernels (two tokens); its first row is the same sum.
+    tiled = triton_moe.fused_experts(h.repeat(2, 1), weights.repeat(2, 1), ids.repeat(2, 1),
+                                     gate_up, down)  # fmt: skip
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(gemv[0], tiled[0], **tolerance)
+
+
 def test_deterministic_and_independent_of_slot_order():
     """The same pairs in another slot order give the same bits: no atomics, fp32 sums of k."""
     h, weights, ids, gate_up, down = _case(17, 6, 8, 64, 48, torch.bfloat16, seed=2)
@@ -123,10 +136,11 @@ def test_deterministic_and_independent_of_slot_order():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_residual_added_to_experts_sum(dtype):
+@pytest.mark.parametrize("num_tokens", [1, 17], ids=["one_token_gemv", "tiles"])
+def test_residual_added_to_experts_sum(num_tokens, dtype):
     """fused_experts(residual=r) is r + the sum, rounded once: within the sum's tolerance of
-    float64 (the residual adds no rounding of its own)."""
-    h, weights, ids, gate_up, down = _case(17, 6, 8, 72, 40, dtype, seed=7)
+    float64 (the residual adds no rounding of its own), on both paths."""
+    h, weights, ids, gate_up, down = _case(num_tokens, 6, 8, 72, 40, dtype, seed=7)
     residual = torch.randn(h.shape, generator=torch.Generator().manual_seed(8)).to(h)
     out = triton_moe.fused_experts(h, weights, ids, gate_up, down, residual=residual)
     _assert_matches(out, _reference(h, weights, ids, gate_up, down) + residual.double(), dtype)

@@ -1,0 +1,187 @@
+"""One token's routed experts on the GPU as GEMVs: engine.triton_moe's path at T=1 (bs=1 decode).
+
+With one token the k chosen experts are distinct and each multiplies one row, so the fused
+kernels' tl.dot tiles (16 rows, the expert's sorted pairs) are 15/16 padding and their sort is
+moot. Here each program streams whole rows of one chosen expert's weights and multiplies them
+elementwise in fp32, as engine.triton_linear's GEMV does, with the expert's id read from the
+routing on the device (so no weight can be requested before the routing kernel ends: the
+programs wait for it first).
+
+- `_gate_up_kernel`, grid (slot, I / PAIRS): a program owns PAIRS gate rows of slot s's expert
+  and the up rows paired with them, and stores silu(gate) * up into row s of [k, I].
+- `_down_kernel`, grid (H / BLOCK_N,): a program owns BLOCK_N rows of every chosen expert's down
+  projection and walks the k slots in order: each slot's output rounded, times its routing
+  weight, rounded, summed in fp32 after the residual, rounded once. That is the sum over k that
+  engine.triton_moe's third kernel does, done here in the epilogue: two kernels, not three.
+
+Rounding is engine.triton_moe's: each projection's output, silu, the product and the weighted
+down output are rounded to the input dtype as separate torch ops would round them.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from engine import triton_pdl
+
+__all__ = ["applies", "one_token_experts"]
+
+# (rows a program, largest K step, warps), the fastest of the pairs timed on an H200 at
+# DeepSeek-V2-Lite's shapes (26 layers' routed experts in one CUDA graph: 3.26 TB/s, against
+# 2.41 for the tiled kernels): gate_up 16 rows in K steps of 512 (1,056 programs at T=1), down
+# 2 rows (1,024 programs; its I of 1,408 in two steps, the second masked).
+_GATE_UP = (16, 512, 8)
+_DOWN = (2, 1024, 4)
+
+
+def applies(h: torch.Tensor) -> bool:
+    """Whether `one_token_experts` computes the experts of h [T, H]: one token."""
+    return h.shape[0] == 1
+
+
+def one_token_experts(
+    h: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """engine.triton_moe.fused_experts for one token: h [1, H], weights [1, k] float32, ids [1, k]
+    distinct expert ids, gate_up [E, 2 * I, H], down [E, H, I], residual [1, H] | None -> [1, H]."""
+    _, hidden = h.shape
+    top_k = ids.shape[1]
+    inter = down.shape[2]
+    assert applies(h) and h.is_contiguous(), h.shape
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    weights = weights if weights.is_contiguous() else weights.contiguous()
+    pdl = triton_pdl.enabled(h.device)
+
+    activated = torch.empty(top_k, inter, dtype=h.dtype, device=h.device)
+    rows, max_k, warps = _GATE_UP
+    block_k = min(max_k, triton.next_power_of_2(hidden))
+    _gate_up_kernel[(top_k, triton.cdiv(inter, rows // 2))](
+        h, gate_up, ids, activated, hidden, inter, gate_up.stride(0), gate_up.stride(1),
+        PAIRS=rows // 2, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
+        PDL=pdl, num_warps=warps, num_stages=1, launch_pdl=pdl,
+    )  # fmt: skip
+
+    out = torch.empty_like(h)
+    if residual is not None:
+        assert residual.shape == h.shape and residual.dtype == h.dtype, residual.shape
+        residual = residual if residual.is_contiguous() else residual.contiguous()
+    rows, max_k, warps = _DOWN
+    block_k = min(max_k, triton.next_power_of_2(inter))
+    _down_kernel[(triton.cdiv(hidden, rows),)](
+        activated, down, ids, weights, out if residual is None else residual, out,
+        hidden, inter, down.stride(0), down.stride(1),
+        TOP_K=top_k, BLOCK_N=rows, BLOCK_K=block_k, EVEN_K=inter % block_k == 0,
+        HAS_RESIDUAL=residual is not None, PDL=pdl, num_warps=warps, num_stages=1,
+        launch_pdl=pdl,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _load_w(w_rows, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight tile of rows w_rows ([BLOCK_N, 1] pointers, K-contiguous) at K step k."""
+    cols = k + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        return tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
+    return tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_x(x_ptr, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    cols = k + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        return tl.load(x_ptr + cols).to(tl.float32)
+    return tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row_dots(x_ptr, w_rows, first_w, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """[BLOCK_N] fp32: the rows w_rows dotted with x [K], given their first tile (`_load_w` at
+    k = 0, loaded by the caller: possibly before waiting for the kernel that writes x)."""
+    acc = first_w.to(tl.float32) * _load_x(x_ptr, 0, K, BLOCK_K, EVEN_K)[None, :]
+    for k in range(BLOCK_K, K, BLOCK_K):
+        w = _load_w(w_rows, k, K, BLOCK_K, EVEN_K)
+        acc += w.to(tl.float32) * _load_x(x_ptr, k, K, BLOCK_K, EVEN_K)[None, :]
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _gate_up_kernel(
+    h_ptr,  # [1, H]
+    w_ptr,  # [E, 2 * I, H]: gate rows, then up rows
+    ids_ptr,  # [k]: the token's experts
+    out_ptr,  # [k, I]: silu(gate) * up, by slot
+    H,
+    I,  # noqa: E741 (the intermediate size, as in the papers)
+    stride_we,
+    stride_wn,
+    PAIRS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # The down kernel reads the routing before its own wait: released only once every program
+    # here has waited for the routing kernel.
+    triton_pdl.await_previous_kernel_then_release(PDL)
+    slot = tl.program_id(0)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    # Row j of the tile is the gate (j even) or up (j odd) row of column j // 2, so that a
+    # [PAIRS, 2] reshape splits them; columns past I re-read the last one (the store masks).
+    cols = tl.program_id(1) * PAIRS + tl.arange(0, 2 * PAIRS) // 2
+    rows = tl.minimum(cols, I - 1) + (tl.arange(0, 2 * PAIRS) % 2) * I
+    w_rows = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+    dtype = out_ptr.dtype.element_ty
+    first_w = _load_w(w_rows, 0, H, BLOCK_K, EVEN_K)
+    y = _row_dots(h_ptr, w_rows, first_w, H, BLOCK_K, EVEN_K).to(dtype)
+    gate, up = tl.split(tl.reshape(y, [PAIRS, 2]))
+    g32 = gate.to(tl.float32)
+    silu = (g32 / (1.0 + tl.exp(-g32))).to(dtype).to(tl.float32)
+    out_cols = tl.program_id(1) * PAIRS + tl.arange(0, PAIRS)
+    tl.store(out_ptr + slot * I + out_cols, (silu * up.to(tl.float32)).to(dtype), mask=out_cols < I)
+
+
+@triton.jit
+def _down_kernel(
+    x_ptr,  # [k, I]: the gate_up kernel's output
+    w_ptr,  # [E, H, I]
+    ids_ptr,  # [k]
+    weights_ptr,  # [k] float32: the routing weights
+    residual_ptr,  # [1, H] (read only if HAS_RESIDUAL)
+    out_ptr,  # [1, H]
+    H,
+    I,  # noqa: E741
+    stride_we,
+    stride_wn,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = rows < H
+    safe_rows = tl.minimum(rows, H - 1).to(tl.int64)[:, None] * stride_wn
+    # The routing is complete when this kernel starts (the gate_up kernel releases it only
+    # after waiting for it): the first slot's first weight tile streams while gate_up ends.
+    first_w = _load_w(w_ptr + tl.load(ids_ptr).to(tl.int64) * stride_we + safe_rows, 0, I,
+                      BLOCK_K, EVEN_K)  # fmt: skip
+    triton_pdl.await_previous_kernel(PDL)
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_RESIDUAL:
+        total += tl.load(residual_ptr + rows, mask=live, other=0.0).to(tl.float32)
+    for slot in tl.static_range(TOP_K):
+        w_rows = w_ptr + tl.load(ids_ptr + slot).to(tl.int64) * stride_we + safe_rows
+        if slot > 0:
+            first_w = _load_w(w_rows, 0, I, BLOCK_K, EVEN_K)
+        y = _row_dots(x_ptr + slot * I, w_rows, first_w, I, BLOCK_K, EVEN_K)
+        # F.linear's output, rounded, times the fp32 weight, rounded once (as the torch path).
+        weighted = (y.to(dtype).to(tl.float32) * tl.load(weights_ptr + slot)).to(dtype)
+        total += weighted.to(tl.float32)
+    tl.store(out_ptr + rows, total.to(dtype), mask=live)
