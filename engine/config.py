@@ -27,7 +27,7 @@ from engine.deepseek_config import (
 )
 
 # Multi-head latent attention and mixture-of-experts: engine/deepseek.py.
-MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -234,7 +234,7 @@ class ModelConfig:
             eos_token_ids=eos,
             bos_token_id=d.get("bos_token_id"),
             mla=mla,
-            moe=moe_config(d, _required(d, "num_hidden_layers")) if mla else None,
+            moe=moe_config(d, _required(d, "num_hidden_layers"), architecture) if mla else None,
         )
 
 
@@ -260,7 +260,7 @@ def _refuse_unsupported_features(architecture: str, d: Mapping[str, Any]) -> Non
         method = d["quantization_config"].get("quant_method")
         raise ValueError(f"quantization_config ({method}) is not supported (unquantized only)")
     if architecture in MLA_ARCHITECTURES:
-        refuse_unsupported_moe(d)
+        refuse_unsupported_moe(d, architecture)
     # Llama and Qwen3 put the bias on o_proj too; only Qwen2's q/k/v-only bias is implemented.
     if d.get("attention_bias") and architecture != "Qwen2ForCausalLM":
         raise ValueError(f"attention_bias=true is not supported for {architecture}")

@@ -136,12 +136,34 @@ def _positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def refuse_unsupported_moe(d: Mapping[str, Any]) -> None:
-    # transformers' DeepSeek-V3 and GLM-4 MoE Lite hard-code sigmoid scores and the
-    # bias-corrected grouped top-k; a config naming anything else is another model.
-    for name, value in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
-        if d.get(name, value) != value:
-            raise ValueError(f"{name} {d[name]!r} is not supported (supported: {value})")
+# Routing as each architecture's transformers model computes it: (top-k methods, the default,
+# scoring). DeepSeek-V3 and GLM-4 MoE Lite hard-code sigmoid scores and the bias-corrected
+# grouped top-k; DeepSeek-V2 scores by softmax, greedy or group-limited, and never renormalizes.
+_ROUTING = {
+    "DeepseekV2ForCausalLM": (("greedy", "group_limited_greedy"), "greedy", "softmax"),
+    "DeepseekV3ForCausalLM": (("noaux_tc",), "noaux_tc", "sigmoid"),
+    "Glm4MoeLiteForCausalLM": (("noaux_tc",), "noaux_tc", "sigmoid"),
+}
+
+
+def refuse_unsupported_moe(d: Mapping[str, Any], architecture: str) -> None:
+    """Refuses routing the architecture's model does not compute: a config naming it is
+    another model."""
+    methods, default, scoring = _ROUTING[architecture]
+    if d.get("topk_method", default) not in methods:
+        raise ValueError(
+            f"topk_method {d['topk_method']!r} is not supported for {architecture} "
+            f"(supported: {', '.join(methods)})"
+        )
+    if d.get("scoring_func", scoring) != scoring:
+        raise ValueError(
+            f"scoring_func {d['scoring_func']!r} is not supported for {architecture} "
+            f"(supported: {scoring})"
+        )
+    # NOTE: DeepSeek-V2's own code would renormalize the top-k weights, transformers' does not;
+    # every released V2 checkpoint says false, so a true one is refused rather than guessed.
+    if architecture == "DeepseekV2ForCausalLM" and d.get("norm_topk_prob"):
+        raise ValueError("norm_topk_prob=true is not supported for DeepseekV2ForCausalLM")
     if d.get("moe_layer_freq", 1) != 1:
         raise ValueError(f"moe_layer_freq {d['moe_layer_freq']!r} is not supported (supported: 1)")
 
@@ -157,7 +179,9 @@ def mla_config(d: Mapping[str, Any]) -> MlaConfig:
     )
 
 
-def moe_config(d: Mapping[str, Any], num_layers: int) -> MoeConfig:
+def moe_config(d: Mapping[str, Any], num_layers: int, architecture: str) -> MoeConfig:
+    _, default_method, scoring = _ROUTING[architecture]
+    v2 = architecture == "DeepseekV2ForCausalLM"
     return MoeConfig(
         n_routed_experts=_required(d, "n_routed_experts"),
         num_experts_per_tok=_required(d, "num_experts_per_tok"),
@@ -165,9 +189,9 @@ def moe_config(d: Mapping[str, Any], num_layers: int) -> MoeConfig:
         n_shared_experts=d.get("n_shared_experts") or 0,
         n_group=d.get("n_group") or 1,
         topk_group=d.get("topk_group") or 1,
-        topk_method=d.get("topk_method", "noaux_tc"),
-        scoring_func=d.get("scoring_func", "sigmoid"),
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        topk_method=d.get("topk_method") or default_method,
+        scoring_func=scoring,
+        norm_topk_prob=False if v2 else bool(d.get("norm_topk_prob", True)),
         routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
         first_k_dense_replace=_first_dense_layers(d, num_layers),
     )

@@ -25,6 +25,7 @@ _HF_MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
@@ -126,7 +127,8 @@ def _hf_fields(c: ModelConfig) -> dict:
     if c.mla is not None and c.moe is not None:
         fields.update(asdict(c.mla))
         moe = asdict(c.moe)
-        for name in ("topk_method", "scoring_func"):  # transformers' DeepSeek-V3 has its own
-            moe.pop(name)
+        moe.pop("scoring_func")  # each transformers model has its own
+        if c.architecture != "DeepseekV2ForCausalLM":  # V3's routes by noaux_tc only
+            moe.pop("topk_method")
         fields.update(moe)
     return fields

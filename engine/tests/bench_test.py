@@ -10,6 +10,7 @@ import pytest
 from engine import bench
 from engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.tests.tiny_hf import hf_deepseek_v2
 
 
 def test_bench_writes_results_for_every_point_and_the_peer(tmp_path):
@@ -46,11 +47,16 @@ def test_roofline_counts_the_bytes_of_the_model_and_of_a_step(preset):
     assert bench.weight_bytes_per_step(engine, batch=3) == 4 * read
 
 
-def test_the_deepseek_peer_runs_on_the_engines_weights(tmp_path):
-    """transformers' DeepSeek-V3 gets every engine weight (the stacked experts, the router's
-    correction bias) or the run fails: hf_peer refuses a state dict that leaves one out."""
+@pytest.mark.parametrize("model", ["random:deepseek-tiny", "deepseek-v2-folder"])
+def test_the_deepseek_peer_runs_on_the_engines_weights(model, tmp_path):
+    """transformers' DeepSeek-V3 (or V2, for a V2 checkpoint) gets every engine weight (the
+    stacked experts, V3's correction bias) or the run fails: hf_peer refuses a state dict that
+    leaves one out."""
+    if model == "deepseek-v2-folder":
+        model = str(tmp_path / "v2")
+        hf_deepseek_v2().save_pretrained(model)
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "engine.bench", "--model", "random:deepseek-tiny"]
+    cmd = [sys.executable, "-m", "engine.bench", "--model", model]
     cmd += ["--dtype", "float32", "--batch-sizes", "2", "--context-lens", "12"]
     cmd += ["--decode-tokens", "3", "--peer", "hf", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

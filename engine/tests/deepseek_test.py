@@ -2,55 +2,36 @@
 
 import pytest
 import torch
-import transformers
 
 from engine.config import ModelConfig
 from engine.deepseek import DeepseekForCausalLM
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
-from engine.tests.tiny_hf import MLA_MOE, VOCAB, PagedRunner, hf_logits, randomize, rel_err
+from engine.tests.tiny_hf import (
+    VOCAB,
+    PagedRunner,
+    hf_deepseek,
+    hf_deepseek_v2,
+    hf_logits,
+    rel_err,
+)
 from engine.weights import load_weights
 
 TOL = 1e-4
 
-# YaRN with an original context (32) short enough that the scaled, ramped and untouched bands
-# all occur at rope dim 8; mscale_all_dim scales the softmax too.
-YARN = dict(
-    rope_type="yarn",
-    rope_theta=10000.0,
-    factor=4.0,
-    original_max_position_embeddings=32,
-    beta_fast=8.0,
-    beta_slow=1.0,
-    mscale=0.707,
-    mscale_all_dim=1.0,
-)
+MODELS = {
+    "v3_q_lora": lambda: hf_deepseek(48),
+    "v3_q_proj": lambda: hf_deepseek(None),
+    "v2": hf_deepseek_v2,
+}
 
 
-def hf_deepseek(q_lora_rank: int | None, seed: int = 0) -> transformers.PreTrainedModel:
-    """A tiny random DeepSeek-V3: a dense first layer, then 8 routed experts (top-2 of the best
-    group of 2) and a shared one, every parameter and the correction bias non-trivial."""
-    config = transformers.DeepseekV3Config(
-        **MLA_MOE,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=q_lora_rank,
-        rope_parameters=YARN,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    return randomize(transformers.DeepseekV3ForCausalLM(config).eval())
-
-
-@pytest.fixture(scope="module", params=[48, None], ids=["q_lora", "q_proj"])
+@pytest.fixture(scope="module", params=list(MODELS))
 def pair(request, tmp_path_factory):
     """(transformers model, its save_pretrained folder, our model loaded from the folder)."""
     torch.set_num_threads(1)
-    hf = hf_deepseek(request.param)
+    hf = MODELS[request.param]()
     folder = tmp_path_factory.mktemp("deepseek")
     hf.save_pretrained(folder)
     config = ModelConfig.from_hf_folder(folder)
@@ -145,10 +126,16 @@ def test_random_preset_generates_and_frees_every_block():
     assert bias.dtype == torch.float32
 
 
-def test_bf16_keeps_the_correction_bias_in_float32(pair):
+def test_bf16_keeps_the_router_in_float32(pair):
+    """The router's weight (and V3's correction bias) stay float32 in a bf16 model."""
     _, folder, _ = pair
     with torch.device("meta"):
         model = DeepseekForCausalLM(ModelConfig.from_hf_folder(folder))
     load_weights(model, folder, torch.bfloat16, "cpu")
-    assert model.model.layers[2].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    gate = model.model.layers[2].mlp.gate
+    assert gate.weight.dtype == torch.float32
+    routed_by_bias = gate.moe.topk_method == "noaux_tc"
+    assert (gate.e_score_correction_bias is not None) == routed_by_bias
+    if routed_by_bias:
+        assert gate.e_score_correction_bias.dtype == torch.float32
     assert model.model.layers[2].mlp.experts.gate_up_proj.dtype == torch.bfloat16

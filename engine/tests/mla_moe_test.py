@@ -153,6 +153,9 @@ def test_latent_cache_has_one_plane_per_layer():
     assert llama.kv_format == "hnd" and llama.kv_planes == (2, 2, 16)
 
 
+V2 = "DeepseekV2ForCausalLM"
+
+
 def _hf_dict(**overrides):
     d = dict(
         architectures=["DeepseekV3ForCausalLM"],
@@ -178,12 +181,28 @@ def _hf_dict(**overrides):
         (dict(attention_bias=True), "attention_bias"),
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(kv_lora_rank=None), "kv_lora_rank"),
-        (dict(architectures=["DeepseekV2ForCausalLM"]), "DeepseekV2ForCausalLM"),
+        (dict(architectures=[V2], topk_method="noaux_tc"), "topk_method 'noaux_tc'.*greedy"),
+        (dict(architectures=[V2], scoring_func="sigmoid"), "scoring_func"),
+        (dict(architectures=[V2], norm_topk_prob=True), "norm_topk_prob"),
     ],
 )
 def test_deepseek_configs_are_refused_by_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         ModelConfig.from_hf_dict(_hf_dict(**overrides))
+
+
+def test_deepseek_v2_lite_config_parses():
+    """DeepSeek-V2-Lite's own config.json routing: softmax, greedy top-6 of 64, unscaled; a V2
+    config without them (transformers writes no scoring_func) routes the same."""
+    routing = dict(topk_method="greedy", scoring_func="softmax", norm_topk_prob=False, n_group=1)
+    for fields in (routing, {}):
+        d = {**_hf_dict(architectures=[V2], topk_group=1, n_group=1), **fields}
+        moe = ModelConfig.from_hf_dict(d).moe
+        assert (moe.topk_method, moe.scoring_func, moe.norm_topk_prob) == (
+            "greedy",
+            "softmax",
+            False,
+        )
 
 
 def test_deepseek_v3_config_with_original_spelling_parses():

@@ -96,6 +96,59 @@ def randomize(model: transformers.PreTrainedModel) -> transformers.PreTrainedMod
     return model
 
 
+# YaRN with an original context (32) short enough that the scaled, ramped and untouched bands
+# all occur at rope dim 8; mscale_all_dim scales the softmax too.
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=32,
+    beta_fast=8.0,
+    beta_slow=1.0,
+    mscale=0.707,
+    mscale_all_dim=1.0,
+)
+
+
+def hf_deepseek(q_lora_rank: int | None, seed: int = 0) -> transformers.PreTrainedModel:
+    """A tiny random DeepSeek-V3: a dense first layer, then 8 routed experts (top-2 of the best
+    group of 2) and a shared one, every parameter and the correction bias non-trivial."""
+    config = transformers.DeepseekV3Config(
+        **MLA_MOE,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=q_lora_rank,
+        rope_parameters=YARN,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return randomize(transformers.DeepseekV3ForCausalLM(config).eval())
+
+
+def hf_deepseek_v2(seed: int = 0) -> transformers.PreTrainedModel:
+    """A tiny random DeepSeek-V2: softmax scores, the 2 best experts within the best of 2 groups
+    (group_limited_greedy), scaled by 2.5 and not renormalized; RoPE on interleaved pairs as
+    complex numbers; no q bottleneck (DeepSeek-V2-Lite's)."""
+    config = transformers.DeepseekV2Config(
+        **MLA_MOE,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        topk_method="group_limited_greedy",
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        rope_parameters=YARN,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return randomize(transformers.DeepseekV2ForCausalLM(config).eval())
+
+
 def hf_logits(model: transformers.PreTrainedModel, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=torch.tensor([tokens])).logits[0].float()
