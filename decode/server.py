@@ -24,8 +24,9 @@ from decode.engine_loop import EngineLoop
 from decode.metrics import DecodeMetrics
 from decode.service import DecodeServicer
 from engine.config import ModelConfig
-from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
-from prefill.ticket import DECODE_LAYOUT, dtype_name, layout_descriptor
+from engine.engine_config import KV_SCALE
+from engine.llm_engine import EngineConfig, LLMEngine
+from prefill.ticket import DECODE_LAYOUT, kv_dtype_fields, layout_descriptor
 from proto.tandem.v1 import decode_pb2_grpc, layout_pb2
 from transport.config import KvTransportConfig
 
@@ -80,7 +81,7 @@ class DecodeServer:
             self.engine.pool,
             config.engine.block_size,
             self.engine.model_config.num_layers,
-            self.engine.model_config.kv_bytes_per_token(DTYPES[config.engine.dtype]),
+            self.engine.model_config.kv_bytes_per_token(config.engine.kv_dtype),
             self.engine.max_model_len,
             default_timeout_s=config.kv.transfer_timeout_s,
         )
@@ -152,7 +153,7 @@ def _layout(config: DecodeServerConfig, model: ModelConfig) -> layout_pb2.Layout
         num_layers=model.num_layers,
         num_kv_heads=heads,
         head_dim=channels,
-        kv_dtype=dtype_name(DTYPES[config.engine.dtype]),
+        **kv_dtype_fields(config.engine.kv_dtype, KV_SCALE),
         block_size=config.engine.block_size,
         layout=DECODE_LAYOUT,
         transport=config.kv.backend,

@@ -166,8 +166,19 @@ def write_kv(
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
     # Two index tensors around a slice: the indexed view is [T, num_kv_heads, head_dim], like k.
-    k_cache[blocks, :, offsets] = k
-    v_cache[blocks, :, offsets] = v
+    k_cache[blocks, :, offsets] = to_cache(k, k_cache.dtype)
+    v_cache[blocks, :, offsets] = to_cache(v, v_cache.dtype)
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype: an fp8 cache's values saturate at its largest (scale 1.0, as
+    vLLM's fp8 cache without calibrated scales), rather than becoming NaN."""
+    if dtype == x.dtype:
+        return x
+    if dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        return x.clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
 
 
 def attention(
@@ -234,8 +245,9 @@ def attend_batch(
             continue
         start, seq_len = starts[i], seq_lens[i]
         table = meta.block_tables[i, : -(-seq_len // block_size)].long()
+        k_blocks, v_blocks = (cache[table].to(q.dtype) for cache in (k_cache, v_cache))
         out[start : start + n] = attend_chunk(
-            q[start : start + n], k_cache[table], v_cache[table], seq_len, scale
+            q[start : start + n], k_blocks, v_blocks, seq_len, scale
         )
     return out
 
@@ -295,7 +307,8 @@ def _attend_single_tokens(
     block_size = k_cache.shape[2]
     width = -(-int(seq_lens.max()) // block_size)
     tables = block_tables[:, :width].long()
-    k, v = _gather(k_cache, tables), _gather(v_cache, tables)  # [n, kv_heads, width*bs, dim]
+    # [n, kv_heads, width * bs, dim], in q's dtype (an fp8 cache's scale is 1.0)
+    k, v = _gather(k_cache, tables).to(q.dtype), _gather(v_cache, tables).to(q.dtype)
     mask = torch.arange(width * block_size, device=q.device)[None, :] < seq_lens[:, None]
     # NOTE: slots past a sequence's end may hold anything a sender wrote (NaN bit patterns too),
     # and a masked-out NaN still poisons softmax (NaN - inf is NaN): zero them.

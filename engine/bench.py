@@ -145,7 +145,7 @@ def bench_engine(
         left += " (its grammar completed: give a schema with longer outputs)"
     assert generated == batch * decode_tokens, left
     _abort_all(engine)
-    kv_bytes = kv_tokens * engine.model_config.kv_bytes_per_token(DTYPES[engine.config.dtype])
+    kv_bytes = kv_tokens * engine.model_config.kv_bytes_per_token(engine.config.kv_dtype)
     min_s = (weight_bytes_per_step(engine, batch) * decode_tokens + kv_bytes) / bandwidth
     mbu_s = (parameter_bytes(engine) * decode_tokens + kv_bytes) / bandwidth
     decode_tok_s = generated / decode_s

@@ -11,6 +11,10 @@ import torch
 from engine.scheduler import SchedulerConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# KV cache element types besides "auto" (the model's dtype), by vLLM's names: e4m3 with one
+# scale for the whole cache, KV_SCALE, as vLLM's `fp8` without calibrated scales.
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_SCALE = 1.0  # an fp8 cache's stored value times KV_SCALE is the value
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,9 @@ class EngineConfig:
     """Seed of random weights and of unseeded sampling."""
     enforce_eager: bool = False
     """On CUDA: no CUDA graphs and no compiled (fused) elementwise ops."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's elements: "auto" (dtype), or "fp8" / "fp8_e4m3" (e4m3 with the per-tensor
+    scale KV_SCALE; values beyond +-448 saturate), written and read converted."""
     async_scheduling: bool | None = None
     """Launch each decode step before the host has read the tokens of the one before it, so
     that scheduling and output processing overlap the device's work. A sequence that stops on
@@ -49,11 +56,21 @@ class EngineConfig:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: {self.device!r} must be cpu or cuda[:N]")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of auto, "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb: {self.kv_cache_gb} must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: {self.max_model_len} must be at least 2")
         SchedulerConfig(self.block_size, self.max_num_seqs, self.max_num_batched_tokens)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's torch dtype."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or DTYPES[self.dtype]
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +82,12 @@ class EngineConfig:
         )
         parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
         parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+        parser.add_argument(
+            "--kv-cache-dtype",
+            default="auto",
+            choices=["auto", *KV_CACHE_DTYPES],
+            help="KV cache elements: auto (--dtype), or fp8 (e4m3, scale 1.0)",
+        )
         parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
         parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
         parser.add_argument(
@@ -102,6 +125,7 @@ class EngineConfig:
             model=args.model,
             device=args.device,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             block_size=args.block_size,
             kv_cache_gb=args.kv_cache_gb,
             max_model_len=args.max_model_len,

@@ -68,7 +68,7 @@ class LLMEngine:
         writer (e.g. to act on each layer's freshly written KV)."""
         model_config, model = load_model(config, wrap_attention)
         dtype = DTYPES[config.dtype]
-        block_bytes = model_config.kv_bytes_per_token(dtype) * config.block_size
+        block_bytes = model_config.kv_bytes_per_token(config.kv_dtype) * config.block_size
         num_blocks = int(config.kv_cache_gb * 2**30) // block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -81,7 +81,9 @@ class LLMEngine:
         )
         # Every position a sequence can reach: its RoPE angles become one gather a step.
         model.model.rotary_emb.cache(max_model_len, dtype)
-        kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, config.device)
+        kv_cache = KVCache(
+            model_config, num_blocks, config.block_size, config.kv_dtype, config.device
+        )
         pool = BlockPool(num_blocks)
         sched_config = SchedulerConfig(
             config.block_size, config.max_num_seqs, config.max_num_batched_tokens

@@ -22,6 +22,10 @@ from torch import nn
 from engine import attention as torch_attention
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.fp8 import FP8_DTYPE, Fp8Scheme, Fp8Weight, dense
+
+# A projection's matrix as the ops take it: a tensor, or an fp8 one with its scales.
+Matrix = torch.Tensor | Fp8Weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,9 +105,14 @@ class NormInput:
         return ops.add_rms_norm(self.x, self.residual, self.weight, self.eps)
 
 
+def linear(x: torch.Tensor, weight: Matrix, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, an fp8 matrix dequantized into x's dtype first."""
+    return F.linear(x, dense(weight, x.dtype), bias)
+
+
 def qkv_rope(
     inp: NormInput,
-    weight: torch.Tensor,
+    weight: Matrix,
     bias: torch.Tensor | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -113,26 +122,26 @@ def qkv_rope(
     """q, k, v of the fused qkv projection of the normalized input, q and k rotated (models
     without q/k norms), and the input's x + residual."""
     h, summed = inp.compute(EAGER_OPS)
-    q, k, v = split_heads(F.linear(h, weight, bias), num_heads, num_kv_heads)
+    q, k, v = split_heads(linear(h, weight, bias), num_heads, num_kv_heads)
     return (*rope(q, k, cos, sin), v, summed)
 
 
-def gate_up_silu(inp: NormInput, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_silu(inp: NormInput, weight: Matrix) -> tuple[torch.Tensor, torch.Tensor]:
     """SwiGLU's first half, silu_and_mul of the fused gate_up projection of the normalized
     input, and the input's x + residual."""
     h, summed = inp.compute(EAGER_OPS)
-    return silu_and_mul(F.linear(h, weight)), summed
+    return silu_and_mul(linear(h, weight, None)), summed
 
 
 def add_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Matrix,
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
 ) -> NormInput:
     """x @ weight.T added to the residual stream, as the input of the norm after it."""
-    return NormInput(F.linear(x, weight), residual, norm_weight, eps)
+    return NormInput(linear(x, weight, None), residual, norm_weight, eps)
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,7 @@ class ModelOps:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    linear: Callable[[torch.Tensor, Matrix, torch.Tensor | None], torch.Tensor]
     # The norm before a projection, the projection and the op after it; the residual add
     # after one: a device may compute each in one kernel.
     qkv_rope: Callable[..., tuple[torch.Tensor, ...]]
@@ -152,23 +161,50 @@ class ModelOps:
     add_linear: Callable[..., NormInput]
 
 
-EAGER_OPS = ModelOps(rms_norm, add_rms_norm, rope, F.linear, qkv_rope, gate_up_silu, add_linear)
+EAGER_OPS = ModelOps(rms_norm, add_rms_norm, rope, linear, qkv_rope, gate_up_silu, add_linear)
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) computed by `ops.linear`."""
+    """nn.Linear (same parameters and names) computed by `ops.linear`. With an Fp8Scheme its
+    weight is float8_e4m3fn and `weight_scale` [out, k blocks] float32 holds its scales
+    (engine.fp8); the ops take both as one Fp8Weight (`matrix`)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModelOps) -> None:
+    # What engine.weights keeps in these dtypes whatever the model's dtype.
+    float32_parameters = ("weight_scale",)
+    fp8_parameters = ("weight",)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        ops: ModelOps,
+        fp8: Fp8Scheme | None = None,
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.ops = ops
+        self.fp8 = fp8
+        if fp8 is None:
+            self.weight_scale = None
+        else:
+            self.weight = nn.Parameter(self.weight.to(FP8_DTYPE), requires_grad=False)
+            scales = torch.empty(out_features, fp8.k_blocks(in_features), dtype=torch.float32)
+            self.weight_scale = nn.Parameter(scales, requires_grad=False)
+
+    @property
+    def matrix(self) -> Matrix:
+        """The weight as the ops take it."""
+        if self.fp8 is None:
+            return self.weight
+        return Fp8Weight(self.weight, self.weight_scale, self.fp8.block_k or self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.matrix, self.bias)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> NormInput:
         """norm(residual + self(x)), for the projection after it (no bias: o_proj, down_proj)."""
         assert self.bias is None
-        return self.ops.add_linear(x, self.weight, residual, norm.weight, norm.eps)
+        return self.ops.add_linear(x, self.matrix, residual, norm.weight, norm.eps)
 
 
 class RMSNorm(nn.Module):
@@ -253,10 +289,11 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.backend = backend
         self.ops = ops
+        fp8 = config.fp8
         self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * kv_size, config.attention_bias, ops
+            config.hidden_size, self.q_size + 2 * kv_size, config.attention_bias, ops, fp8
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, False, ops)
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, ops, fp8)
         qk_norm = config.qk_norm
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops) if qk_norm else None
@@ -275,7 +312,7 @@ class Attention(nn.Module):
         if self.q_norm is None:
             proj = self.qkv_proj
             q, k, v, residual = self.ops.qkv_rope(
-                inp, proj.weight, proj.bias, cos, sin, self.num_heads, self.num_kv_heads
+                inp, proj.matrix, proj.bias, cos, sin, self.num_heads, self.num_kv_heads
             )
         else:  # Qwen3 normalizes per head, before RoPE
             h, residual = inp.compute(self.ops)
@@ -291,13 +328,13 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: ModelOps, width: int | None = None) -> None:
         super().__init__()
         width = width or config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * width, False, ops)
-        self.down_proj = Linear(width, config.hidden_size, False, ops)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * width, False, ops, config.fp8)
+        self.down_proj = Linear(width, config.hidden_size, False, ops, config.fp8)
         self.ops = ops
 
     def forward(self, inp: NormInput, next_norm: RMSNorm) -> NormInput:
         """next_norm(MLP output + the input's x + residual)."""
-        h, residual = self.ops.gate_up_silu(inp, self.gate_up_proj.weight)
+        h, residual = self.ops.gate_up_silu(inp, self.gate_up_proj.matrix)
         return self.down_proj.add_forward(h, residual, next_norm)
 
 

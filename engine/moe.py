@@ -187,5 +187,5 @@ class MoE(nn.Module):
         # projection); the residual is added to the routed output by the experts' last kernel,
         # that sum to the shared output by its down projection's op.
         shared = self.shared_experts
-        x, _ = self.ops.gate_up_silu(inp, shared.gate_up_proj.weight)
+        x, _ = self.ops.gate_up_silu(inp, shared.gate_up_proj.matrix)
         return shared.down_proj.add_forward(x, self.experts(h, routing, residual), next_norm)

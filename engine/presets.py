@@ -1,7 +1,10 @@
 """Named model shapes, for random weights (`random:<name>`) and benchmarks."""
 
+import dataclasses
+
 from engine.config import Llama3RopeScaling, ModelConfig
 from engine.deepseek_config import MlaConfig, MoeConfig, YarnRopeScaling
+from engine.fp8 import Fp8Scheme
 
 PRESETS: dict[str, ModelConfig] = {
     # A few layers, small dims, GQA: fast enough for CPU tests.
@@ -90,6 +93,13 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=1,
     ),
 }
+
+# FP8 checkpoints' scheme (DeepSeek-V3, Qwen3 FP8): e4m3 weights, a scale per 128x128 block, the
+# decoder's projections quantized from the random bf16 weights (engine.weights), lm_head not.
+# tiny-fp8's 48x48 blocks give every matrix a partial block, and fused parts that do not start
+# on a block boundary (k's 32 rows after q's 64).
+PRESETS["llama3-8b-fp8"] = dataclasses.replace(PRESETS["llama3-8b"], fp8=Fp8Scheme(128, 128))
+PRESETS["tiny-fp8"] = dataclasses.replace(PRESETS["tiny"], fp8=Fp8Scheme(48, 48))
 
 # A DeepSeek-V3-shaped model for CPU tests: one dense layer, then MoE layers of 8 routed experts
 # (top-2 from the best group of 2) and a shared one; MLA with a q bottleneck; YaRN RoPE.

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.fp8 import FP8_DTYPE, quantize
 from engine.model import CausalLM
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -85,6 +86,8 @@ def _load(
                 continue
             param_name, rows = targets[name]
             dest = params[param_name][rows]
+            if param_name.endswith(SCALE):  # row-wise in memory (engine.fp8)
+                tensor = model.config.fp8.expand_scale(tensor, dest.shape[0])
             if dest.shape != tensor.shape:
                 raise ValueError(
                     f"tensor {name} has shape {tuple(tensor.shape)}, expected "
@@ -97,7 +100,8 @@ def _load(
 def init_random_weights(
     model: CausalLM, seed: int, dtype: torch.dtype, device: torch.device | str
 ) -> None:
-    """Deterministic random weights for benchmarks: matrices N(0, 0.02), norms 1, biases 0.
+    """Deterministic random weights for benchmarks: matrices N(0, 0.02) (fp8 ones quantized
+    from those, with the config's block scales), norms 1, biases 0.
 
     std 0.02 (Hugging Face's initializer_range) keeps activations and logits finite at any
     depth; the same seed on the same device gives the same weights.
@@ -105,13 +109,21 @@ def init_random_weights(
     _check_dtype(dtype)
     _materialize(model, dtype, device)
     generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    quantized = {id(m.weight): m for m in model.modules() if getattr(m, "fp8", None) is not None}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
-            else:
+            elif id(param) in quantized:  # drawn in float32, then quantized as a checkpoint is
+                drawn = torch.empty(param.shape, device=param.device)
+                q, scale = quantize(drawn.normal_(0.0, 0.02, generator=generator), model.config.fp8)
+                param.copy_(q)
+                quantized[id(param)].weight_scale.copy_(
+                    model.config.fp8.expand_scale(scale, param.shape[0])
+                )
+            elif not name.endswith(SCALE):
                 param.normal_(0.0, 0.02, generator=generator)
     model.init_buffers()
 
@@ -127,13 +139,22 @@ def _materialize(model: CausalLM, dtype: torch.dtype, device: torch.device | str
     if materialized:
         raise ValueError(f"model must be built on the meta device; {materialized[0]} is not")
     model.to(dtype=dtype)  # free on meta; makes to_empty allocate in the final dtype
-    for module in model.modules():  # what a module keeps in float32 whatever the model's dtype
-        for name in getattr(module, "float32_parameters", ()):
+    for module in model.modules():
+        for name, kept in _kept_dtypes(module):
             param = getattr(module, name)
             if param is not None:
-                setattr(module, name, nn.Parameter(param.float()))
+                setattr(module, name, nn.Parameter(param.to(kept), requires_grad=False))
     model.to_empty(device=device)
     model.requires_grad_(False)  # serving never trains; no autograd bookkeeping on weights
+
+
+def _kept_dtypes(module: nn.Module) -> list[tuple[str, torch.dtype]]:
+    """The parameters a module keeps in a dtype of their own whatever the model's: float32
+    ones (a router's, fp8 scales) and an fp8 projection's weight (engine.fp8)."""
+    kept = [(name, torch.float32) for name in getattr(module, "float32_parameters", ())]
+    if getattr(module, "fp8", None) is not None:
+        kept += [(name, FP8_DTYPE) for name in module.fp8_parameters]
+    return kept
 
 
 def _checkpoint_files(folder: Path) -> dict[Path, list[str]]:
@@ -151,6 +172,8 @@ def _checkpoint_files(folder: Path) -> dict[Path, list[str]]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
 
 
+SCALE = "weight_scale"  # an fp8 projection's scales (engine.model.Linear)
+
 # Where a checkpoint tensor goes within one of our parameters: all of it, a run of its rows, or
 # (for stacked experts) one expert's slab or a run of that slab's rows.
 Index = slice | tuple[int] | tuple[int, slice]
@@ -167,9 +190,14 @@ def _targets(model: CausalLM) -> dict[str, tuple[str, Index]]:
                 for part, rows in _fused_parts(model.config, leaf, param.shape[1]):
                     targets[f"{parent}.{expert}.{part}.weight"] = (name, (expert, rows))
             continue
+        if leaf == SCALE:  # the checkpoint's name of an fp8 projection's scales
+            leaf = model.config.fp8.scale_name
         parts = _fused_parts(model.config, module, param.shape[0])
         for part, rows in parts:
-            targets[f"{prefix}.{part}.{leaf}" if len(parts) > 1 else name] = (name, rows)
+            targets[f"{prefix}.{part}.{leaf}" if len(parts) > 1 else f"{parent}.{leaf}"] = (
+                name,
+                rows,
+            )
     return targets
 
 
@@ -222,4 +250,11 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """The model's parameters under Hugging Face names, as views (no copy): the inverse of
     load_state_dict, e.g. to give a transformers model exactly the same weights."""
     params = dict(model.named_parameters())
-    return {name: params[param][rows] for name, (param, rows) in _targets(model).items()}
+    state = {}
+    for name, (param, rows) in _targets(model).items():
+        tensor = params[param][rows]
+        if param.endswith(SCALE):  # back to the checkpoint's blocks: each block's first row
+            block_n = model.config.fp8.block_n
+            tensor = tensor[0, 0] if block_n is None else tensor[::block_n]
+        state[name] = tensor
+    return state

@@ -30,14 +30,21 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 
 from engine.chat_template import render_chat
+from engine.engine_config import KV_SCALE
 from engine.grammar import Grammar, structured_outputs_spec
-from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SAMPLING_FIELDS, SamplingParams
 from engine.sequence import StopConditions
 from prefill.kv_sender import KvSender
 from prefill.publisher import KvPublisher
-from prefill.ticket import PREFILL_LAYOUT, KvTransfer, TicketError, dtype_name, layout_descriptor
+from prefill.ticket import (
+    PREFILL_LAYOUT,
+    KvTransfer,
+    TicketError,
+    kv_dtype_fields,
+    layout_descriptor,
+)
 from prefill.worker import Job, PrefillError, PrefillWorker, Result
 from transport.config import KvTransportConfig
 
@@ -102,7 +109,7 @@ class PrefillServer:
         _, heads, channels = model.kv_planes  # an MLA latent: one head of the latent width
         layout = layout_descriptor(
             model_name=self.name, num_layers=model.num_layers, num_kv_heads=heads,
-            head_dim=channels, kv_dtype=dtype_name(DTYPES[config.engine.dtype]),
+            head_dim=channels, **kv_dtype_fields(config.engine.kv_dtype, KV_SCALE),
             block_size=config.engine.block_size, layout=PREFILL_LAYOUT,
             transport=config.kv.backend, kv_format=model.kv_format,
         )  # fmt: skip

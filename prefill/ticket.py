@@ -111,9 +111,21 @@ def kv_planes(model: layout_pb2.ModelFingerprint) -> int:
     return 1 if model.kv_format == KV_FORMAT_MLA_LATENT else 2
 
 
+FP8_KV_DTYPE = "fp8_e4m3"
+
+
 def dtype_name(dtype) -> str:
-    """The name a descriptor carries for a torch dtype (torch's own: "bfloat16")."""
-    return str(dtype).removeprefix("torch.")
+    """The name a descriptor carries for a torch dtype: torch's own ("bfloat16"), vLLM's for an
+    fp8 cache ("fp8_e4m3")."""
+    name = str(dtype).removeprefix("torch.")
+    return FP8_KV_DTYPE if name == "float8_e4m3fn" else name
+
+
+def kv_dtype_fields(dtype, fp8_scale: float) -> dict[str, str | float]:
+    """layout_descriptor's kv_dtype and kv_scale for a cache of torch dtype `dtype` (fp8_scale:
+    an fp8 cache's scale, unused otherwise)."""
+    name = dtype_name(dtype)
+    return dict(kv_dtype=name, kv_scale=fp8_scale if name == FP8_KV_DTYPE else 0.0)
 
 
 def rank_heads(num_kv_heads: int, tp_size: int, rank: int) -> range:
@@ -139,6 +151,7 @@ def layout_descriptor(
     layout: str,
     transport: str,
     kv_format: str = KV_FORMAT_HND,
+    kv_scale: float = 0.0,
     tp_size: int = 1,
     layout_version: int = LAYOUT_VERSION,
 ) -> layout_pb2.LayoutDescriptor:
@@ -153,6 +166,7 @@ def layout_descriptor(
             head_dim=head_dim,
             kv_dtype=kv_dtype,
             kv_format=kv_format,
+            kv_scale=kv_scale,
         ),
         block_size=block_size,
         layout=layout,
@@ -172,7 +186,7 @@ def mismatch(ours: layout_pb2.LayoutDescriptor, theirs: layout_pb2.LayoutDescrip
     sender's job."""
     problems = []
     latent = ours.model.kv_format == KV_FORMAT_MLA_LATENT
-    for field in ("kv_format", "num_layers", "num_kv_heads", "head_dim", "kv_dtype"):
+    for field in ("kv_format", "num_layers", "num_kv_heads", "head_dim", "kv_dtype", "kv_scale"):
         a, b = getattr(ours.model, field), getattr(theirs.model, field)
         if a != b:
             name = "head_dim (latent width)" if latent and field == "head_dim" else field

@@ -170,9 +170,15 @@ class PagedRunner:
     """Steps sequences through a model and a KV cache whose block ids are handed out scattered,
     so every context spans non-adjacent blocks."""
 
-    def __init__(self, model: CausalLM, num_blocks: int = 48, block_size: int = 4) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int = 48,
+        block_size: int = 4,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
         self.model = model
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = kv_dtype or model.model.embed_tokens.weight.dtype
         self.cache = KVCache(model.config, num_blocks, block_size, dtype, "cpu")
         self.block_size = block_size
         gen = torch.Generator().manual_seed(1234)

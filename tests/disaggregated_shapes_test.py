@@ -1,12 +1,14 @@
-"""An MLA model (the random deepseek-tiny, float32, CPU) served disaggregated over tcp: tandem's
-decode server and prefill server in this process, driven as the router drives them (Reserve ->
-POST /v1/completions with the ticket -> Generate). Each layer's KV is one latent plane
-("mla-latent"), sent as one head of the latent width.
+"""Models of other shapes than the bundled SmolLM2, served disaggregated over tcp (float32,
+CPU): an MLA model (the random deepseek-tiny), whose layers' KV is one latent plane
+("mla-latent") sent as one head of the latent width, a Llama with fp8 weights (the random
+tiny-fp8), and one with an fp8 KV cache on both sides (e4m3 bytes sent as they are). tandem's
+decode server and prefill server run in this process, driven as the router drives them (Reserve
+-> POST /v1/completions with the ticket -> Generate).
 
 Greedy tokens must equal one engine doing the whole request, for a prompt inside one block, one
-over several and one the prefill computes in chunks; the commit counts the prompt's latent bytes
-and the decode pool is all free afterwards. A sender describing another cache is refused at
-Hello, naming both values.
+over several and one the prefill computes in chunks; the commit counts the prompt's KV bytes and
+the decode pool is all free afterwards. A sender describing another cache is refused at Hello,
+naming both values.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from decode.server import DecodeServer, DecodeServerConfig
 from engine import config as engine_config
-from engine.engine_config import DTYPES, EngineConfig
+from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
@@ -31,7 +33,11 @@ from transport.config import KvTransportConfig
 BLOCK = 16
 CHUNK = 32
 """The prefill's token budget per forward: a longer prompt is prefilled in chunks."""
-ENGINE = dict(model="random:deepseek-tiny", dtype="float32", block_size=BLOCK, kv_cache_gb=0.001)
+MODELS = {
+    "mla": dict(model="random:deepseek-tiny"),
+    "fp8": dict(model="random:tiny-fp8"),  # fp8 weights
+    "fp8_kv": dict(model="random:tiny", kv_cache_dtype="fp8"),  # an e4m3 KV cache, both sides
+}
 LATENT = 32 + 8
 """deepseek-tiny's kv_lora_rank + qk_rope_head_dim."""
 LAYERS = 3
@@ -43,10 +49,15 @@ PROMPTS = [
 NEW_TOKENS = 10
 
 
+@pytest.fixture(scope="module", params=list(MODELS))
+def engine_args(request):
+    return dict(**MODELS[request.param], dtype="float32", block_size=BLOCK, kv_cache_gb=0.001)
+
+
 @pytest.fixture(scope="module")
-def decode():
+def decode(engine_args):
     kv = KvTransportConfig(backend="tcp", host="127.0.0.1")
-    server = DecodeServer(DecodeServerConfig(EngineConfig(**ENGINE), kv))
+    server = DecodeServer(DecodeServerConfig(EngineConfig(**engine_args), kv))
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     yield server, decode_pb2_grpc.DecodeServiceStub(channel)
@@ -55,9 +66,9 @@ def decode():
 
 
 @pytest.fixture(scope="module")
-def prefill():
+def prefill(engine_args):
     kv = KvTransportConfig(backend="tcp", host="127.0.0.1")
-    engine = EngineConfig(**ENGINE, max_num_batched_tokens=CHUNK, max_num_seqs=4)
+    engine = EngineConfig(**engine_args, max_num_batched_tokens=CHUNK, max_num_seqs=4)
     server = PrefillServer(PrefillServerConfig(engine, kv))
     yield server
     server.stop()
@@ -68,6 +79,7 @@ def test_the_descriptor_names_the_engines_cache_formats():
     assert ticket_module.KV_FORMAT_MLA_LATENT == engine_config.KV_FORMAT_MLA_LATENT
 
 
+@pytest.mark.parametrize("engine_args", ["mla"], indirect=True)
 @pytest.mark.parametrize(
     ("sender", "named"),
     [
@@ -94,11 +106,40 @@ def test_hello_refuses_another_cache_naming_both_values(decode, sender, named):
     stub.Hello(decode_pb2.HelloRequest(sender_layout=accepted, sender_id="test"), timeout=10)
 
 
-def test_disaggregated_greedy_equals_one_engine(decode, prefill):
+@pytest.mark.parametrize("engine_args", ["fp8_kv"], indirect=True)
+@pytest.mark.parametrize(
+    ("sender", "named"),
+    [
+        (dict(kv_dtype="float32", kv_scale=0.0),
+         "kv_dtype: decode has 'fp8_e4m3', sender has 'float32'"),
+        (dict(kv_scale=0.5), "kv_scale: decode has 1.0, sender has 0.5"),
+    ],
+)  # fmt: skip
+def test_hello_refuses_another_fp8_cache_naming_both_values(decode, sender, named):
+    """An fp8 decode cache takes only fp8 KV of its own scale: bytes of another element type
+    or scale would be misread, never converted."""
+    _, stub = decode
+    fields = dict(
+        model_name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, kv_dtype="fp8_e4m3",
+        kv_scale=1.0, block_size=BLOCK, layout=PREFILL_LAYOUT, transport="tcp",
+    )  # fmt: skip
+    layout = layout_descriptor(**{**fields, **sender})
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Hello(decode_pb2.HelloRequest(sender_layout=layout, sender_id="test"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert named in err.value.details()
+    accepted = layout_descriptor(**fields)
+    stub.Hello(decode_pb2.HelloRequest(sender_layout=accepted, sender_id="test"), timeout=10)
+
+
+def test_disaggregated_greedy_equals_one_engine(engine_args, decode, prefill):
     server, stub = decode
     address = f"127.0.0.1:{server.port}"
-    token_bytes = server.engine.model_config.kv_bytes_per_token(DTYPES["float32"])
-    assert token_bytes == LAYERS * LATENT * 4
+    model = server.engine.model_config
+    token_bytes = model.kv_bytes_per_token(server.engine.kv_cache.dtype)
+    mla = model.mla is not None
+    itemsize = 1 if engine_args.get("kv_cache_dtype") == "fp8" else 4
+    assert token_bytes == (LAYERS * LATENT * 4 if mla else 2 * 2 * 2 * 16 * itemsize)
     forwards = _record_forwards(prefill)
     client = TestClient(prefill.app)
     outs = []
@@ -109,9 +150,10 @@ def test_disaggregated_greedy_equals_one_engine(decode, prefill):
             ),
             timeout=10,
         ).ticket
-        # One region a layer, the latent's, as `k`; one head.
-        assert [layer.HasField("v") for layer in ticket.shards[0].layers] == [False] * LAYERS
-        assert (ticket.shards[0].heads.start, ticket.shards[0].heads.end) == (0, 1)
+        # MLA: one region a layer, the latent's, as `k`; one head. Else K and V of 2 heads.
+        layers = ticket.shards[0].layers
+        assert [layer.HasField("v") for layer in layers] == [not mla] * model.num_layers
+        assert (ticket.shards[0].heads.start, ticket.shards[0].heads.end) == (0, 1 if mla else 2)
         reply = client.post(
             "/v1/completions",
             json={"prompt": prompt, "max_tokens": 1,
@@ -119,7 +161,7 @@ def test_disaggregated_greedy_equals_one_engine(decode, prefill):
         )  # fmt: skip
         assert reply.status_code == 200, reply.text
         kv = reply.json()["kv_transfer_params"]
-        assert kv["layers"] == LAYERS
+        assert kv["layers"] == model.num_layers
         assert kv["bytes_written"] == len(prompt) * token_bytes
         stream = stub.Generate(
             decode_pb2.GenerateRequest(
@@ -130,7 +172,7 @@ def test_disaggregated_greedy_equals_one_engine(decode, prefill):
         )  # fmt: skip
         outs.append([t for message in stream for t in message.token_ids])
     assert forwards[-2:] == [[CHUNK], [len(PROMPTS[2]) - CHUNK]]  # the last prompt, chunked
-    reference = LLMEngine.build(EngineConfig(**ENGINE)).generate(
+    reference = LLMEngine.build(EngineConfig(**engine_args)).generate(
         PROMPTS, SamplingParams(), StopConditions(NEW_TOKENS, ignore_eos=True)
     )
     assert outs == reference
