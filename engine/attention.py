@@ -171,14 +171,20 @@ def write_kv(
 
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in the cache's dtype: an fp8 cache's values saturate at its largest (scale 1.0, as
-    vLLM's fp8 cache without calibrated scales), rather than becoming NaN."""
+    """x in the cache's dtype. An fp8 (e4m3, scale 1.0) cache stores x as vLLM's CPU kernels
+    store it: saturated at +-448 (never NaN), rounded toward zero (a negative value too small
+    for e4m3 becomes -0), an input zero stored as +0. So a decode
+    continuing a cache that vLLM's CPU prefill wrote writes its own tokens as vLLM would have,
+    and their greedy outputs agree."""
     if dtype == x.dtype:
         return x
-    if dtype.itemsize == 1:
-        limit = torch.finfo(dtype).max
-        return x.clamp(-limit, limit).to(dtype)
-    return x.to(dtype)
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    f = x.float().clamp(-448.0, 448.0)
+    normal = (f.view(torch.int32) & ~0xFFFFF).view(torch.float32)  # e4m3's 3 mantissa bits
+    subnormal = torch.trunc(f * 2**9) * 2**-9  # below 2^-6: steps of 2^-9
+    y = torch.where(f.abs() < 2**-6, subnormal, normal)
+    return torch.where(f == 0, 0.0, y).to(dtype)  # exact: y is on e4m3's grid
 
 
 def attention(

@@ -107,8 +107,12 @@ class TandemConnector(KVConnectorBase_V1):
             def write(key, value, cache, slots) -> None:
                 attention.impl.do_kv_cache_update(attention, key, value, cache, slots)
 
-            cpu_layout = detect_cpu_layout(layers[0][1], len(facts.heads), facts.head_dim, write)
-        self._worker.register(layers, backend, cpu_layout)
+            cpu_layout = detect_cpu_layout(
+                layers[0][1], len(facts.heads), facts.head_dim, write,
+                self._vllm_config.model_config.dtype,
+            )  # fmt: skip
+        scales = (attention._k_scale_float, attention._v_scale_float)
+        self._worker.register(layers, backend, cpu_layout, attention.kv_cache_dtype, scales)
 
     def bind_connector_metadata(self, connector_metadata: TandemMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -45,6 +45,7 @@ from functools import partial
 import torch
 
 from prefill.kv_writes import token_rows, view_block_size
+from prefill.ticket import FP8_KV_DTYPE, kv_dtype_fields
 
 LAYOUT_VERSION = 1
 FLASH_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
@@ -56,7 +57,7 @@ LATENT_BACKENDS = (
 """vLLM's MLA backends whose cache holds one latent row per token."""
 CPU_LATENT_BACKENDS = ("CPU_MLA", "AMX_MLA")
 LATENT_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
-"""vLLM kv_cache_dtype values of a latent cache sent in its own dtype (auto: the model's)."""
+"""vLLM kv_cache_dtype values of a cache sent in its own dtype (auto: the model's)."""
 FP8_DS_MLA = "fp8_ds_mla"
 FP8_DS_MLA_ROW_BYTES = 656
 _FP8_DS_NOPE, _FP8_DS_TILE, _FP8_DS_ROPE = 512, 128, 64  # c_kv values, values per scale, k_pe
@@ -161,11 +162,16 @@ def detect_cpu_layout(
     num_kv_heads: int,
     head_dim: int,
     write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
+    key_dtype: torch.dtype | None = None,
 ) -> str:
     """The one of CPU_LAYOUTS that CPU_ATTN's own cache update, `write(key, value, cache,
     slot_mapping)`, stores: known K and V written into a two-block scratch cache shaped like
     `like` must read back through its views. A kernel that stores KV otherwise (another CPU
-    ISA, a new vLLM) stops start-up instead of sending wrong KV."""
+    ISA, a new vLLM) stops start-up instead of sending wrong KV. key_dtype: the model's, when the
+    cache holds another type (an fp8 cache, uint8 to vLLM, whose elements the same layouts
+    place: the written values are small integers, exact in e4m3 at vLLM's default scale 1)."""
+    key_dtype = key_dtype or like.dtype
+    fp8 = like.dtype == torch.uint8
     scratch = torch.zeros((2, *like.shape[1:]), dtype=like.dtype, device=like.device)
     candidates = []  # the layouts this shape can have, before the kernel touches it
     for layout in CPU_LAYOUTS:
@@ -179,19 +185,44 @@ def detect_cpu_layout(
     slots = torch.tensor([block_size + 3, 1, block_size * 2 - 1, 0], device=like.device)
     count = num_kv_heads * head_dim
     key = torch.arange(1, len(slots) * count + 1, dtype=torch.float32, device=like.device)
-    key = (key % 251).view(len(slots), num_kv_heads, head_dim).to(like.dtype)
+    key = (key % 15 + 1 if fp8 else key % 251).view(len(slots), num_kv_heads, head_dim)
+    key = key.to(key_dtype)
     value = -key - 1
     write(key, value, scratch, slots)
+    stored = [x.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else x for x in (key, value)]
     blocks, rows = slots // block_size, slots % block_size
     for views in candidates:
         got_k, got_v = token_rows(views.k, blocks, rows), token_rows(views.v, blocks, rows)
-        if torch.equal(got_k, key) and torch.equal(got_v, value):
+        if torch.equal(got_k, stored[0]) and torch.equal(got_v, stored[1]):
             return views.layout
     raise ValueError(
         f"vLLM attention backend CPU_ATTN ({like.dtype}, block size {block_size}, head_dim "
         f"{head_dim}) stores KV in none of the layouts tandem reads ({', '.join(CPU_LAYOUTS)}): "
         f"refusing to send wrong KV"
     )
+
+
+def dense_kv_fields(
+    kv_cache_dtype: str, cache: torch.Tensor, k_scale: float, v_scale: float
+) -> dict[str, str | float]:
+    """The layout descriptor's kv_dtype and kv_scale for a per-head K/V cache of vLLM's
+    `kv_cache_dtype` (its cache tensor `cache`, scales k_scale and v_scale); ValueError naming
+    what tandem's decode server cannot hold."""
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        if cache.element_size() != 1:
+            raise ValueError(f"vLLM {kv_cache_dtype} KV cache of {cache.dtype}: expected bytes")
+        if k_scale != v_scale:
+            raise ValueError(
+                f"vLLM fp8 KV cache with k_scale {k_scale} and v_scale {v_scale}: tandem's fp8 "
+                "cache has one scale for K and V"
+            )
+        return dict(kv_dtype=FP8_KV_DTYPE, kv_scale=k_scale)
+    if kv_cache_dtype not in LATENT_CACHE_DTYPES:
+        raise ValueError(
+            f"vLLM KV cache dtype {kv_cache_dtype}: tandem sends {', '.join(LATENT_CACHE_DTYPES)}"
+            " caches in their dtype and fp8 (e4m3) ones as they are"
+        )
+    return kv_dtype_fields(cache.dtype, 0.0)
 
 
 def latent_views(

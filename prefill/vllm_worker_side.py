@@ -34,12 +34,18 @@ from prefill.ticket import (
     KV_FORMAT_HND,
     KV_FORMAT_MLA_LATENT,
     KvTransfer,
-    dtype_name,
+    kv_dtype_fields,
     layout_descriptor,
     rank_heads,
 )
 from prefill.vllm_config import TandemConnectorConfig
-from prefill.vllm_layouts import LAYOUT_VERSION, CacheViews, cache_views, latent_views
+from prefill.vllm_layouts import (
+    LAYOUT_VERSION,
+    CacheViews,
+    cache_views,
+    dense_kv_fields,
+    latent_views,
+)
 from prefill.vllm_metadata import SendPlan, TandemMetadata
 from prefill.vllm_staging import StagingRing
 from proto.tandem.v1 import decode_pb2
@@ -143,10 +149,12 @@ class WorkerSide:
         backend: str,
         cpu_layout: str = "vllm-cpu",
         kv_cache_dtype: str = "auto",
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         """vLLM's per-layer cache tensors, in layer order, its attention backend's name and, on
-        CPU, which of its layouts the caches have (vllm_layouts.detect_cpu_layout); for an MLA
-        model, its layers' KV cache dtype (vLLM's MLAAttention.kv_cache_dtype)."""
+        CPU, which of its layouts the caches have (vllm_layouts.detect_cpu_layout); its layers'
+        KV cache dtype (vLLM's Attention.kv_cache_dtype) and, for an fp8 per-head cache, their
+        (k_scale, v_scale)."""
         if not self.facts.sends:
             return
         heads, head_dim = len(self.facts.heads), self.facts.head_dim
@@ -171,10 +179,14 @@ class WorkerSide:
             self.agent, int(self.config.staging_mb * (1 << 20)), self.config.staging_slots,
             k.device,
         )  # fmt: skip
+        if self.facts.latent:
+            kv_fields = kv_dtype_fields(dtype, 0.0)
+        else:
+            kv_fields = dense_kv_fields(kv_cache_dtype, layers[0][1], *kv_scales)
         layout = layout_descriptor(
             model_name=self.facts.model_name, num_layers=len(layers),
             num_kv_heads=self.facts.num_kv_heads, head_dim=head_dim,
-            kv_dtype=dtype_name(dtype), block_size=kernel_block_size,
+            **kv_fields, block_size=kernel_block_size,
             layout=self._views[0].layout, layout_version=LAYOUT_VERSION,
             tp_size=self.facts.num_senders, transport=self.config.transport,
             kv_format=self.facts.kv_format,

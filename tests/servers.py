@@ -22,13 +22,13 @@ _METRICS: dict[str, str] = {}
 """gRPC address of every decode server started -> its Prometheus /metrics URL."""
 
 
-def start_decode(backend: str, dtype: str = "float32") -> tuple[subprocess.Popen, str]:
+def start_decode(backend: str, dtype: str = "float32", *extra: str) -> tuple[subprocess.Popen, str]:
     """A decode server, its metrics served too (`metrics_url`): (process, gRPC address)."""
     args = list(COMMON)
     args[args.index("--dtype") + 1] = dtype
     proc, m = start(
         ["decode.server", *args, "--transport", backend, "--grpc-port", "0",
-         "--metrics-port", "0"],
+         "--metrics-port", "0", *extra],
         r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
     )  # fmt: skip
     address = f"127.0.0.1:{m.group(1)}"

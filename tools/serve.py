@@ -37,11 +37,11 @@ def _model_folder(model: str) -> str:
         sys.exit(f"serve: {e}")
 
 
-def _start_vllm(model: str, host: str, dtype: str, transport: str, kv_cache_gb: str):
+def _start_vllm(model: str, host: str, dtype: str, transport: str, kv_cache_gb: str, *extra: str):
     """Stock vLLM with tandem's connector; its KV cache size, on the CPU build, in whole GiB."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(float(kv_cache_gb)))))
     port = free_port(host)
-    proc, _ = start(vllm_args(model, host, port, dtype, transport), READY, timeout=900)
+    proc, _ = start(vllm_args(model, host, port, dtype, transport, *extra), READY, timeout=900)
     return proc, f"http://{host}:{port}"
 
 
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--num-prefill", type=int, default=1)
     parser.add_argument("--num-decode", type=int, default=1)
     parser.add_argument("--kv-cache-gb", default="1")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8 (every engine's)")
     parser.add_argument("--tool-call-parser", default=None, help="the router's (hermes, ...)")
     parser.add_argument("--reasoning-parser", default=None, help="the router's (qwen3, ...)")
     args = parser.parse_args()
@@ -67,7 +68,8 @@ def main() -> None:
         sys.exit(f"serve: --model {model} is not a Hugging Face folder (no config.json)")
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     common = ["--model", model, "--host", args.host, "--device", args.device, "--dtype", dtype,
-              "--transport", args.transport, "--kv-cache-gb", args.kv_cache_gb]  # fmt: skip
+              "--transport", args.transport, "--kv-cache-gb", args.kv_cache_gb,
+              "--kv-cache-dtype", args.kv_cache_dtype]  # fmt: skip
     procs = []
     stopping = threading.Event()
 
@@ -94,7 +96,8 @@ def main() -> None:
             metrics.append(f"http://{args.host}:{m.group(2)}/metrics")
         for _ in range(args.num_prefill):
             if args.prefill == "vllm":
-                proc, url = _start_vllm(model, args.host, dtype, args.transport, args.kv_cache_gb)
+                proc, url = _start_vllm(model, args.host, dtype, args.transport, args.kv_cache_gb,
+                                        "--kv-cache-dtype", args.kv_cache_dtype)  # fmt: skip
             else:
                 proc, m = start(["prefill.server", *common, "--port", "0"],
                                 r"serving on (http://\S+)", timeout=900)  # fmt: skip

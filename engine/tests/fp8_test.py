@@ -163,12 +163,17 @@ def test_fp8_kv_cache_stays_within_e4m3_rounding_of_float32_kv():
         assert torch.equal(fp8_step[-1].argmax(), exact[-1].argmax())
 
 
-def test_fp8_kv_saturates_instead_of_overflowing():
-    """Values past e4m3's largest (448) are stored as +-448, not NaN (vLLM's saturating cast)."""
+def test_fp8_kv_is_stored_as_vllms_cpu_kernels_store_it():
+    """Saturated at +-448 (not NaN), rounded toward zero in the normal and subnormal ranges, an
+    input zero unsigned: the bytes vLLM's CPU cache write gives (prefill/tests/vllm_layouts_test
+    compares the two on vLLM's own kernel)."""
     from engine.attention import to_cache
 
-    stored = to_cache(torch.tensor([1000.0, -1000.0, 3.0]), FP8_DTYPE)
-    assert stored.float().tolist() == [FP8_MAX, -FP8_MAX, 3.0]
+    values = [1000.0, -1000.0, 3.0, 2.97, -2.97, 0.0155, -0.0, 1e-9, -1e-9, 2**-9 * 1.5]
+    stored = to_cache(torch.tensor(values), FP8_DTYPE)
+    assert stored.float().tolist() == [FP8_MAX, -FP8_MAX, 3.0, 2.75, -2.75, 0.013671875,
+                                       0.0, 0.0, 0.0, 2**-9]  # fmt: skip
+    assert stored.view(torch.uint8)[6:9].tolist() == [0, 0, 0x80]  # -0.0 in: +0; -1e-9: -0
 
 
 def _load_tiny() -> CausalLM:

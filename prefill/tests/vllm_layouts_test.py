@@ -12,6 +12,7 @@ from prefill.kv_writes import token_rows
 from prefill.vllm_layouts import (
     cache_views,
     check_latent_write,
+    dense_kv_fields,
     detect_cpu_layout,
     latent_views,
     refuse_unpaired_rope,
@@ -21,7 +22,7 @@ from prefill.vllm_layouts import (
 HEADS, DIM, BLOCK = 3, 64, 128  # SmolLM2's KV heads and head_dim, vLLM's CPU block size
 
 
-def _vllm_cpu_write(isa):
+def _vllm_cpu_write(isa, kv_cache_dtype="auto"):
     """What vLLM's CPU attention backend runs to store a step's K and V (do_kv_cache_update),
     with the kernels of one ISA."""
 
@@ -32,7 +33,7 @@ def _vllm_cpu_write(isa):
         key_cache, value_cache = cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
         ops.cpu_attn_reshape_and_cache(
             key, value, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
-            kv_cache_dtype="auto",
+            kv_cache_dtype=kv_cache_dtype,
         )  # fmt: skip
 
     return write
@@ -65,6 +66,66 @@ def test_the_plain_kernels_are_read_as_vllm_cpu_on_every_machine():
     for dtype in (torch.float32, torch.bfloat16):
         like = torch.empty(2, HEADS, BLOCK, 2 * DIM, dtype=dtype)
         assert detect_cpu_layout(like, HEADS, DIM, _vllm_cpu_write("vec")) == "vllm-cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_fp8_cache_is_read_through_the_same_layouts(dtype):
+    """vLLM's fp8 KV cache on CPU (uint8 to vLLM, e4m3 bytes at scale 1): the layout of the
+    kernel vLLM picks for the model's dtype, each byte the e4m3 of what was written."""
+    isa = _isa_vllm_picks(dtype, 32, DIM)
+    like = torch.empty(4, HEADS, 32, 2 * DIM, dtype=torch.uint8)
+    write = _vllm_cpu_write(isa, "fp8")
+    layout = detect_cpu_layout(like, HEADS, DIM, write, key_dtype=dtype)
+    assert layout == ("vllm-cpu-amx" if isa == "amx" else "vllm-cpu")
+    # A written token read back through the views: its e4m3 bytes. Values on e4m3's grid (every
+    # finite nonzero code, both signs): vLLM's kernel rounds others otherwise than torch, and
+    # stores -0 as 0.
+    codes = 1 + torch.arange(HEADS * DIM) % 0x7E
+    codes = (codes | (torch.arange(HEADS * DIM) % 2 << 7)).to(torch.uint8).view(1, HEADS, DIM)
+    key = codes.view(torch.float8_e4m3fn).to(dtype)
+    cache = torch.zeros_like(like)
+    write(key, key, cache, torch.tensor([37]))
+    views = cache_views("CPU_ATTN", cache, HEADS, DIM, layout)
+    blocks, rows = torch.tensor([1]), torch.tensor([5])
+    assert torch.equal(token_rows(views.k, blocks, rows), codes)
+    assert torch.equal(token_rows(views.v, blocks, rows), codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tandems_fp8_kv_write_stores_the_bytes_vllms_cpu_kernel_stores(dtype):
+    """engine.attention.to_cache against vLLM's own fp8 cache write, on values from subnormal to
+    past e4m3's range: the same bytes, so a decode continuing vLLM's cache writes as vLLM."""
+    from engine.attention import to_cache
+
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.tensor([1e-3, 1e-2, 0.1, 3.0, 100.0, 1000.0]).repeat_interleave(DIM)
+    key = (torch.randn(len(scales), generator=gen) * scales).view(-1, 1, DIM).to(dtype)
+    key = key.expand(-1, HEADS, DIM).contiguous()
+    cache = torch.zeros(len(key), HEADS, 32, 2 * DIM, dtype=torch.uint8)
+    _vllm_cpu_write("vec", "fp8")(key, key, cache, torch.arange(len(key)) * 32)
+    views = cache_views("CPU_ATTN", cache, HEADS, DIM, "vllm-cpu")
+    theirs = token_rows(views.k, torch.arange(len(key)), torch.zeros(len(key), dtype=torch.long))
+    assert torch.equal(to_cache(key, torch.float8_e4m3fn).view(torch.uint8), theirs)
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "scales", "named"),
+    [
+        ("fp8_e5m2", (1.0, 1.0), "fp8_e5m2"),
+        ("fp8", (0.5, 0.25), "k_scale 0.5 and v_scale 0.25"),
+    ],
+)
+def test_an_fp8_cache_tandem_cannot_hold_is_refused_by_name(kv_cache_dtype, scales, named):
+    cache = torch.empty(2, HEADS, BLOCK, 2 * DIM, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=named):
+        dense_kv_fields(kv_cache_dtype, cache, *scales)
+
+
+def test_the_descriptor_names_an_fp8_cache_and_its_scale():
+    cache = torch.empty(2, HEADS, BLOCK, 2 * DIM, dtype=torch.uint8)
+    assert dense_kv_fields("fp8", cache, 0.5, 0.5) == {"kv_dtype": "fp8_e4m3", "kv_scale": 0.5}
+    bf16 = cache.to(torch.bfloat16)
+    assert dense_kv_fields("auto", bf16, 1.0, 1.0) == {"kv_dtype": "bfloat16", "kv_scale": 0.0}
 
 
 def test_a_cpu_kernel_storing_k_as_rows_is_refused():
