@@ -150,8 +150,6 @@ class ModelConfig:
                 f"rope_scaling {type(self.rope_scaling).__name__} is not supported for "
                 f"{self.architecture}"
             )
-        if is_mla and self.fp8 is not None:  # its experts and latent projections: not yet
-            raise ValueError(f"fp8 weights are not supported for {self.architecture} yet")
         if self.mla is not None and self.head_dim != self.mla.qk_rope_head_dim:
             raise ValueError(
                 f"head_dim ({self.head_dim}) must equal mla.qk_rope_head_dim "

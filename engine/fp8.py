@@ -114,6 +114,13 @@ class Fp8Weight(NamedTuple):
         return (self.weight.float() * scale).to(dtype)
 
 
+def expert(weight: torch.Tensor | Fp8Weight, index: int) -> torch.Tensor | Fp8Weight:
+    """One matrix of a stack [experts, N, K] (tensor or fp8)."""
+    if isinstance(weight, Fp8Weight):
+        return Fp8Weight(weight.weight[index], weight.scale[index], weight.block_k)
+    return weight[index]
+
+
 def dense(weight: torch.Tensor | Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     """The matrix in a compute dtype: itself if it is a tensor already."""
     return weight.dense(dtype) if isinstance(weight, Fp8Weight) else weight

@@ -35,6 +35,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, causal_attention
 from engine.config import ModelConfig
 from engine.deepseek_config import YarnRopeScaling
+from engine.fp8 import dense
 from engine.model import Linear, ModelOps, NormInput, RMSNorm, RotaryEmbedding, rms_norm, rope
 
 # NOTE: transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon,
@@ -99,14 +100,15 @@ class MlaAttention(nn.Module):
         hidden, heads = config.hidden_size, config.num_heads
         q_rows = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
         self.q_a_rows = q_rows if mla.q_lora_rank is None else mla.q_lora_rank
-        self.fused_qkv_a_proj = Linear(hidden, self.q_a_rows + mla.latent_dim, False, ops)
+        fp8 = config.fp8
+        self.fused_qkv_a_proj = Linear(hidden, self.q_a_rows + mla.latent_dim, False, ops, fp8)
         if mla.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, ops)
-            self.q_b_proj = Linear(mla.q_lora_rank, q_rows, False, ops)
+            self.q_b_proj = Linear(mla.q_lora_rank, q_rows, False, ops, fp8)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, ops)
         kv_rows = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-        self.kv_b_proj = Linear(mla.kv_lora_rank, kv_rows, False, ops)
-        self.o_proj = Linear(heads * mla.v_head_dim, hidden, False, ops)
+        self.kv_b_proj = Linear(mla.kv_lora_rank, kv_rows, False, ops, fp8)
+        self.o_proj = Linear(heads * mla.v_head_dim, hidden, False, ops, fp8)
         self.scale = softmax_scale(config)
 
     def forward(
@@ -134,7 +136,8 @@ class MlaAttention(nn.Module):
             cache, kv_a, q_pe, norm.weight, norm.eps, cos, sin,
             mla.rope_interleave, meta.slot_mapping,
         )  # fmt: skip
-        w = self.kv_b_proj.weight
+        # W_UK and W_UV are slices of it: an fp8 one is dequantized whole first (CPU only).
+        w = dense(self.kv_b_proj.matrix, h.dtype)
         if meta.max_query_len == 1:  # decode only: the backend's kernels (CUDA-graph safe)
             o = self.backend.decode_attention(q_nope, q_pe, cache, meta, w, self.scale)
         else:

@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import fp8
 from engine.config import ModelConfig
 from engine.deepseek_config import MoeConfig
-from engine.model import MLP, ModelOps, NormInput, RMSNorm, silu_and_mul
+from engine.fp8 import Fp8Weight, dense
+from engine.model import MLP, Matrix, ModelOps, NormInput, RMSNorm, silu_and_mul
 
 
 def route(
@@ -116,8 +118,9 @@ def gather_experts(
     out = torch.zeros_like(h)
     for expert in ids.unique().tolist():
         tokens, slot = torch.where(ids == expert)
-        x = silu_and_mul(F.linear(h[tokens], gate_up_proj[expert]))
-        y = F.linear(x, down_proj[expert]) * weights[tokens, slot, None]
+        gate_up, down = (dense(fp8.expert(w, expert), h.dtype) for w in (gate_up_proj, down_proj))
+        x = silu_and_mul(F.linear(h[tokens], gate_up))
+        y = F.linear(x, down) * weights[tokens, slot, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
@@ -143,22 +146,43 @@ TORCH_KERNELS = MoeKernels(route=_torch_route, experts=_torch_experts)
 
 
 class Experts(nn.Module):
-    """The routed experts' SwiGLU weights, stacked, computed by `kernel`."""
+    """The routed experts' SwiGLU weights, stacked, computed by `kernel`. With an Fp8Scheme
+    both stacks are float8_e4m3fn, each with its row-wise scales (`<name>_scale` [experts, rows,
+    k blocks] float32, engine.fp8), and the kernel takes each stack as one Fp8Weight."""
+
+    float32_parameters = ("gate_up_proj_scale", "down_proj_scale")
+    fp8_parameters = ("gate_up_proj", "down_proj")
 
     def __init__(self, config: ModelConfig, moe: MoeConfig, kernel: Callable) -> None:
         super().__init__()
-        size = moe.moe_intermediate_size
+        size, hidden = moe.moe_intermediate_size, config.hidden_size
         experts = moe.n_routed_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * size, config.hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(experts, config.hidden_size, size))
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * size, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, size))
+        self.fp8 = config.fp8
+        self.gate_up_proj_scale = self.down_proj_scale = None
+        if self.fp8 is not None:
+            for name, (rows, columns) in (("gate_up_proj", (2 * size, hidden)),
+                                          ("down_proj", (hidden, size))):  # fmt: skip
+                scales = torch.empty(experts, rows, self.fp8.k_blocks(columns))
+                setattr(self, f"{name}_scale", nn.Parameter(scales, requires_grad=False))
         self.kernel = kernel
+
+    def matrix(self, name: str) -> Matrix:
+        weight = getattr(self, name)
+        if self.fp8 is None:
+            return weight
+        return Fp8Weight(
+            weight, getattr(self, f"{name}_scale"), self.fp8.block_k or weight.shape[-1]
+        )
 
     def forward(
         self, h: torch.Tensor, routing: Routing, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         """sum over each token's experts e of weight * expert_e(h), plus residual if given
         -> [T, hidden]."""
-        return self.kernel(h, routing, self.gate_up_proj, self.down_proj, residual)
+        gate_up, down = self.matrix("gate_up_proj"), self.matrix("down_proj")
+        return self.kernel(h, routing, gate_up, down, residual)
 
 
 class MoE(nn.Module):

@@ -301,3 +301,7 @@ PRESETS["glm5-4l"] = _deepseek_shape(
     eos_token_ids=(154820, 154827, 154829),
     bos_token_id=0,
 )
+
+# deepseek-tiny's projections and routed experts in fp8 (32x32 blocks: partial blocks in the
+# 40-row latent projection and the fused q_a + latent rows), for CPU tests.
+PRESETS["deepseek-tiny-fp8"] = dataclasses.replace(PRESETS["deepseek-tiny"], fp8=Fp8Scheme(32, 32))

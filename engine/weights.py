@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.fp8 import FP8_DTYPE, quantize
+from engine.fp8 import FP8_DTYPE, Fp8Scheme, quantize
 from engine.model import CausalLM
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -109,23 +109,39 @@ def init_random_weights(
     _check_dtype(dtype)
     _materialize(model, dtype, device)
     generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
-    quantized = {id(m.weight): m for m in model.modules() if getattr(m, "fp8", None) is not None}
+    scales = {  # an fp8 matrix -> its scales
+        id(getattr(m, name)): getattr(m, name + SCALE)
+        for m in model.modules()
+        if getattr(m, "fp8", None) is not None
+        for name in m.fp8_parameters
+    }
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
-            elif id(param) in quantized:  # drawn in float32, then quantized as a checkpoint is
+            elif id(param) in scales:  # drawn in float32, then quantized as a checkpoint is
                 drawn = torch.empty(param.shape, device=param.device)
-                q, scale = quantize(drawn.normal_(0.0, 0.02, generator=generator), model.config.fp8)
-                param.copy_(q)
-                quantized[id(param)].weight_scale.copy_(
-                    model.config.fp8.expand_scale(scale, param.shape[0])
-                )
+                _quantize_into(drawn.normal_(0.0, 0.02, generator=generator), param,
+                               scales[id(param)], model.config.fp8)  # fmt: skip
             elif not name.endswith(SCALE):
                 param.normal_(0.0, 0.02, generator=generator)
     model.init_buffers()
+
+
+def _quantize_into(
+    w: torch.Tensor, param: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme
+) -> None:
+    """Each [N, K] matrix of w ([N, K], or stacked [experts, N, K]) quantized into param, its
+    scales expanded into scale."""
+    for matrix, q_out, scale_out in zip(
+        w.view(-1, *w.shape[-2:]), param.view(-1, *w.shape[-2:]),
+        scale.view(-1, *scale.shape[-2:]), strict=True,
+    ):  # fmt: skip
+        q, block_scales = quantize(matrix, scheme)
+        q_out.copy_(q)
+        scale_out.copy_(scheme.expand_scale(block_scales, q.shape[0]))
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -172,7 +188,7 @@ def _checkpoint_files(folder: Path) -> dict[Path, list[str]]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
 
 
-SCALE = "weight_scale"  # an fp8 projection's scales (engine.model.Linear)
+SCALE = "_scale"  # an fp8 matrix's scales: `<its name>_scale` (engine.model.Linear, moe.Experts)
 
 # Where a checkpoint tensor goes within one of our parameters: all of it, a run of its rows, or
 # (for stacked experts) one expert's slab or a run of that slab's rows.
@@ -186,11 +202,13 @@ def _targets(model: CausalLM) -> dict[str, tuple[str, Index]]:
         parent, _, leaf = name.rpartition(".")
         prefix, _, module = parent.rpartition(".")
         if module == "experts":  # stacked [experts, ...]: one checkpoint tensor per expert
+            stack = leaf.removesuffix(SCALE)  # gate_up_proj, or its scales gate_up_proj_scale
+            suffix = model.config.fp8.scale_name if stack != leaf else "weight"
             for expert in range(param.shape[0]):
-                for part, rows in _fused_parts(model.config, leaf, param.shape[1]):
-                    targets[f"{parent}.{expert}.{part}.weight"] = (name, (expert, rows))
+                for part, rows in _fused_parts(model.config, stack, param.shape[1]):
+                    targets[f"{parent}.{expert}.{part}.{suffix}"] = (name, (expert, rows))
             continue
-        if leaf == SCALE:  # the checkpoint's name of an fp8 projection's scales
+        if leaf == f"weight{SCALE}":  # the checkpoint's name of an fp8 projection's scales
             leaf = model.config.fp8.scale_name
         parts = _fused_parts(model.config, module, param.shape[0])
         for part, rows in parts:

@@ -1,9 +1,9 @@
 """Models of other shapes than the bundled SmolLM2, served disaggregated over tcp (float32,
 CPU): an MLA model (the random deepseek-tiny), whose layers' KV is one latent plane
-("mla-latent") sent as one head of the latent width, a Llama with fp8 weights (the random
-tiny-fp8), and one with an fp8 KV cache on both sides (e4m3 bytes sent as they are). tandem's
-decode server and prefill server run in this process, driven as the router drives them (Reserve
--> POST /v1/completions with the ticket -> Generate).
+("mla-latent") sent as one head of the latent width, a Llama and that model with fp8 weights
+(the random tiny-fp8, deepseek-tiny-fp8), and a Llama with an fp8 KV cache on both sides (e4m3
+bytes sent as they are). tandem's decode server and prefill server run in this process, driven
+as the router drives them (Reserve -> POST /v1/completions with the ticket -> Generate).
 
 Greedy tokens must equal one engine doing the whole request, for a prompt inside one block, one
 over several and one the prefill computes in chunks; the commit counts the prompt's KV bytes and
@@ -36,6 +36,7 @@ CHUNK = 32
 MODELS = {
     "mla": dict(model="random:deepseek-tiny"),
     "fp8": dict(model="random:tiny-fp8"),  # fp8 weights
+    "mla_fp8": dict(model="random:deepseek-tiny-fp8"),  # and the experts' too
     "fp8_kv": dict(model="random:tiny", kv_cache_dtype="fp8"),  # an e4m3 KV cache, both sides
 }
 LATENT = 32 + 8

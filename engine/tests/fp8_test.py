@@ -9,20 +9,27 @@ from safetensors.torch import load_file, save_file
 
 from engine import fp8
 from engine.config import ModelConfig
+from engine.deepseek import DeepseekForCausalLM
 from engine.fp8 import FP8_DTYPE, FP8_MAX, Fp8Scheme
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model import CausalLM
 from engine.model_loader import load_model
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
-from engine.tests.tiny_hf import VOCAB, PagedRunner, hf_logits, hf_model, rel_err
+from engine.tests.tiny_hf import VOCAB, PagedRunner, hf_deepseek, hf_logits, hf_model, rel_err
 from engine.weights import hf_state_dict, init_random_weights, load_state_dict, load_weights
 
 # The decoder's projections, as FP8 checkpoints quantize them (lm_head and norms stay as they are).
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # fmt: skip
 # 48x48 blocks on the tiny Llama (hidden 64, q 64 / k and v 32 rows, intermediate 112): partial
 # blocks in both dimensions, and fused parts not starting on a block boundary.
-SCHEMES = {"block48": Fp8Scheme(48, 48), "block128": Fp8Scheme(128, 128), "tensor": None}
+SCHEMES = {
+    "block48": Fp8Scheme(48, 48),
+    "block32": Fp8Scheme(32, 32),
+    "block128": Fp8Scheme(128, 128),
+    "tensor": None,
+}
 
 
 def _scheme(name):
@@ -46,16 +53,16 @@ def test_quantize_rounds_each_element_to_e4m3_within_its_block(name):
     assert rows.shape == (w.shape[0], scheme.k_blocks(w.shape[1]))
 
 
-def _fp8_folder(tmp_path, scheme_name):
-    """A tiny random Llama saved as an FP8 checkpoint, and transformers' model holding the
-    dequantized weights (float32): the reference."""
+def _fp8_folder(tmp_path, scheme_name, hf=None):
+    """A tiny random model (Llama unless `hf` is given) saved as an FP8 checkpoint, and
+    transformers' model holding the dequantized weights (float32): the reference."""
     scheme = _scheme(scheme_name)
-    hf = hf_model("llama", seed=3)
+    hf = hf_model("llama", seed=3) if hf is None else hf
     hf.save_pretrained(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
     dequantized = {}
     for name in list(state):
-        if name.rpartition(".")[0].rpartition(".")[2] not in PROJECTIONS:
+        if not name.endswith(".weight") or name.split(".")[-2] not in PROJECTIONS:
             continue
         q, scale = fp8.quantize(state[name], scheme)
         state[name] = q
@@ -72,8 +79,27 @@ def _fp8_folder(tmp_path, scheme_name):
         "weight_block_size": block,
     }  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
-    hf.load_state_dict(dequantized, strict=False)
+    unexpected = hf.load_state_dict(_stacked(hf, dequantized), strict=False).unexpected_keys
+    assert not unexpected, unexpected
     return hf
+
+
+def _stacked(hf, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> transformers' in-memory ones: each layer's routed experts stacked
+    (gate_up_proj [experts, 2I, H], down_proj [experts, H, I]), as transformers holds them."""
+    params = dict(hf.named_parameters())
+    out = {}
+    for name, tensor in state.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = tensor
+            continue
+        expert, part, _ = tail.split(".")
+        stack = f"{head}.mlp.experts.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+        slab = out.setdefault(stack, params[stack].detach().clone())[int(expert)]
+        rows = slab.shape[0] // 2
+        {"gate_proj": slab[:rows], "up_proj": slab[rows:], "down_proj": slab}[part].copy_(tensor)
+    return out
 
 
 def _load(folder, dtype=torch.float32) -> CausalLM:
@@ -99,6 +125,28 @@ def test_fp8_checkpoint_matches_its_dequantized_model(tmp_path, name):
     assert rel_err(PagedRunner(model).step({0: tokens})[0], reference) < 1e-5
     bf16 = _load(tmp_path, torch.bfloat16)
     assert rel_err(PagedRunner(bf16).step({0: tokens})[0], reference) < 2e-2
+
+
+@pytest.mark.parametrize("name", ["block32", "tensor"])
+def test_deepseek_fp8_checkpoint_matches_its_dequantized_model(tmp_path, name):
+    """DeepSeek-V3 as its FP8 checkpoints are: every projection fp8 (attention's, the dense and
+    shared MLPs', each routed expert's), the router not. 32x32 blocks: the latent projection's
+    40 rows start at row 48 of the fused q_a + latent projection, mid-block. Logits against
+    transformers on the dequantized weights (float32, 1e-5), prefill and a decode step (the
+    absorbed form, through the dequantized kv_b_proj)."""
+    hf = _fp8_folder(tmp_path, name, hf_deepseek(48, seed=4))
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(ModelConfig.from_hf_folder(tmp_path))
+    load_weights(model, tmp_path, torch.float32, "cpu")
+    layer = model.model.layers[1]
+    assert layer.mlp.experts.gate_up_proj.dtype == FP8_DTYPE
+    assert layer.self_attn.kv_b_proj.weight.dtype == FP8_DTYPE
+    assert layer.mlp.gate.weight.dtype == torch.float32
+    tokens = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    reference = hf_logits(hf, tokens)
+    runner = PagedRunner(model)
+    assert rel_err(runner.step({0: tokens[:11]})[0], reference[:11]) < 1e-5
+    assert rel_err(runner.step({0: tokens[11:]})[0], reference[11:]) < 1e-5
 
 
 def test_hf_state_dict_gives_the_checkpoints_tensors_back(tmp_path):
@@ -127,16 +175,23 @@ def test_a_missing_scale_is_named(tmp_path):
         _load(tmp_path)
 
 
-def test_random_fp8_preset_generates_and_frees_every_block():
-    """random:tiny-fp8: the random tiny Llama's projections quantized (48x48 blocks), so its
-    weights are within e4m3's rounding of random:tiny's, drawn from the same seed."""
+def _expert_down(model):
+    return fp8.expert(model.model.layers[1].mlp.experts.matrix("down_proj"), 3)
+
+
+@pytest.mark.parametrize(
+    "preset, matrix",
+    [("tiny", lambda m: m.model.layers[1].mlp.down_proj.matrix), ("deepseek-tiny", _expert_down)],
+)
+def test_random_fp8_preset_generates_and_frees_every_block(preset, matrix):
+    """random:<preset>-fp8: the random model's projections (and routed experts) quantized, so
+    its weights are within e4m3's rounding of random:<preset>'s, drawn from the same seed."""
     config = dict(dtype="float32", block_size=4, kv_cache_gb=1e-3)
-    engine = LLMEngine.build(EngineConfig(model="random:tiny-fp8", **config))
-    dense = LLMEngine.build(EngineConfig(model="random:tiny", **config))
-    ours = engine.runner.model.model.layers[1].mlp.down_proj
-    theirs = dense.runner.model.model.layers[1].mlp.down_proj.weight
+    engine = LLMEngine.build(EngineConfig(model=f"random:{preset}-fp8", **config))
+    dense_engine = LLMEngine.build(EngineConfig(model=f"random:{preset}", **config))
+    ours, theirs = matrix(engine.runner.model), matrix(dense_engine.runner.model)
     assert ours.weight.dtype == FP8_DTYPE
-    assert rel_err(ours.matrix.dense(torch.float32), theirs) < 0.05
+    assert rel_err(ours.dense(torch.float32), theirs) < 0.05
     stop = StopConditions(max_tokens=4, ignore_eos=True)
     outputs = engine.generate([[1, 5, 9], [1, 7, 3, 8, 200]], SamplingParams(), stop)
     assert [len(out) for out in outputs] == [4, 4]

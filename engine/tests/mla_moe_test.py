@@ -174,7 +174,6 @@ def _hf_dict(**overrides):
         (dict(topk_method="greedy"), "topk_method"),
         (dict(scoring_func="softmax"), "scoring_func"),
         (dict(moe_layer_freq=2), "moe_layer_freq"),
-        (dict(quantization_config={"quant_method": "fp8"}), "fp8 weights"),
         (dict(rope_scaling={"type": "llama3", "factor": 8.0}), "rope_type 'llama3'"),
         (dict(n_group=3), "n_group"),
         (dict(topk_group=3), "topk_group"),
