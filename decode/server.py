@@ -28,6 +28,7 @@ from engine.engine_config import KV_SCALE
 from engine.llm_engine import EngineConfig, LLMEngine
 from prefill.ticket import DECODE_LAYOUT, kv_dtype_fields, layout_descriptor
 from proto.tandem.v1 import decode_pb2_grpc, layout_pb2
+from tools import preflight
 from transport.config import KvTransportConfig
 
 
@@ -164,7 +165,10 @@ def _layout(config: DecodeServerConfig, model: ModelConfig) -> layout_pb2.Layout
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m decode.server", description=__doc__)
     DecodeServerConfig.add_cli_args(parser)
+    preflight.add_cli_args(parser)
     args = parser.parse_args()
+    findings = preflight.server_findings(args.model, args.device, args.transport, args.host)
+    preflight.enforce(findings, args.preflight, "decode.server")
     try:
         server = DecodeServer(DecodeServerConfig.from_cli_args(args))
         server.start()

@@ -46,6 +46,7 @@ from prefill.ticket import (
     layout_descriptor,
 )
 from prefill.worker import Job, PrefillError, PrefillWorker, Result
+from tools import preflight
 from transport.config import KvTransportConfig
 
 # Completion fields accepted and ignored because they change nothing here.
@@ -294,7 +295,10 @@ def _tokenizer(model: str):
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m prefill.server", description=__doc__)
     PrefillServerConfig.add_cli_args(parser)
+    preflight.add_cli_args(parser)
     args = parser.parse_args()
+    findings = preflight.server_findings(args.model, args.device, args.transport, args.host)
+    preflight.enforce(findings, args.preflight, "prefill.server")
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:

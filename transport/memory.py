@@ -78,12 +78,12 @@ class HostBuffer:
                     f"madvise({name}) failed (errno {errno}): this kernel lacks transparent huge "
                     f"pages or MADV_POPULATE_WRITE (Linux >= 5.14)"
                 )
-        huge = _huge_bytes_in(self.addr, self.nbytes)
+        huge = huge_bytes_in(self.addr, self.nbytes)
         if huge < self.nbytes:
             # Fragmented memory gave some 4 KiB pages at fault time; ask again, synchronously
             # (an older kernel refuses the advice, and the check below speaks for it).
             libc.madvise(self.addr, self.nbytes, _MADV_COLLAPSE)
-            huge = _huge_bytes_in(self.addr, self.nbytes)
+            huge = huge_bytes_in(self.addr, self.nbytes)
         if huge < self.nbytes:
             setting = _THP_ENABLED.read_text().strip() if _THP_ENABLED.exists() else "absent"
             self.close()
@@ -95,7 +95,7 @@ class HostBuffer:
             )
 
 
-def _huge_bytes_in(addr: int, nbytes: int) -> int:
+def huge_bytes_in(addr: int, nbytes: int) -> int:
     """Bytes of [addr, addr + nbytes) that /proc/self/smaps reports as AnonHugePages."""
     total = 0
     inside = False

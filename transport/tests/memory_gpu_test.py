@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from transport.memory import HUGE_PAGE, HostBuffer, _huge_bytes_in
+from transport.memory import HUGE_PAGE, HostBuffer, huge_bytes_in
 
 NBYTES = 256 * 1024 * 1024
 
@@ -26,7 +26,7 @@ def test_pinned_huge_page_buffer_takes_dma_copies_at_pinned_speed():
     src = torch.arange(NBYTES, dtype=torch.uint8, device="cuda")
     buffer = HostBuffer(NBYTES, huge_pages=True)
     try:
-        assert _huge_bytes_in(buffer.addr, buffer.nbytes) == buffer.nbytes
+        assert huge_bytes_in(buffer.addr, buffer.nbytes) == buffer.nbytes
         assert buffer.addr % HUGE_PAGE == 0
         pageable = torch.frombuffer(buffer.view(), dtype=torch.uint8)
         unpinned = _d2h_gb_s(pageable, src)

@@ -1,6 +1,6 @@
 import pytest
 
-from transport.memory import HUGE_PAGE, HostBuffer, _huge_bytes_in, view
+from transport.memory import HUGE_PAGE, HostBuffer, huge_bytes_in, view
 
 
 def test_huge_page_buffer_is_aligned_and_verified_huge():
@@ -8,7 +8,7 @@ def test_huge_page_buffer_is_aligned_and_verified_huge():
     try:
         assert buffer.nbytes == 4 * HUGE_PAGE  # rounded up to whole huge pages
         assert buffer.addr % HUGE_PAGE == 0
-        assert _huge_bytes_in(buffer.addr, buffer.nbytes) == buffer.nbytes
+        assert huge_bytes_in(buffer.addr, buffer.nbytes) == buffer.nbytes
         assert bytes(buffer.view()[:8]) == bytes(8)
     finally:
         buffer.close()
