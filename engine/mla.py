@@ -321,9 +321,16 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """LatentBackend.decode_attention in torch."""
-    q_c = absorb_query(q_nope, kv_b_weight)
-    o = attend_latent(q_c, q_pe, cache, meta, scale)
-    return expand_output(o, kv_b_weight, q_nope.shape[2])
+    args = (q_nope, q_pe, cache, meta, kv_b_weight, scale)
+    return absorbed_decode(absorb_query, attend_latent, expand_output, *args)
+
+
+def absorbed_decode(absorb, attend, expand, q_nope, q_pe, cache, meta, kv_b_weight, scale):
+    """LatentBackend.decode_attention from a backend's three steps: `absorb` (q_nope, kv_b) ->
+    q_c, `attend` (q_c, q_pe, cache, meta, scale) -> latent output, `expand` (output, kv_b,
+    nope) -> [n, heads, v_head_dim]."""
+    q_c = absorb(q_nope, kv_b_weight)
+    return expand(attend(q_c, q_pe, cache, meta, scale), kv_b_weight, q_nope.shape[2])
 
 
 def attend_latent(

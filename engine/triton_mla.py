@@ -49,6 +49,7 @@ import triton.language as tl
 
 from engine import triton_mla_heads, triton_pdl
 from engine.attention import AttentionMetadata
+from engine.mla import absorbed_decode
 from engine.triton_attention import _sm_count, _split_tiles
 from engine.triton_latent_store import store_latent
 
@@ -175,9 +176,14 @@ def decode_attention(
     """engine.mla.LatentBackend.decode_attention: W_UK, `mla_decode` and W_UV of a decode-only
     batch (engine.triton_mla_heads for the projections)."""
     assert meta.max_query_len == 1, "one new token per sequence"
-    q_c = triton_mla_heads.absorb_query(q_nope, kv_b_weight)
-    o = mla_decode(q_c, q_pe, cache, meta.seq_lens, meta.block_tables, scale)
-    return triton_mla_heads.expand_output(o, kv_b_weight, q_nope.shape[2])
+    return absorbed_decode(
+        triton_mla_heads.absorb_query, _attend, triton_mla_heads.expand_output,
+        q_nope, q_pe, cache, meta, kv_b_weight, scale,
+    )  # fmt: skip
+
+
+def _attend(q_c, q_pe, cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    return mla_decode(q_c, q_pe, cache, meta.seq_lens, meta.block_tables, scale)
 
 
 def choose_num_splits(batch: int, head_blocks: int, max_tiles: int, sm_count: int) -> int:

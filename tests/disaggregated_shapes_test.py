@@ -92,12 +92,17 @@ def test_the_descriptor_names_the_engines_cache_formats():
     ],
 )  # fmt: skip
 def test_hello_refuses_another_cache_naming_both_values(decode, sender, named):
-    _, stub = decode
     fields = dict(
         model_name="deepseek-tiny", num_layers=LAYERS, num_kv_heads=1, head_dim=LATENT,
         kv_dtype="float32", block_size=BLOCK, layout=PREFILL_LAYOUT, transport="tcp",
         kv_format="mla-latent",
     )  # fmt: skip
+    _assert_hello_refuses(decode[1], fields, sender, named)
+
+
+def _assert_hello_refuses(stub, fields: dict, sender: dict, named: str) -> None:
+    """Hello with `fields` changed by `sender` is refused naming `named`; with `fields` as
+    they are, accepted."""
     layout = layout_descriptor(**{**fields, **sender})
     with pytest.raises(grpc.RpcError) as err:
         stub.Hello(decode_pb2.HelloRequest(sender_layout=layout, sender_id="test"), timeout=10)
@@ -119,18 +124,11 @@ def test_hello_refuses_another_cache_naming_both_values(decode, sender, named):
 def test_hello_refuses_another_fp8_cache_naming_both_values(decode, sender, named):
     """An fp8 decode cache takes only fp8 KV of its own scale: bytes of another element type
     or scale would be misread, never converted."""
-    _, stub = decode
     fields = dict(
         model_name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, kv_dtype="fp8_e4m3",
         kv_scale=1.0, block_size=BLOCK, layout=PREFILL_LAYOUT, transport="tcp",
     )  # fmt: skip
-    layout = layout_descriptor(**{**fields, **sender})
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Hello(decode_pb2.HelloRequest(sender_layout=layout, sender_id="test"), timeout=10)
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert named in err.value.details()
-    accepted = layout_descriptor(**fields)
-    stub.Hello(decode_pb2.HelloRequest(sender_layout=accepted, sender_id="test"), timeout=10)
+    _assert_hello_refuses(decode[1], fields, sender, named)
 
 
 def test_disaggregated_greedy_equals_one_engine(engine_args, decode, prefill):

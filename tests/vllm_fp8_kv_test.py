@@ -19,10 +19,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.servers import MODEL, counter, metrics_url, start_decode
-from tests.vllm_servers import MAX_BATCHED_TOKENS, start_vllm, stop
+from tests.vllm_servers import MAX_BATCHED_TOKENS, complete, generate, prefill, start_vllm, stop
 
 NEW_TOKENS = 12
 FP8 = ("--kv-cache-dtype", "fp8")
@@ -58,32 +57,16 @@ def stack():
 
 
 def _alone(http: httpx.Client, prompt: list[int]) -> list[int]:
-    reply = http.post("/v1/completions", json={
-        "model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-        "return_token_ids": True})  # fmt: skip
-    assert reply.status_code == 200, reply.text
-    return reply.json()["choices"][0]["token_ids"]
+    return complete(http, prompt, NEW_TOKENS)["choices"][0]["token_ids"]
 
 
 def _prefill(stub, http, address: str, request_id: str, prompt: list[int]):
-    ticket = stub.Reserve(decode_pb2.ReserveRequest(
-        request_id=request_id, prompt_token_ids=prompt, num_senders=1,
-        max_tokens=NEW_TOKENS), timeout=10).ticket  # fmt: skip
-    body = {
-        "prompt": prompt,
-        "max_tokens": 1,
-        "kv_transfer_params": transfer_params(ticket, address),
-    }
-    reply = http.post("/v1/completions", json=body)
-    assert reply.status_code == 200, reply.text
-    return ticket, reply.json()["kv_transfer_params"]["first_token_id"]
+    ticket, kv = prefill(stub, http, address, request_id, prompt, NEW_TOKENS)
+    return ticket, kv["first_token_id"]
 
 
 def _generate(stub, ticket, first_token: int) -> list[int]:
-    stream = stub.Generate(decode_pb2.GenerateRequest(
-        request_id=ticket.request_id, generation=ticket.generation,
-        first_token_id=first_token, max_tokens=NEW_TOKENS), timeout=60)  # fmt: skip
-    return [t for message in stream for t in message.token_ids]
+    return generate(stub, ticket, first_token, NEW_TOKENS)
 
 
 def test_vllms_fp8_kv_decoded_by_tandem_equals_vllm_alone(stack, prompts):

@@ -21,10 +21,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.servers import MODEL, counter, metrics_url, start_decode
-from tests.vllm_servers import MAX_BATCHED_TOKENS, start_vllm, stop
+from tests.vllm_servers import MAX_BATCHED_TOKENS, complete, generate, prefill, start_vllm, stop
 from tools.launch import start
 
 NEW_TOKENS = 12
@@ -108,12 +107,9 @@ def stack():
 
 def _complete(http: httpx.Client, prompt: list[int]) -> list[int]:
     """A plain greedy completion (no ticket): its tokens; kv_transfer_params stays empty."""
-    reply = http.post("/v1/completions", json={
-        "model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-        "return_token_ids": True})  # fmt: skip
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["kv_transfer_params"] is None
-    return reply.json()["choices"][0]["token_ids"]
+    body = complete(http, prompt, NEW_TOKENS)
+    assert body["kv_transfer_params"] is None
+    return body["choices"][0]["token_ids"]
 
 
 def _chat(client: openai.OpenAI, model: str) -> str:
@@ -134,15 +130,7 @@ def _chat_logprobs(client: openai.OpenAI, model: str) -> list[tuple]:
 
 
 def _prefill(stub, http, address: str, request_id: str, prompt: list[int]):
-    """Reserve, then the router's POST to the prefill: (ticket, kv_transfer_params)."""
-    ticket = stub.Reserve(decode_pb2.ReserveRequest(
-        request_id=request_id, prompt_token_ids=prompt, num_senders=1,
-        max_tokens=NEW_TOKENS), timeout=10).ticket  # fmt: skip
-    params = transfer_params(ticket, address)
-    body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": params}
-    reply = http.post("/v1/completions", json=body)
-    assert reply.status_code == 200, reply.text
-    return ticket, reply.json()["kv_transfer_params"]
+    return prefill(stub, http, address, request_id, prompt, NEW_TOKENS)
 
 
 def _settled(read, want: float) -> float:
@@ -155,10 +143,7 @@ def _settled(read, want: float) -> float:
 
 
 def _generate(stub, ticket, first_token: int) -> list[int]:
-    stream = stub.Generate(decode_pb2.GenerateRequest(
-        request_id=ticket.request_id, generation=ticket.generation,
-        first_token_id=first_token, max_tokens=NEW_TOKENS), timeout=60)  # fmt: skip
-    return [t for message in stream for t in message.token_ids]
+    return generate(stub, ticket, first_token, NEW_TOKENS)
 
 
 def _disaggregated(stub, http, address: str, request_id: str, prompt: list[int]) -> list[int]:

@@ -9,7 +9,11 @@ import shutil
 import subprocess
 import tempfile
 
+import httpx
+
+from prefill.ticket import transfer_params
 from prefill.vllm_launch import READY, free_port, vllm_args
+from proto.tandem.v1 import decode_pb2
 from tests.servers import MODEL
 from tools.launch import start
 
@@ -46,3 +50,34 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def complete(http: httpx.Client, prompt: list[int], max_tokens: int) -> dict:
+    """A plain greedy completion from vLLM, no ticket: the reply's body."""
+    reply = http.post("/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "return_token_ids": True})  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def prefill(stub, http: httpx.Client, address: str, request_id: str, prompt: list[int],
+            max_tokens: int):  # fmt: skip
+    """The router's way to a prefill: Reserve on the decode server at `address`, then the POST
+    to vLLM with the ticket -> (ticket, vLLM's kv_transfer_params)."""
+    ticket = stub.Reserve(decode_pb2.ReserveRequest(
+        request_id=request_id, prompt_token_ids=prompt, num_senders=1,
+        max_tokens=max_tokens), timeout=10).ticket  # fmt: skip
+    params = transfer_params(ticket, address)
+    body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": params}
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    return ticket, reply.json()["kv_transfer_params"]
+
+
+def generate(stub, ticket, first_token: int, max_tokens: int) -> list[int]:
+    """The decode server's tokens after `first_token`, for the ticket's request."""
+    stream = stub.Generate(decode_pb2.GenerateRequest(
+        request_id=ticket.request_id, generation=ticket.generation,
+        first_token_id=first_token, max_tokens=max_tokens), timeout=60)  # fmt: skip
+    return [t for message in stream for t in message.token_ids]
