@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 READY = r"Application startup complete"
 """What vLLM prints once it serves (its own port line comes earlier)."""
@@ -43,10 +44,25 @@ def vllm_args(
     straight to vLLM that leave it out would otherwise get the model's generation_config)."""
     args = ["vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--dtype", dtype, "--enforce-eager",
-            "--override-generation-config", json.dumps({"temperature": 0.0}), *extra]  # fmt: skip
+            "--override-generation-config", json.dumps({"temperature": 0.0}),
+            *_mla_backend(model, dtype), *extra]  # fmt: skip
     if transport is not None:
         args += ["--kv-transfer-config", kv_transfer_config(transport=transport, host=host)]
     return args
+
+
+def _mla_backend(model: str, dtype: str) -> list[str]:
+    """vLLM's CPU platform picks its AMX MLA backend on every host with AMX tiles whatever the
+    dtype, and that backend takes bf16 only ("invalid weight input features" at start-up
+    otherwise): an MLA model in another dtype is given the reference CPU_MLA backend."""
+    config = Path(model) / "config.json"
+    if dtype == "bfloat16" or not config.is_file():
+        return []
+    return (
+        ["--attention-backend", "CPU_MLA"]
+        if "kv_lora_rank" in json.loads(config.read_text())
+        else []
+    )
 
 
 def free_port(host: str) -> int:
