@@ -167,8 +167,7 @@ def main() -> None:
     DecodeServerConfig.add_cli_args(parser)
     preflight.add_cli_args(parser)
     args = parser.parse_args()
-    findings = preflight.server_findings(args.model, args.device, args.transport, args.host)
-    preflight.enforce(findings, args.preflight, "decode.server")
+    preflight.check_server(args, "decode.server")
     try:
         server = DecodeServer(DecodeServerConfig.from_cli_args(args))
         server.start()

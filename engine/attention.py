@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from engine.fp8 import FP8_DTYPE, FP8_MAX
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -173,14 +175,13 @@ def write_kv(
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x in the cache's dtype. An fp8 (e4m3, scale 1.0) cache stores x as vLLM's CPU kernels
     store it: saturated at +-448 (never NaN), rounded toward zero (a negative value too small
-    for e4m3 becomes -0), an input zero stored as +0. So a decode
-    continuing a cache that vLLM's CPU prefill wrote writes its own tokens as vLLM would have,
-    and their greedy outputs agree."""
+    for e4m3 becomes -0), an input zero stored as +0. So a decode continuing a cache that vLLM's
+    CPU prefill wrote writes its own tokens as vLLM would have, and their greedy outputs agree."""
     if dtype == x.dtype:
         return x
-    if dtype != torch.float8_e4m3fn:
+    if dtype != FP8_DTYPE:
         return x.to(dtype)
-    f = x.float().clamp(-448.0, 448.0)
+    f = x.float().clamp(-FP8_MAX, FP8_MAX)
     normal = (f.view(torch.int32) & ~0xFFFFF).view(torch.float32)  # e4m3's 3 mantissa bits
     subnormal = torch.trunc(f * 2**9) * 2**-9  # below 2^-6: steps of 2^-9
     y = torch.where(f.abs() < 2**-6, subnormal, normal)

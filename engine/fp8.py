@@ -65,6 +65,10 @@ class Fp8Scheme:
             )
         return scale.repeat_interleave(self.block_n, dim=0)[:rows]
 
+    def matrix(self, weight: torch.Tensor, scale: torch.Tensor) -> Fp8Weight:
+        """The Fp8Weight of an e4m3 weight [..., N, K] and its row-wise scales."""
+        return Fp8Weight(weight, scale, self.block_k or weight.shape[-1])
+
 
 def scheme_of(quantization_config: Mapping[str, Any] | None) -> Fp8Scheme | None:
     """The Fp8Scheme of a config.json's quantization_config (None if absent); ValueError for
@@ -102,10 +106,6 @@ class Fp8Weight(NamedTuple):
     weight: torch.Tensor  # [..., N, K] float8_e4m3fn
     scale: torch.Tensor  # [..., N, ceil(K / block_k)] float32
     block_k: int  # columns a scale covers (K for a per-tensor scale)
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.weight.shape
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """q * scale in float32, rounded once to dtype."""

@@ -196,7 +196,7 @@ class Linear(nn.Linear):
         """The weight as the ops take it."""
         if self.fp8 is None:
             return self.weight
-        return Fp8Weight(self.weight, self.weight_scale, self.fp8.block_k or self.in_features)
+        return self.fp8.matrix(self.weight, self.weight_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.matrix, self.bias)

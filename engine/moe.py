@@ -22,7 +22,7 @@ from torch import nn
 from engine import fp8
 from engine.config import ModelConfig
 from engine.deepseek_config import MoeConfig
-from engine.fp8 import Fp8Weight, dense
+from engine.fp8 import dense
 from engine.model import MLP, Matrix, ModelOps, NormInput, RMSNorm, silu_and_mul
 
 
@@ -172,9 +172,7 @@ class Experts(nn.Module):
         weight = getattr(self, name)
         if self.fp8 is None:
             return weight
-        return Fp8Weight(
-            weight, getattr(self, f"{name}_scale"), self.fp8.block_k or weight.shape[-1]
-        )
+        return self.fp8.matrix(weight, getattr(self, f"{name}_scale"))
 
     def forward(
         self, h: torch.Tensor, routing: Routing, residual: torch.Tensor | None = None

@@ -297,8 +297,7 @@ def main() -> None:
     PrefillServerConfig.add_cli_args(parser)
     preflight.add_cli_args(parser)
     args = parser.parse_args()
-    findings = preflight.server_findings(args.model, args.device, args.transport, args.host)
-    preflight.enforce(findings, args.preflight, "prefill.server")
+    preflight.check_server(args, "prefill.server")
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:

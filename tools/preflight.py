@@ -209,6 +209,13 @@ def enforce(findings: list[Finding], mode: str, server: str) -> None:
         _LOG.warning("%s", finding.line())
 
 
+def check_server(args: argparse.Namespace, server: str) -> None:
+    """`enforce` of a server's checks, from its parsed command line: its --preflight mode and
+    its engine's and transport's flags."""
+    findings = server_findings(args.model, args.device, args.transport, args.host)
+    enforce(findings, args.preflight, server)
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preflight",

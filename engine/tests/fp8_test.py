@@ -1,8 +1,6 @@
 """FP8 weights (engine.fp8) on the CPU: block quantization, FP8 checkpoints against the same
 model dequantized in transformers, the random fp8 preset, and the configs refused."""
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,10 +16,8 @@ from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 from engine.tests.tiny_hf import VOCAB, PagedRunner, hf_deepseek, hf_logits, hf_model, rel_err
 from engine.weights import hf_state_dict, init_random_weights, load_state_dict, load_weights
+from tools.fp8_checkpoint import quantize_folder
 
-# The decoder's projections, as FP8 checkpoints quantize them (lm_head and norms stay as they are).
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-               "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # fmt: skip
 # 48x48 blocks on the tiny Llama (hidden 64, q 64 / k and v 32 rows, intermediate 112): partial
 # blocks in both dimensions, and fused parts not starting on a block boundary.
 SCHEMES = {
@@ -54,31 +50,19 @@ def test_quantize_rounds_each_element_to_e4m3_within_its_block(name):
 
 
 def _fp8_folder(tmp_path, scheme_name, hf=None):
-    """A tiny random model (Llama unless `hf` is given) saved as an FP8 checkpoint, and
-    transformers' model holding the dequantized weights (float32): the reference."""
+    """A tiny random model (Llama unless `hf` is given) saved, then written into tmp_path as an
+    FP8 checkpoint (tools.fp8_checkpoint), and transformers' model holding the dequantized
+    weights (float32): the reference."""
     scheme = _scheme(scheme_name)
     hf = hf_model("llama", seed=3) if hf is None else hf
-    hf.save_pretrained(tmp_path)
+    hf.save_pretrained(tmp_path / "src")
+    quantize_folder(tmp_path / "src", tmp_path, scheme)
     state = load_file(tmp_path / "model.safetensors")
-    dequantized = {}
-    for name in list(state):
-        if not name.endswith(".weight") or name.split(".")[-2] not in PROJECTIONS:
-            continue
-        q, scale = fp8.quantize(state[name], scheme)
-        state[name] = q
-        state[name.removesuffix("weight") + scheme.scale_name] = scale
-        rows = scheme.expand_scale(scale, q.shape[0])
-        dequantized[name] = fp8.Fp8Weight(q, rows, scheme.block_k or q.shape[1]).dense(
-            torch.float32
-        )
-    save_file(state, tmp_path / "model.safetensors")
-    config = json.loads((tmp_path / "config.json").read_text())
-    block = None if scheme.block_n is None else [scheme.block_n, scheme.block_k]
-    config["quantization_config"] = {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": block,
-    }  # fmt: skip
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    dequantized = {
+        name: scheme.matrix(q, scheme.expand_scale(scale, q.shape[0])).dense(torch.float32)
+        for name, q in state.items()
+        if (scale := state.get(name.removesuffix("weight") + scheme.scale_name)) is not None
+    }
     unexpected = hf.load_state_dict(_stacked(hf, dequantized), strict=False).unexpected_keys
     assert not unexpected, unexpected
     return hf
