@@ -12,6 +12,9 @@ datasheet's bandwidth instead, which reads lower). `--peer hf` times Hugging Fac
 transformers `generate` on the very same weights in the same run. `--json-schema FILE` (or
 `--grammar FILE`, EBNF) constrains every sequence to it (structured output): run with and
 without it to get what the grammar masks cost a step (and the synchronous stepping they need).
+`--variant model=random:llama3-8b-fp8,kv_cache_dtype=fp8` (repeatable) runs the same cases on
+another engine in the same run, its configuration the base one with those fields replaced (one
+engine in memory at a time); its rows' system column is the variant.
 
     python -m engine.bench --model random:llama3-8b --device cuda --batch-sizes 1,64 \
         --context-lens 1024 --peer hf --out bench.json
@@ -20,6 +23,8 @@ without it to get what the grammar masks cost a step (and the synchronous steppi
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import random
 import time
@@ -32,6 +37,7 @@ from engine import hf_peer
 from engine.grammar import Grammar, GrammarCompiler, GrammarKind, GrammarSpec
 from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from engine.model import CausalLM
+from engine.model_loader import read_model_config
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 
@@ -117,6 +123,7 @@ def bench_engine(
     decode_tokens: int,
     bandwidth: float,
     grammar: Grammar | None = None,
+    system: str = "tandem",
 ) -> Result:
     """Prefills `batch` prompts, then times `decode_tokens` steps in which all of them decode
     (each constrained to `grammar` when given). The same prefill runs once untimed first: the
@@ -151,7 +158,7 @@ def bench_engine(
     decode_tok_s = generated / decode_s
     cuda = engine.config.device.startswith("cuda")
     return Result(
-        system="tandem",
+        system=system,
         batch=batch,
         context=context,
         decode_tok_s=decode_tok_s,
@@ -199,19 +206,40 @@ def _sync(engine: LLMEngine) -> None:
 
 
 def _table(results: list[Result], bandwidth: float) -> str:
+    width = max(6, *(len(r.system) for r in results))
     lines = [
         f"HBM read bandwidth (measured): {bandwidth / 1e12:.2f} TB/s",
-        f"{'system':<7} {'batch':>5} {'context':>7} {'decode tok/s':>12} {'prefill tok/s':>13} "
-        f"{'roofline tok/s':>14} {'of roofline':>11} {'MBU':>6} {'peak GiB':>8}",
+        f"{'system':<{width}} {'batch':>5} {'context':>7} {'decode tok/s':>12} "
+        f"{'prefill tok/s':>13} {'roofline tok/s':>14} {'of roofline':>11} {'MBU':>6} "
+        f"{'peak GiB':>8}",
     ]
     for r in results:
         lines.append(
-            f"{r.system:<7} {r.batch:>5} {r.context:>7} {r.decode_tok_s:>12.1f} "
+            f"{r.system:<{width}} {r.batch:>5} {r.context:>7} {r.decode_tok_s:>12.1f} "
             f"{_fmt(r.prefill_tok_s, '.0f'):>13} {_fmt(r.roofline_tok_s, '.1f'):>14} "
             f"{_fmt(r.roofline_ratio, '.1%'):>11} {_fmt(r.mbu, '.1%'):>6} "
             f"{_fmt(r.peak_memory_gb, '.1f'):>8}"
         )
     return "\n".join(lines)
+
+
+def variant_config(config: EngineConfig, spec: str) -> EngineConfig:
+    """config with the fields of spec ("field=value,field=value") replaced, each value parsed
+    as the field's current type; ValueError naming a field EngineConfig has not."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    changes: dict[str, object] = {}
+    for item in spec.split(","):
+        name, equals, text = item.partition("=")
+        if not equals or name not in fields:
+            raise ValueError(f"--variant {spec!r}: {name!r} is not an EngineConfig field")
+        current = getattr(config, name)
+        if isinstance(current, bool):
+            changes[name] = text.lower() in ("1", "true", "yes")
+        elif isinstance(current, int | float):
+            changes[name] = type(current)(text)
+        else:
+            changes[name] = text
+    return dataclasses.replace(config, **changes)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -226,6 +254,13 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128, help="timed decode steps")
     parser.add_argument("--peer", choices=["none", "hf"], default="none")
     parser.add_argument("--out", default="engine-bench.json", help="JSON results")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="another engine for the same cases, e.g. model=random:llama3-8b-fp8 or "
+        "kv_cache_dtype=fp8 (EngineConfig fields, comma-separated; repeatable)",
+    )
     parser.add_argument(
         "--json-schema",
         default=None,
@@ -248,28 +283,35 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     contexts = [int(c) for c in args.context_lens.split(",")]
     config = EngineConfig.from_cli_args(args)
-    engine = LLMEngine.build(config)
-    grammar = None
-    if args.json_schema or args.grammar:
-        compiler = GrammarCompiler(
-            args.grammar_tokenizer or config.model, engine.model_config.vocab_size
-        )
-        kind = GrammarKind.JSON_SCHEMA if args.json_schema else GrammarKind.GRAMMAR
-        text = Path(args.json_schema or args.grammar).read_text()
-        grammar = compiler.compile(GrammarSpec(kind, text, kind is GrammarKind.JSON_SCHEMA))
+    try:
+        systems = [("tandem", config)] + [(v, variant_config(config, v)) for v in args.variant]
+    except ValueError as e:
+        parser.error(str(e))
+    grammar = _grammar(args, config) if args.json_schema or args.grammar else None
     bandwidth = read_bandwidth(config.device)
     results = []
-    for context in contexts:
-        for batch in batches:
-            result = bench_engine(engine, batch, context, args.decode_tokens, bandwidth, grammar)
-            results.append(result)
-            print(_table(results[-1:], bandwidth).splitlines()[-1], flush=True)
-            if args.peer == "hf":
-                results.append(bench_hf(engine, batch, context, args.decode_tokens))
+    for system, system_config in systems:
+        engine = LLMEngine.build(system_config)
+        for context in contexts:
+            for batch in batches:
+                results.append(
+                    bench_engine(
+                        engine, batch, context, args.decode_tokens, bandwidth, grammar, system
+                    )
+                )
                 print(_table(results[-1:], bandwidth).splitlines()[-1], flush=True)
+                if args.peer == "hf" and system == "tandem":
+                    results.append(bench_hf(engine, batch, context, args.decode_tokens))
+                    print(_table(results[-1:], bandwidth).splitlines()[-1], flush=True)
+        del engine  # one engine in memory at a time
+        gc.collect()
+        if config.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
     print(_table(results, bandwidth))
     payload = {
         "config": asdict(config),
+        "variants": args.variant,
         "device_name": torch.cuda.get_device_name() if config.device.startswith("cuda") else "cpu",
         "torch": torch.__version__,
         "hbm_read_bytes_per_s": bandwidth,
@@ -279,6 +321,15 @@ def main() -> None:
     }
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)
+
+
+def _grammar(args: argparse.Namespace, config: EngineConfig) -> Grammar:
+    """The --json-schema or --grammar every sequence is constrained to, compiled."""
+    vocab_size = read_model_config(config).vocab_size
+    compiler = GrammarCompiler(args.grammar_tokenizer or config.model, vocab_size)
+    kind = GrammarKind.JSON_SCHEMA if args.json_schema else GrammarKind.GRAMMAR
+    text = Path(args.json_schema or args.grammar).read_text()
+    return compiler.compile(GrammarSpec(kind, text, kind is GrammarKind.JSON_SCHEMA))
 
 
 if __name__ == "__main__":

@@ -12,19 +12,20 @@ from collections.abc import Callable
 import torch
 
 from engine import triton_linear, triton_ops
+from engine.fp8 import Matrix
 from engine.model import ModelOps, NormInput, split_heads
 
 
 def qkv_rope(
     inp: NormInput,
-    weight: torch.Tensor,
+    weight: Matrix,
     bias: torch.Tensor | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
+    head_dim = triton_linear.out_features(weight) // (num_heads + 2 * num_kv_heads)
 
     def fuses(x: torch.Tensor) -> bool:
         return triton_linear.fuses_rope(x, weight, head_dim)
@@ -38,7 +39,7 @@ def qkv_rope(
     return (*triton_ops.rope(q, k, cos, sin), v, summed)
 
 
-def gate_up_silu(inp: NormInput, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_silu(inp: NormInput, weight: Matrix) -> tuple[torch.Tensor, torch.Tensor]:
     def fuses(x: torch.Tensor) -> bool:
         return triton_linear.fuses_silu(x, weight)
 
@@ -50,7 +51,7 @@ def gate_up_silu(inp: NormInput, weight: torch.Tensor) -> tuple[torch.Tensor, to
 
 def add_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Matrix,
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,

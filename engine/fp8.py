@@ -114,6 +114,10 @@ class Fp8Weight(NamedTuple):
         return (self.weight.float() * scale).to(dtype)
 
 
+Matrix = torch.Tensor | Fp8Weight
+"""A projection's matrix as compute takes it: a weight tensor, or an fp8 one with its scales."""
+
+
 def expert(weight: torch.Tensor | Fp8Weight, index: int) -> torch.Tensor | Fp8Weight:
     """One matrix of a stack [experts, N, K] (tensor or fp8)."""
     if isinstance(weight, Fp8Weight):

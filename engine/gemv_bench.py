@@ -5,6 +5,8 @@ stays in L2) and the lm_head, launched back to back in one CUDA graph, as in a d
 once through engine.triton_linear's GEMV and once through cuBLAS (F.linear), in the same run.
 Each figure is bytes of weights over time, also as a fraction of the HBM read bandwidth that
 engine.bench measures. Per matrix shape too (all layers' copies of that shape in one graph).
+`tandem-fp8` streams the layers' matrices quantized to e4m3 with 128x128 block scales (an FP8
+checkpoint's), the lm_head in bf16 as FP8 checkpoints keep it: its bytes count the scales.
 
     python -m engine.gemv_bench --model llama3-8b --out gemv.json
 """
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from engine.bench import read_bandwidth
 from engine.config import ModelConfig
+from engine.fp8 import Fp8Scheme, Fp8Weight, quantize
 
 LAYER_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -75,37 +78,61 @@ def run(config: ModelConfig, num_layers: int) -> dict:
         width: torch.randn(1, width, device="cuda", dtype=torch.bfloat16, generator=gen)
         for width in {inp for _, inp in shapes.values()}
     }
-    linears = {"tandem": triton_linear.linear, "cublas": F.linear}
+    fp8_stack = {name: [_fp8(w) for w in stack[name]] for name in LAYER_MATRICES}
+    fp8_stack["lm_head"] = stack["lm_head"]
+    systems = {
+        "tandem": (triton_linear.linear, stack),
+        "cublas": (F.linear, stack),
+        "tandem-fp8": (triton_linear.linear, fp8_stack),
+    }
     bandwidth = read_bandwidth("cuda")
 
-    def stream(linear, names):
-        total = sum(w.numel() * w.element_size() for n in names for w in stack[n])
+    def stream(linear, matrices, names):
+        total = sum(_bytes(w) for n in names for w in matrices[n])
 
         def step():
             for i in range(num_layers):
                 for n in names:
-                    if i < len(stack[n]):
-                        linear(inputs[stack[n][i].shape[1]], stack[n][i])
+                    if i < len(matrices[n]):
+                        w = matrices[n][i]
+                        linear(inputs[_columns(w)], w)
 
         seconds = graph_seconds(step)
         rate = total / seconds
         return {"ms": seconds * 1e3, "tb_s": rate / 1e12, "of_bandwidth": rate / bandwidth}
 
     rows = {
-        system: {"step": stream(linear, [*LAYER_MATRICES, "lm_head"])}
-        | {name: stream(linear, [name]) for name in shapes}
-        for system, linear in linears.items()
+        system: {"step": stream(linear, matrices, [*LAYER_MATRICES, "lm_head"])}
+        | {name: stream(linear, matrices, [name]) for name in shapes}
+        for system, (linear, matrices) in systems.items()
     }
     return {"read_bandwidth_tb_s": bandwidth / 1e12, "layers": num_layers, "results": rows}
 
 
+def _fp8(weight: torch.Tensor) -> Fp8Weight:
+    """weight as an FP8 checkpoint stores it: e4m3, a scale per 128x128 block."""
+    scheme = Fp8Scheme(128, 128)
+    values, scale = quantize(weight, scheme)
+    return scheme.matrix(values, scheme.expand_scale(scale, weight.shape[0]).contiguous())
+
+
+def _bytes(weight: torch.Tensor | Fp8Weight) -> int:
+    if isinstance(weight, Fp8Weight):
+        return weight.weight.numel() + weight.scale.numel() * weight.scale.element_size()
+    return weight.numel() * weight.element_size()
+
+
+def _columns(weight: torch.Tensor | Fp8Weight) -> int:
+    return (weight.weight if isinstance(weight, Fp8Weight) else weight).shape[1]
+
+
 def print_table(report: dict) -> None:
     print(f"HBM read bandwidth (measured): {report['read_bandwidth_tb_s']:.2f} TB/s")
-    print(f"{'matrices':14} {'system':7} {'ms':>8} {'TB/s':>6} {'of bw':>6}")
+    print(f"{'matrices':14} {'system':10} {'ms':>8} {'TB/s':>6} {'of bw':>6}")
     for name in report["results"]["tandem"]:  # the whole step first, then each shape
         for system, rows in report["results"].items():
             ms, tb_s, share = (rows[name][k] for k in ("ms", "tb_s", "of_bandwidth"))
-            print(f"{name:14} {system:7} {ms:8.3f} {tb_s:6.2f} {share:6.1%}")
+            print(f"{name:14} {system:10} {ms:8.3f} {tb_s:6.2f} {share:6.1%}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,10 +22,7 @@ from torch import nn
 from engine import attention as torch_attention
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
-from engine.fp8 import FP8_DTYPE, Fp8Scheme, Fp8Weight, dense
-
-# A projection's matrix as the ops take it: a tensor, or an fp8 one with its scales.
-Matrix = torch.Tensor | Fp8Weight
+from engine.fp8 import FP8_DTYPE, Fp8Scheme, Matrix, dense
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

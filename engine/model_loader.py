@@ -31,15 +31,15 @@ def load_model(
     """Builds the model on the meta device and fills it: from a folder, or randomly.
     `wrap_attention` decorates its backend: an AttentionBackend, or for MLA a LatentBackend."""
     model_config = read_model_config(config)
-    if model_config.fp8 is not None and config.device.startswith("cuda"):
+    if model_config.fp8 is not None and model_config.mla and config.device.startswith("cuda"):
         raise ValueError(
-            f"model {config.model}: fp8 weights run on the CPU only so far (dequantized per "
-            "block); the CUDA fp8 kernels are not written yet"
+            f"model {config.model}: fp8 weights of the MLA/MoE family run on the CPU only so far "
+            "(the CUDA experts and latent kernels take bf16); use a bf16 checkpoint on CUDA"
         )
-    if config.kv_cache_dtype != "auto" and (model_config.mla or config.device.startswith("cuda")):
+    if config.kv_cache_dtype != "auto" and model_config.mla:
         raise ValueError(
-            f"kv_cache_dtype {config.kv_cache_dtype}: an fp8 KV cache runs on the CPU with "
-            "per-head K/V only so far (not on CUDA, not for MLA latents)"
+            f"kv_cache_dtype {config.kv_cache_dtype}: an fp8 cache holds per-head K/V only so "
+            "far, not MLA latents; use --kv-cache-dtype auto for this model"
         )
     if model_config.mla is not None:
         return model_config, _load_mla_model(config, model_config, wrap_attention)

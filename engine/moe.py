@@ -22,8 +22,8 @@ from torch import nn
 from engine import fp8
 from engine.config import ModelConfig
 from engine.deepseek_config import MoeConfig
-from engine.fp8 import dense
-from engine.model import MLP, Matrix, ModelOps, NormInput, RMSNorm, silu_and_mul
+from engine.fp8 import Matrix, dense
+from engine.model import MLP, ModelOps, NormInput, RMSNorm, silu_and_mul
 
 
 def route(

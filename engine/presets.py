@@ -100,6 +100,8 @@ PRESETS: dict[str, ModelConfig] = {
 # on a block boundary (k's 32 rows after q's 64).
 PRESETS["llama3-8b-fp8"] = dataclasses.replace(PRESETS["llama3-8b"], fp8=Fp8Scheme(128, 128))
 PRESETS["tiny-fp8"] = dataclasses.replace(PRESETS["tiny"], fp8=Fp8Scheme(48, 48))
+# 32x32 blocks (powers of two, as real checkpoints' 128): the one-row GEMV on CUDA steps by them.
+PRESETS["tiny-fp8-b32"] = dataclasses.replace(PRESETS["tiny"], fp8=Fp8Scheme(32, 32))
 
 # A DeepSeek-V3-shaped model for CPU tests: one dense layer, then MoE layers of 8 routed experts
 # (top-2 from the best group of 2) and a shared one; MLA with a q bottleneck; YaRN RoPE.

@@ -30,6 +30,12 @@ The decode path is CUDA-graph capturable: launch grids and buffer sizes depend o
 
 On CUDA each kernel is launched with programmatic dependent launch (engine.triton_pdl), so its
 launch overlaps the end of the kernel before it.
+
+An fp8 cache (float8_e4m3fn, scale 1.0: EngineConfig.kv_cache_dtype) holds K and V rounded to
+nearest and saturated at +-448, as vLLM's CUDA cache write stores them. The kernels read its bytes
+and widen each tile to q's dtype (exact) before the dots; the new token is attended as it was
+stored, rounded, so that every step sees the same K/V. Tiles keep the tokens of a bf16 tile: the
+widened tile occupies the registers the tuned bf16 one does.
 """
 
 import functools
@@ -40,6 +46,7 @@ import triton.language as tl
 
 from engine import triton_pdl
 from engine.attention import AttentionMetadata, attend_batch
+from engine.fp8 import FP8_DTYPE
 
 __all__ = ["attention", "choose_num_splits", "paged_attention", "write_kv"]
 
@@ -156,13 +163,13 @@ def _decode(
     _, num_kv_heads, block_size, _ = k_cache.shape
     assert seq_lens.shape[0] == batch, "a decode batch has one query row per sequence"
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert k_cache.dtype == v_cache.dtype in (q.dtype, FP8_DTYPE), (q.dtype, k_cache.dtype)
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "head_dim must be contiguous"
     if q.stride(-1) != 1:
         q = q.contiguous()
     group = num_heads // num_kv_heads
     head_dim_pad = max(_MIN_DOT, triton.next_power_of_2(head_dim))
-    tile = _tile_tokens(head_dim_pad, k_cache.element_size())
+    tile = _tile_tokens(head_dim_pad, q.element_size())
     if num_splits is None:
         # The longest context any replay of a captured graph may bring: the block table's width.
         max_blocks = block_tables.shape[1]
@@ -186,7 +193,7 @@ def _decode(
     if new_kv is not None:
         new_k, new_v, slots = new_kv
         assert new_k.shape == new_v.shape == (batch, num_kv_heads, head_dim)
-        assert new_k.stride(-1) == new_v.stride(-1) == 1 and new_k.dtype == k_cache.dtype
+        assert new_k.stride(-1) == new_v.stride(-1) == 1 and new_k.dtype == q.dtype
         new_strides = (*new_k.stride()[:2], *new_v.stride()[:2])
     else:
         new_k, new_v, slots, new_strides = q, q, seq_lens, (0, 0, 0, 0)  # unread
@@ -356,13 +363,14 @@ def _prefetch_l2(ptrs, wanted):
 @triton.jit
 def _attend_tile(q, k, v, valid, m, sum_exp, acc, scale_log2, PRECISION: tl.constexpr):
     """One online-softmax step over a tile holding at least one valid token."""
+    k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache's tile widened (its scale is 1.0)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     scores = tl.where(valid[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))  # finite: the tile holds a valid token
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(scores - m_new[:, None])
     sum_exp = sum_exp * alpha + tl.sum(p, 1)
-    # p is rounded to the cache dtype for the tensor-core dot, as in flash attention.
+    # p is rounded to the compute dtype for the tensor-core dot, as in flash attention.
     p = p.to(v.dtype)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return m_new, sum_exp, acc
@@ -485,6 +493,7 @@ def _split_kernel(
         dim_mask = dims < HEAD_DIM
         new_k = tl.load(new_k_ptr + seq * stride_nkb + kv_head * stride_nkh + dims, dim_mask, 0.0)
         new_v = tl.load(new_v_ptr + seq * stride_nvb + kv_head * stride_nvh + dims, dim_mask, 0.0)
+        new_k, new_v = _to_cache(new_k, k_ptr), _to_cache(new_v, v_ptr)
         slot = tl.load(slots_ptr + seq).to(tl.int64)
         block_of_slot = slot // BLOCK_SIZE
         offset_of_slot = slot % BLOCK_SIZE
@@ -515,7 +524,7 @@ def _split_kernel(
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(score - m_new)
             sum_exp = sum_exp * alpha + p
-            p = p.to(v_ptr.dtype.element_ty).to(tl.float32)  # rounded as the dot's p is
+            p = p.to(q.dtype).to(tl.float32)  # rounded as the dot's p is
             acc = acc * alpha[:, None] + p[:, None] * new_v.to(tl.float32)[None, :]
             m = m_new
 
@@ -623,5 +632,15 @@ def _write_kv_kernel(
     dst = (slot // block_size) * stride_cb + head * stride_ch + (slot % block_size) * stride_ct
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dims, mask=mask)
-    tl.store(k_cache_ptr + dst + dims, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst + dims, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst + dims, _to_cache(k, k_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + dst + dims, _to_cache(v, v_cache_ptr), mask=mask)
+
+
+@triton.jit
+def _to_cache(x, cache_ptr):
+    """x in the cache's dtype: fp8 rounded to nearest and saturated at +-448 (e4m3's largest
+    finite value), as vLLM's CUDA cache write stores it."""
+    dtype = cache_ptr.dtype.element_ty
+    if dtype.is_fp8():
+        return tl.clamp(x.to(tl.float32), -448.0, 448.0).to(dtype)
+    return x.to(dtype)

@@ -22,6 +22,14 @@ of their own. Callers check `fuses_silu` / `fuses_rope` first (engine.cuda_ops).
   one head's first half and the same dimensions of its second half, the pairs RoPE rotates
   together (half-split pairing, engine.model.apply_rotary).
 
+FP8 weights (engine.fp8.Fp8Weight: e4m3 values, a float32 scale per row and block of
+`block_k` columns) are read as they are stored, half the bytes of bf16, and scaled in fp32: each
+K step sums its products per scale block (a register reshape, block_k a power of two dividing
+the step) and adds each sum times its block's scale; a scale per row (block_k >= K) is applied
+once at the end. Activations stay in the compute dtype (no activation quantization), so the
+product is that of the dequantized matrix. Inputs of several rows, and block sizes the GEMV
+cannot step by, go to engine.triton_fp8_gemm.
+
 The residual add and RMSNorm between the projections cost no kernel either:
 - `linear_residual` (o_proj, down_proj) adds the residual to its rounded outputs, as a
   separate add would, and also stores the sum times the next norm's weight;
@@ -38,7 +46,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine import triton_pdl
+from engine import triton_fp8_gemm, triton_pdl
+from engine.fp8 import Fp8Weight, Matrix
 
 __all__ = [
     "Prenorm",
@@ -49,6 +58,7 @@ __all__ = [
     "linear_residual",
     "linear_rope",
     "linear_silu",
+    "out_features",
 ]
 
 # (rows per program, largest K step, warps) by the matrix's shape, N out of K in. Chosen on an
@@ -62,6 +72,12 @@ __all__ = [
 _VERY_TALL = (16, 1024, 8)
 _TALL = (16, 512, 8)
 _OTHER = (4, 1024, 4)
+# FP8 matrices: the same bytes of a row per K step to start from (untuned).
+_FP8_CONFIGS = {_VERY_TALL: (8, 2048, 4), _TALL: (16, 1024, 8), _OTHER: (8, 2048, 8)}
+
+# How the kernel scales its products (the SCALES constexpr): not at all (a weight tensor), once
+# per row at the end (one scale block spans K), or per block of SCALE_K columns.
+_UNSCALED, _ROW_SCALED, _BLOCK_SCALED = 0, 1, 2
 
 # What the kernel does with its rounded outputs (the EPILOGUE constexpr).
 _STORE, _SILU, _ROPE = 0, 1, 2
@@ -79,46 +95,50 @@ class Prenorm(NamedTuple):
     eps: float
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with one-row CUDA inputs computed by the GEMV kernel."""
-    if not gemv_applies(x, weight):
-        return F.linear(x, weight, bias)
-    return _gemv(x, weight, bias, _STORE, weight.shape[0])
+def linear(x: torch.Tensor, weight: Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with one-row CUDA inputs computed by the GEMV kernel and fp8 matrices by
+    engine.triton_fp8_gemm otherwise."""
+    if gemv_applies(x, weight):
+        return _gemv(x, weight, bias, _STORE, out_features(weight))
+    if isinstance(weight, Fp8Weight):
+        return triton_fp8_gemm.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def linear_residual(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
+    x: torch.Tensor, weight: Matrix, residual: torch.Tensor, norm_weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x @ weight.T + residual (each rounded, as a separate add would be), and h * norm_weight
     for a `Prenorm` GEMV after it, where `gemv_applies(x, weight)`."""
-    assert residual.shape == (1, weight.shape[0]) and residual.is_contiguous()
+    assert residual.shape == (1, out_features(weight)) and residual.is_contiguous()
     scaled = torch.empty_like(residual)
-    h = _gemv(x, weight, None, _STORE, weight.shape[0], residual=(residual, norm_weight, scaled))
+    rows = out_features(weight)
+    h = _gemv(x, weight, None, _STORE, rows, residual=(residual, norm_weight, scaled))
     return h, scaled
 
 
-def fuses_silu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def fuses_silu(x: torch.Tensor, weight: Matrix) -> bool:
     """Whether `linear_silu` applies: one row, and gate rows in whole programs."""
-    return gemv_applies(x, weight) and (weight.shape[0] // 2) % _pairs(weight) == 0
+    return gemv_applies(x, weight) and (out_features(weight) // 2) % _pairs(weight) == 0
 
 
-def linear_silu(x: torch.Tensor, weight: torch.Tensor, norm: Prenorm | None = None) -> torch.Tensor:
+def linear_silu(x: torch.Tensor, weight: Matrix, norm: Prenorm | None = None) -> torch.Tensor:
     """silu(gate) * up of [gate | up] = x @ weight.T, where `fuses_silu(x, weight)`."""
-    return _gemv(x, weight, None, _SILU, weight.shape[0] // 2, norm=norm)
+    return _gemv(x, weight, None, _SILU, out_features(weight) // 2, norm=norm)
 
 
-def fuses_rope(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> bool:
+def fuses_rope(x: torch.Tensor, weight: Matrix, head_dim: int) -> bool:
     """Whether `linear_rope` applies: one row, and half-heads in whole programs."""
     return (
         gemv_applies(x, weight)
         and (head_dim // 2) % _pairs(weight) == 0
-        and weight.shape[0] % head_dim == 0
+        and out_features(weight) % head_dim == 0
     )
 
 
 def linear_rope(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Matrix,
     bias: torch.Tensor | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -130,48 +150,79 @@ def linear_rope(
     cos, sin [1, head_dim / 2], where `fuses_rope(x, weight, head_dim)`."""
     assert rotated_features % head_dim == 0 and cos.is_contiguous() and sin.is_contiguous()
     rope = (cos, sin, head_dim // 2, rotated_features)
-    return _gemv(x, weight, bias, _ROPE, weight.shape[0], rope=rope, norm=norm)
+    return _gemv(x, weight, bias, _ROPE, out_features(weight), rope=rope, norm=norm)
 
 
-def _config(weight: torch.Tensor) -> tuple[int, int, int]:
-    out_features, in_features = weight.shape
-    if out_features >= 3 * in_features:
-        return _VERY_TALL
-    return _TALL if 2 * out_features >= 3 * in_features else _OTHER
+def out_features(weight: Matrix) -> int:
+    """Rows of a matrix: its output features."""
+    return weight.weight.shape[0] if isinstance(weight, Fp8Weight) else weight.shape[0]
 
 
-def _pairs(weight: torch.Tensor) -> int:
+def _config(weight: Matrix) -> tuple[int, int, int]:
+    """(rows per program, largest K step, warps) of a matrix."""
+    values = weight.weight if isinstance(weight, Fp8Weight) else weight
+    rows, columns = values.shape
+    config = _TALL if 2 * rows >= 3 * columns else _OTHER
+    if rows >= 3 * columns:
+        config = _VERY_TALL
+    return _FP8_CONFIGS[config] if isinstance(weight, Fp8Weight) else config
+
+
+def _pairs(weight: Matrix) -> int:
     """Output pairs per program of the _SILU and _ROPE epilogues."""
     return _config(weight)[0] // 2
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the GEMV computes x @ weight.T: one contiguous row of the weight's dtype."""
+def _block_k(weight: Matrix) -> int:
+    """The K step: the config's, or all of K if it is shorter (rounded up to a power of two)."""
+    columns = (weight.weight if isinstance(weight, Fp8Weight) else weight).shape[1]
+    return min(_config(weight)[1], triton.next_power_of_2(columns))
+
+
+def _scaling(weight: Matrix) -> int:
+    """The SCALES mode of a matrix, or None where the GEMV cannot step by its scale blocks."""
+    if not isinstance(weight, Fp8Weight):
+        return _UNSCALED
+    if weight.block_k >= weight.weight.shape[1]:
+        return _ROW_SCALED
+    power_of_two = weight.block_k & (weight.block_k - 1) == 0
+    return _BLOCK_SCALED if power_of_two and _block_k(weight) % weight.block_k == 0 else None
+
+
+def gemv_applies(x: torch.Tensor, weight: Matrix) -> bool:
+    """Whether the GEMV computes x @ weight.T: one contiguous row of the weight's dtype (of the
+    compute dtype for an fp8 matrix whose scale blocks it can step by)."""
+    if isinstance(weight, Fp8Weight):
+        values, compute = weight.weight, x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        compute = compute and weight.scale.is_contiguous() and _scaling(weight) is not None
+    else:
+        values, compute = weight, x.dtype == weight.dtype
     return (
-        x.dim() == 2
-        and x.shape[0] == 1
-        and x.is_contiguous()
-        and weight.stride(1) == 1
-        and x.dtype == weight.dtype
+        x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and values.stride(1) == 1 and compute
     )
 
 
 def _gemv(x, weight, bias, epilogue, outputs, rope=None, norm=None, residual=None):
     """The kernel's launch. rope: (cos, sin, half head_dim, rotated rows) for _ROPE; norm: a
     Prenorm; residual: (residual, norm weight, scaled output) to add to a _STORE's output."""
-    out_features, in_features = weight.shape
     assert gemv_applies(x, weight)
+    scaling, block_k = _scaling(weight), _block_k(weight)
+    block_n, _, num_warps = _config(weight)
+    if isinstance(weight, Fp8Weight):
+        weight, scale, scale_k = weight.weight, weight.scale, weight.block_k
+    else:
+        scale, scale_k = weight, 1  # unread
+    rows, columns = weight.shape
     y = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
     cos, sin, half, rotated = rope if rope is not None else (y, y, 1, 0)  # read by _ROPE only
     if norm is not None:
         assert norm.h.shape == x.shape and norm.h.is_contiguous()
     res, norm_w, scaled = residual if residual is not None else (y, y, y)  # read if residual
-    block_n, max_block_k, num_warps = _config(weight)
-    block_k = min(max_block_k, triton.next_power_of_2(in_features))
     pdl = triton_pdl.enabled(x.device)
-    _gemv_kernel[(triton.cdiv(out_features, block_n),)](
+    _gemv_kernel[(triton.cdiv(rows, block_n),)](
         x,
         weight,
+        scale,
         bias if bias is not None else y,  # unread without HAS_BIAS
         y,
         cos,
@@ -181,19 +232,23 @@ def _gemv(x, weight, bias, epilogue, outputs, rope=None, norm=None, residual=Non
         res,
         norm_w,
         scaled,
-        out_features,
-        in_features,
+        rows,
+        columns,
         weight.stride(0),
+        scale.stride(0),
+        scale.shape[-1],
         rotated,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        EVEN_K=in_features % block_k == 0,
+        EVEN_K=columns % block_k == 0,
         HAS_BIAS=bias is not None,
         EPILOGUE=epilogue,
+        SCALES=scaling,
+        SCALE_K=scale_k if scaling == _BLOCK_SCALED else 1,
         HALF=half,
         NORM=norm is not None,
         # Only NORM reads it: a constant otherwise, so shapes of one kind share a compile.
-        K_PAD=triton.next_power_of_2(in_features) if norm is not None else 1,
+        K_PAD=triton.next_power_of_2(columns) if norm is not None else 1,
         RESIDUAL=residual is not None,
         PDL=pdl,
         num_warps=num_warps,
@@ -207,6 +262,7 @@ def _gemv(x, weight, bias, epilogue, outputs, rope=None, norm=None, residual=Non
 def _gemv_kernel(
     x_ptr,  # [1, K]
     w_ptr,  # [N, K], rows stride_wn apart
+    s_ptr,  # [N, KB] float32, rows stride_sn apart: SCALES' scale of each row's K blocks
     b_ptr,  # [N]
     y_ptr,  # [1, N]; [1, N / 2] for _SILU
     cos_ptr,  # [1, HALF]
@@ -219,12 +275,16 @@ def _gemv_kernel(
     N,
     K,
     stride_wn,
+    stride_sn,
+    KB,  # scale blocks of a row
     rotated_rows,  # _ROPE: rows [0, rotated_rows) are rotated, the rest stored as they are
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EPILOGUE: tl.constexpr,
+    SCALES: tl.constexpr,  # _UNSCALED, _ROW_SCALED or _BLOCK_SCALED
+    SCALE_K: tl.constexpr,  # _BLOCK_SCALED: columns of a scale block, a divisor of BLOCK_K
     HALF: tl.constexpr,  # _ROPE: half a head's width
     NORM: tl.constexpr,  # the product is scaled by 1 / rms(h)
     K_PAD: tl.constexpr,  # NORM: K rounded up to a power of two
@@ -248,6 +308,7 @@ def _gemv_kernel(
     # Rows past N (_STORE's last program) re-read the last row instead of masking: every load
     # stays a full-width, unpredicated vector load; only the store is masked.
     w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_sn
     cols = tl.arange(0, BLOCK_K)
     if EVEN_K:
         w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
@@ -262,7 +323,7 @@ def _gemv_kernel(
             h = tl.load(h_ptr + whole, mask=whole < K, other=0.0).to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(h * h, 0) / K + eps)
     x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    acc = _products(w, x, s_rows, 0, KB, SCALES, BLOCK_N, BLOCK_K, SCALE_K)
     for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_rows + (k + cols)[None, :], eviction_policy="evict_first")
@@ -271,8 +332,10 @@ def _gemv_kernel(
             in_k = k + cols < K
             w = tl.load(w_rows + (k + cols)[None, :], mask=in_k[None, :], other=0.0)
             x = tl.load(x_ptr + k + cols, mask=in_k, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += _products(w, x, s_rows, k, KB, SCALES, BLOCK_N, BLOCK_K, SCALE_K)
     y = tl.sum(acc, 1)
+    if SCALES == 1:  # _ROW_SCALED
+        y *= tl.load(s_rows)
     if NORM:
         y *= inv_rms
     if HAS_BIAS:
@@ -301,3 +364,20 @@ def _gemv_kernel(
             norm_w = tl.load(norm_w_ptr + rows, mask=in_n, other=0.0).to(tl.float32)
             tl.store(scaled_ptr + rows, (y.to(tl.float32) * norm_w).to(dtype), mask=in_n)
         tl.store(y_ptr + rows, y, mask=rows < N)
+
+
+@triton.jit
+def _products(
+    w, x, s_rows, k, KB,
+    SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr,
+):  # fmt: skip
+    """One K step's products w * x [BLOCK_N, BLOCK_K] in fp32, to be summed over columns;
+    _BLOCK_SCALED: summed per scale block and scaled, [BLOCK_N, BLOCK_K / SCALE_K]."""
+    products = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if SCALES == 2:  # _BLOCK_SCALED
+        BLOCKS: tl.constexpr = BLOCK_K // SCALE_K
+        sums = tl.sum(tl.reshape(products, [BLOCK_N, BLOCKS, SCALE_K]), 2)
+        blocks = k // SCALE_K + tl.arange(0, BLOCKS)
+        scales = tl.load(s_rows[:, None] + blocks[None, :], mask=(blocks < KB)[None, :], other=0.0)
+        products = sums * scales
+    return products

@@ -1,5 +1,6 @@
 """The CUDA path (Triton attention, CUDA graphs) against the CPU path, token for token: the
-Llama family's, and the DeepSeek-V3 family's (Triton MLA decode and fused MoE).
+Llama family's in float32 and in fp8 weights (the fp8 GEMV and GEMM), and the DeepSeek-V3
+family's (Triton MLA decode and fused MoE); an fp8 KV cache through CUDA graphs.
 
 Tagged `gpu` in Bazel: runs only with `./bazelw test --config=gpu`, or on the GPU machine with
 `PYTHONPATH=.devicepack:. python3 -m pytest engine/tests/gpu_engine_test.py`.
@@ -47,7 +48,11 @@ def _decode(engine, stops):
 
 # (enforce_eager, async_scheduling): graphs with async scheduling (the default), graphs
 # without, and eager CUDA steps fed the tokens before them on the device.
-@pytest.mark.parametrize("model", ["random:tiny", "random:deepseek-tiny"])
+# tiny-fp8's 48-column blocks take the fp8 GEMM at every batch size; tiny-fp8-b32's the GEMV.
+MODELS = ["random:tiny", "random:tiny-fp8", "random:tiny-fp8-b32", "random:deepseek-tiny"]
+
+
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize(
     "enforce_eager, async_scheduling", [(False, None), (False, False), (True, True)]
 )
@@ -127,3 +132,17 @@ def test_logprobs_equal_cpu_path():
                 assert g.logprobs.logprob == pytest.approx(e.logprobs.logprob, abs=1e-4)
                 expected_top = pytest.approx(e.logprobs.top_logprobs, abs=1e-4)
                 assert g.logprobs.top_logprobs == expected_top
+
+
+def test_fp8_kv_cache_in_cuda_graphs_equals_eager_steps():
+    """An e4m3 cache written and read by the split kernel inside captured graphs with async
+    scheduling gives the tokens eager steps give. (Not the CPU path's: that one rounds toward
+    zero as vLLM's CPU kernels do, CUDA to nearest as vLLM's CUDA kernels do.)"""
+    _, graphs = _engines(kv_cache_dtype="fp8")
+    _, eager = _engines(kv_cache_dtype="fp8", enforce_eager=True)
+    assert graphs.runner.graphs is not None and eager.runner.graphs is None
+    assert graphs.config.kv_dtype == torch.float8_e4m3fn
+    stops = [StopConditions(max_tokens=24, ignore_eos=True)] * len(PROMPTS)
+    expected, _, _ = _decode(eager, stops)
+    outputs, _, _ = _decode(graphs, stops)
+    assert outputs == expected

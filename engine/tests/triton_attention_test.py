@@ -26,6 +26,7 @@ from engine.tests import triton_mode  # before triton: picks the interpreter on 
 
 from engine import attention, triton_attention
 from engine.attention import AttentionMetadata
+from engine.fp8 import FP8_DTYPE, FP8_MAX
 
 INTERPRETED = triton_mode.interpreted(triton_attention._split_kernel)
 DEVICE = triton_mode.device_of(triton_attention._split_kernel)
@@ -40,9 +41,10 @@ def _triton_mode():
 
 
 def _nan_filled(shape, dtype):
-    """A cache whose every slot holds the all-ones bit pattern: a NaN in bf16, fp16 and fp32."""
+    """A cache whose every slot holds the all-ones bit pattern: a NaN in bf16, fp16, fp32 and
+    e4m3."""
     cache = torch.empty(shape, dtype=dtype)
-    cache.view({2: torch.int16, 4: torch.int32}[cache.element_size()]).fill_(-1)
+    cache.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[cache.element_size()]).fill_(-1)
     return cache
 
 
@@ -57,8 +59,10 @@ def _decode_case(
     num_blocks=None,
     table_width=None,
     write_new=True,
+    cache_dtype=None,
 ):
     """A decode batch over scattered blocks of a NaN-filled cache; device tensors, host contexts.
+    An fp8 `cache_dtype`: K and V are drawn as e4m3 values (the reference's are those stored).
 
     The contexts before the new token are written directly; the new tokens through write_kv
     (or not, without `write_new`: their slots keep NaN, as the attention call must write them).
@@ -68,16 +72,22 @@ def _decode_case(
     needed = [-(-n // block_size) for n in context_lens]
     num_blocks = num_blocks or sum(needed) + 3
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    k_cache, v_cache = _nan_filled(shape, dtype), _nan_filled(shape, dtype)
+    cache_dtype = cache_dtype or dtype
+    k_cache, v_cache = _nan_filled(shape, cache_dtype), _nan_filled(shape, cache_dtype)
     free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, non-adjacent ids
     tables = [[free.pop() for _ in range(n)] for n in needed]
-    ks = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in context_lens]
-    vs = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in context_lens]
+    ks, vs = (
+        [
+            torch.randn(n, num_kv_heads, head_dim, generator=gen).to(cache_dtype).to(dtype)
+            for n in context_lens
+        ]
+        for _ in range(2)
+    )
     for table, k, v in zip(tables, ks, vs, strict=True):
         pos = torch.arange(k.shape[0] - 1)
         blocks = torch.tensor(table, dtype=torch.int64)[pos // block_size]
-        k_cache[blocks, :, pos % block_size] = k[:-1]
-        v_cache[blocks, :, pos % block_size] = v[:-1]
+        k_cache[blocks, :, pos % block_size] = k[:-1].to(cache_dtype)
+        v_cache[blocks, :, pos % block_size] = v[:-1].to(cache_dtype)
     width = table_width or max(needed)
     tables = [t + [0] * (width - len(t)) for t in tables]
     batch = len(context_lens)
@@ -382,3 +392,55 @@ def test_llama3_8b_decode_shapes():
     q, k_cache, v_cache, meta, ks, vs = _decode_case(contexts, 32, 8, 128, 64, torch.bfloat16)
     out = triton_attention.paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
     _assert_matches(out, _reference(q, ks, vs, 128**-0.5), torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_decode_reads_an_fp8_cache(dtype, num_splits):
+    """An e4m3 cache (scale 1.0) read by both decode paths, attended in q's dtype."""
+    contexts = [1, 40, 333, 64]
+    for fused in (False, True):
+        q, k_cache, v_cache, meta, ks, vs = _decode_case(
+            contexts, 8, 2, 64, 16, dtype, seed=2, write_new=not fused, cache_dtype=FP8_DTYPE
+        )
+        if fused:
+            new_k = torch.stack([k[-1] for k in ks]).to(DEVICE)
+            new_v = torch.stack([v[-1] for v in vs]).to(DEVICE)
+            args = (q, new_k, new_v, k_cache, v_cache, meta, 0.125)
+            out = triton_attention.attention(*args, num_splits=num_splits)
+        else:
+            out = triton_attention.paged_attention(
+                q, k_cache, v_cache, meta, 0.125, num_splits=num_splits
+            )
+        _assert_matches(out, _reference(q, ks, vs, 0.125), dtype)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["write_kv", "attention"])
+def test_fp8_writes_round_to_nearest_and_saturate(fused):
+    """New K/V that e4m3 cannot hold (ties, values past 448) are stored rounded to nearest even
+    and saturated, as vLLM's CUDA cache write stores them, and attended as stored."""
+    contexts = [5, 70]
+    q, k_cache, v_cache, meta, ks, vs = _decode_case(
+        contexts, 4, 2, 32, 16, torch.float32, seed=4, write_new=False, cache_dtype=FP8_DTYPE
+    )
+    gen = torch.Generator().manual_seed(9)
+    new_k, new_v = (torch.randn(2, 2, 32, generator=gen) * 60 for _ in range(2))
+    new_k[0, 0, :4] = torch.tensor([84.0, -31.875, 1000.0, -2000.0])  # a tie, near one, > 448
+    if fused:
+        out = triton_attention.attention(
+            q, new_k.to(DEVICE), new_v.to(DEVICE), k_cache, v_cache, meta, 0.1
+        )
+    else:
+        triton_attention.write_kv(
+            k_cache, v_cache, new_k.to(DEVICE), new_v.to(DEVICE), meta.slot_mapping
+        )
+        out = triton_attention.paged_attention(q, k_cache, v_cache, meta, 0.1)
+    slots = meta.slot_mapping.cpu()
+    stored_k = k_cache.cpu()[slots // 16, :, slots % 16]
+    expected_k = new_k.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    assert torch.equal(stored_k.view(torch.uint8), expected_k.view(torch.uint8))
+    assert stored_k[0, 0, :4].float().tolist() == [80.0, -32.0, 448.0, -448.0]
+    stored_v = v_cache.cpu()[slots // 16, :, slots % 16]
+    rounded_k = [torch.cat([k[:-1], stored_k[i : i + 1].float()]) for i, k in enumerate(ks)]
+    rounded_v = [torch.cat([v[:-1], stored_v[i : i + 1].float()]) for i, v in enumerate(vs)]
+    _assert_matches(out, _reference(q, rounded_k, rounded_v, 0.1), torch.float32)
