@@ -31,11 +31,13 @@ import triton.language as tl
 
 from engine.fp8 import Fp8Weight
 
-__all__ = ["applies", "linear"]
+__all__ = ["applies", "choose_splits", "dequantize", "linear", "quantizes_activations"]
 
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 _MAX_BLOCK_K = 128
-DEQUANTIZED_ROWS = 256
+DEQUANTIZED_ROWS = 128
+# Columns of an activation row that share one fp8 scale (DeepSeek-V3's and vLLM's group).
+ACTIVATION_GROUP = 128
 _DEQUANTIZE_ROWS_PER_PROGRAM = 64
 
 
@@ -105,6 +107,7 @@ def linear(
         SCALE_K=weight.block_k if weight.block_k < in_features else 0,
         HAS_BIAS=bias is not None and splits == 1,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        QUANTIZE_X=quantizes_activations(x, weight),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
@@ -115,6 +118,16 @@ def linear(
             SPLITS=splits, BLOCK=block, HAS_BIAS=bias is not None,
         )  # fmt: skip
     return y
+
+
+def quantizes_activations(x: torch.Tensor, weight: Fp8Weight) -> bool:
+    """Whether `linear` quantizes x (e4m3, a scale per ACTIVATION_GROUP columns of a row) and
+    multiplies in fp8: batches of 2 to DEQUANTIZED_ROWS - 1 rows, where K steps by the group."""
+    return (
+        applies(x, weight)
+        and 1 < x.shape[0] < DEQUANTIZED_ROWS
+        and _k_step(weight) == ACTIVATION_GROUP
+    )
 
 
 def dequantize(weight: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -156,12 +169,13 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _config(rows: int, out_features: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, pipeline stages). Untuned starting points: small batches
-    stream W with narrow tiles (many programs) and deep pipelines; large ones take square
-    tiles for the tensor cores."""
+    """(BLOCK_M, BLOCK_N, warps, pipeline stages): for batches of up to 16 and 64 rows the best
+    of 8 each, timed on an H200 over Llama-3-8B's layer matrices (docs/performance.md); larger
+    ones (below DEQUANTIZED_ROWS) take square tiles, untimed."""
+    if rows <= 16:
+        return _MIN_DOT, 64, 4, 4
     if rows <= 64:
-        block_m = max(_MIN_DOT, triton.next_power_of_2(rows))
-        return block_m, 64 if out_features >= 16384 else 32, 4, 5
+        return triton.next_power_of_2(rows), 128, 8, 3
     return 128, 128, 8, 3
 
 
@@ -188,6 +202,7 @@ def _fp8_gemm_kernel(
     SCALE_K: tl.constexpr,  # columns of a scale block; 0: one scale per row
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
+    QUANTIZE_X: tl.constexpr,  # x quantized per BLOCK_K columns of a row, fp8 dots
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -208,11 +223,17 @@ def _fp8_gemm_kernel(
         in_k = k + ks < K
         x = tl.load(x_rows + (k + ks)[None, :] * stride_xk, mask=in_k[None, :], other=0.0)
         w = tl.load(w_cols + (k + ks)[None, :], mask=in_k[None, :], other=0.0)  # [N, BLOCK_K]
-        if SCALE_K == 0:
-            acc = tl.dot(w.to(compute), tl.trans(x), acc, input_precision=PRECISION)
+        if QUANTIZE_X:  # each row's group scaled so that its largest magnitude maps to 448
+            x_f32 = x.to(tl.float32)
+            x_scale = tl.maximum(tl.max(tl.abs(x_f32), 1), 1e-12) / 448.0
+            x_fp8 = (x_f32 / x_scale[:, None]).to(tl.float8e4nv)
+            part = tl.dot(w, tl.trans(x_fp8)) * x_scale[None, :]
         else:
-            scale = tl.load(s_cols + k // SCALE_K)
-            acc += tl.dot(w.to(compute), tl.trans(x), input_precision=PRECISION) * scale[:, None]
+            part = tl.dot(w.to(compute), tl.trans(x), input_precision=PRECISION)
+        if SCALE_K == 0:
+            acc += part
+        else:
+            acc += part * tl.load(s_cols + k // SCALE_K)[:, None]
     if SCALE_K == 0:
         acc *= tl.load(s_cols)[:, None]
     if HAS_BIAS:

@@ -15,7 +15,7 @@ from engine.tests import triton_mode  # before triton: picks the interpreter on 
 
 # isort: split
 from engine import cuda_ops, model, triton_fp8_gemm, triton_linear, triton_ops
-from engine.fp8 import Fp8Scheme, Fp8Weight, quantize
+from engine.fp8 import FP8_DTYPE, Fp8Scheme, Fp8Weight, quantize
 
 DEVICE = triton_mode.device_of(triton_linear._gemv_kernel)
 # Relative error against float64 of the dequantized matrix: the output's rounding only.
@@ -45,8 +45,22 @@ def _inputs(rows, in_features, dtype, seed=1):
 
 
 def _reference(x, matrix: Fp8Weight, bias=None):
+    """The float64 product of the dequantized matrix with x, or with x as the kernel quantizes
+    it (e4m3 per 128 columns of a row) where it does."""
     dense = matrix.dense(torch.float64)
+    if triton_fp8_gemm.quantizes_activations(x, matrix):
+        x = _quantized(x.cpu().float()).to(DEVICE)
     return F.linear(x.double(), dense, None if bias is None else bias.double())
+
+
+def _quantized(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] through e4m3 and back, each row's 128-column group scaled so that its largest
+    magnitude maps to 448."""
+    rows, columns = x.shape
+    groups = torch.zeros(rows, -(-columns // 128) * 128).index_copy_(1, torch.arange(columns), x)
+    groups = groups.view(rows, -1, 128)
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    return ((groups / scale).to(FP8_DTYPE).float() * scale).view(rows, -1)[:, :columns]
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -78,10 +92,10 @@ def test_one_row_gemv_matches_the_dequantized_product(
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features", "block", "dtype"),
     [
-        (2, 96, 256, 128, torch.float32),  # a decode batch: one row tile
+        (2, 96, 256, 128, torch.float32),  # a decode batch: one row tile, x quantized
         (17, 200, 1024, 128, torch.bfloat16),  # ragged rows and columns
         (70, 64, 192, 48, torch.float32),  # a prefill chunk; 48-column blocks: 16-column steps
-        (5, 40, 100, None, torch.float32),  # per tensor, K not a multiple of the step
+        (5, 40, 100, None, torch.float32),  # per tensor, K short of one quantization group
         (1, 64, 96, 48, torch.float32),  # one row whose blocks the GEMV cannot step by
         (256, 72, 256, 128, torch.float32),  # a prefill chunk: W dequantized, then cuBLAS
         (300, 40, 100, None, torch.float32),  # the same, per tensor, ragged
@@ -94,6 +108,7 @@ def test_gemm_matches_the_dequantized_product(rows, out_features, in_features, b
     assert triton_fp8_gemm.applies(x, matrix) and not triton_linear.gemv_applies(x, matrix)
     y = triton_linear.linear(x, matrix, b)
     assert y.shape == (rows, out_features) and y.dtype == dtype
+    assert triton_fp8_gemm.quantizes_activations(x, matrix) == (1 < rows < 128 and block != 48)
     assert _relative_error(y, _reference(x, matrix, b)) < TOLERANCE[dtype]
 
 
