@@ -1,26 +1,26 @@
 """x @ W.T for an fp8 matrix W (engine.fp8.Fp8Weight) and inputs of several rows: decode
 batches and prefill chunks, on the GPU.
 
-`_fp8_gemm_kernel`, grid (M / BLOCK_M, N / BLOCK_N): each program loads its tile of W as e4m3,
-converts it to the compute dtype (exact: every e4m3 value is a bf16 and an fp16 value) and
-multiplies on the tensor cores in that dtype, so the bytes read from HBM are the fp8 ones while
-the activations stay unquantized: the product is that of the dequantized matrix, as the
-one-row GEMV's (engine.triton_linear) and the CPU path's are, and results agree across batch
-sizes up to accumulation order. A K step lies within one scale block (BLOCK_K divides block_k),
-so its partial product is scaled per column of the output by that block's scale and added to
-the fp32 accumulator; with one scale block across K (a scale per row) the scale is applied once
-at the end.
+`_fp8_gemm_kernel`, grid (M / BLOCK_M, N / BLOCK_N, splits), computes W x^T: W's rows are the
+tensor-core instruction's M side (64 a warpgroup), the batch its N side (16 will do). Where K
+steps by 128 columns (block_k a multiple of 128, or one scale per row), each program quantizes
+its rows of x per 128-column group (e4m3, the group's largest magnitude mapped to 448: DeepSeek-
+V3's and vLLM's scheme, `quantizes_activations`) and multiplies e4m3 by e4m3 straight from
+shared memory; the partial product of a K step is scaled by x's group scales and W's block
+scale. Other block sizes (a step must lie within one scale block) convert W's tile to the
+compute dtype (exact) and leave x unquantized. So a batch's product differs from the one-row
+GEMV's (engine.triton_linear, x unquantized) by x's rounding to e4m3.
 
-Decode batches are bound by the weight bytes, as the GEMV is: a batch fills one row tile, so
-the programs along N alone are too few to keep every SM streaming (64 for a 4096-row matrix in
-64-row tiles); K is split among programs until there are about two waves of them, each storing
-its fp32 partial product, and `_sum_splits_kernel` adds them (and the bias) in a fixed order,
-so results do not vary from run to run.
+Decode batches are bound by the weight bytes: a batch fills one row tile, so the programs along
+N alone are too few to keep every SM streaming (32 for a 4096-row matrix in 128-row tiles); K
+is split among programs until there are about two waves of them, each storing its fp32 partial
+product, and `_sum_splits_kernel` adds them (and the bias) in a fixed order, so results do not
+vary from run to run.
 
-Prefill chunks (`DEQUANTIZED_ROWS` rows or more) are bound by the tensor cores, where this
-kernel's conversions cost more than a pass over W: `_dequantize_kernel` writes W in the compute
-dtype (q * s rounded once) and cuBLAS multiplies, at bf16's throughput, not fp8's (that would
-take quantized activations).
+Prefill chunks (`DEQUANTIZED_ROWS` rows or more) are bound by the tensor cores, where the
+kernel's per-tile work costs more than a pass over W (measured on an H200: docs/performance.md):
+`_dequantize_kernel` writes W in the compute dtype (q * s rounded once) and cuBLAS multiplies,
+at bf16's throughput.
 """
 
 import functools
@@ -72,8 +72,9 @@ def linear(
     *,
     splits: int | None = None,
 ) -> torch.Tensor:
-    """x @ dequantized(weight).T + bias, for x [M, K]; through the dense matrix where the
-    kernel does not apply (correct, not fast). `splits` overrides how many parts K is split
+    """x @ dequantized(weight).T + bias, for x [M, K] (x through e4m3 where
+    `quantizes_activations`); through the dense matrix where the kernel does not apply
+    (correct, not fast). `splits` overrides how many parts K is split
     into (tests and tuning); None picks it with `choose_splits`."""
     if not applies(x, weight):
         return torch.nn.functional.linear(x, weight.dense(x.dtype), bias)
