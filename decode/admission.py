@@ -19,6 +19,9 @@ are refused and change nothing. Every waiter gets an explicit outcome by the dea
 storm of failures, once the deadlines have passed, the pool's free count is back to its
 baseline. A request id is live from reserve() until FINISHED or FAILED; a second reserve() of a
 live id is refused.
+
+A prompt the decode server prefills itself (admit_local(): no Reserve, no sender) starts READY
+with no blocks, since the engine allocates its own as it prefills; from there it is any ticket.
 """
 
 from __future__ import annotations
@@ -118,25 +121,13 @@ class Admission:
         max_tokens: int,
         timeout_s: float = 0.0,
     ) -> Reservation:
-        invalid = grpc.StatusCode.INVALID_ARGUMENT
-        if not request_id:
-            raise AdmissionError(invalid, "request_id: must not be empty")
-        if not prompt_ids:
-            raise AdmissionError(invalid, "prompt_token_ids: must not be empty")
         if num_senders < 1:
-            raise AdmissionError(invalid, f"num_senders: {num_senders} must be >= 1")
-        if len(prompt_ids) + max_tokens > self.max_model_len:
             raise AdmissionError(
-                invalid,
-                f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the "
-                f"context length {self.max_model_len}",
+                grpc.StatusCode.INVALID_ARGUMENT, f"num_senders: {num_senders} must be >= 1"
             )
+        self._check_request(request_id, prompt_ids, max_tokens)
         with self._cond:
-            self._expire_locked()
-            if request_id in self._live:
-                raise AdmissionError(
-                    grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already live"
-                )
+            self._check_not_live_locked(request_id)
             need = -(-len(prompt_ids) // self.block_size)
             blocks = self.pool.allocate(need)
             if blocks is None:
@@ -145,17 +136,37 @@ class Admission:
                     f"{need} KV blocks needed for {len(prompt_ids)} tokens, "
                     f"{self.pool.num_free} free of {self.pool.num_total}",
                 )
-            generation = self._generations.get(request_id, 0) + 1
-            _remember(self._generations, request_id, generation)
             reservation = Reservation(
                 request_id=request_id,
-                generation=generation,
+                generation=self._next_generation_locked(request_id),
                 prompt_ids=list(prompt_ids),
                 block_ids=blocks,
                 num_senders=num_senders,
                 max_tokens=max_tokens,
                 deadline=self.clock() + (timeout_s or self.default_timeout_s),
                 expected_bytes=len(prompt_ids) * self.kv_bytes_per_token,
+            )
+            self._live[request_id] = reservation
+            return reservation
+
+    def admit_local(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> Reservation:
+        """A prompt this server prefills itself: READY at once, with no blocks and no sender
+        (the engine allocates blocks as it prefills, waiting or preempting as for any other)."""
+        self._check_request(request_id, prompt_ids, max_tokens)
+        with self._cond:
+            self._check_not_live_locked(request_id)
+            now = self.clock()
+            reservation = Reservation(
+                request_id=request_id,
+                generation=self._next_generation_locked(request_id),
+                prompt_ids=list(prompt_ids),
+                block_ids=[],
+                num_senders=0,
+                max_tokens=max_tokens,
+                deadline=now,
+                expected_bytes=0,
+                state=RequestState.READY,
+                claim_by=now + UNCLAIMED_S,
             )
             self._live[request_id] = reservation
             return reservation
@@ -277,6 +288,31 @@ class Admission:
             return res.state
 
     # -- bookkeeping --------------------------------------------------------------------------
+
+    def _check_request(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> None:
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        if not request_id:
+            raise AdmissionError(invalid, "request_id: must not be empty")
+        if not prompt_ids:
+            raise AdmissionError(invalid, "prompt_token_ids: must not be empty")
+        if len(prompt_ids) + max_tokens > self.max_model_len:
+            raise AdmissionError(
+                invalid,
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the "
+                f"context length {self.max_model_len}",
+            )
+
+    def _check_not_live_locked(self, request_id: str) -> None:
+        self._expire_locked()
+        if request_id in self._live:
+            raise AdmissionError(
+                grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already live"
+            )
+
+    def _next_generation_locked(self, request_id: str) -> int:
+        generation = self._generations.get(request_id, 0) + 1
+        _remember(self._generations, request_id, generation)
+        return generation
 
     def expire(self) -> None:
         """Fails overdue tickets and frees quarantined blocks whose time has come."""

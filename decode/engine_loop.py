@@ -4,7 +4,8 @@ read what it publishes (`snapshot`), never the engine itself.
 
   submit(group, choices, block_ids) -> TokenStream
                                   AddChoices: a request's choices (OpenAI's n, one sequence
-                                  each, sharing the prompt's KV) join the batch
+                                  each, sharing the prompt's KV) join the batch; choices
+                                  without a first token prefill their prompt here first
   abort(group, choices)           AbortChoices: those choices (all by default) are dropped
 
 Commands are handled in the order they were put, so an abort put after the submit of its group
@@ -159,8 +160,9 @@ class Choice:
     """One choice of a submitted request: a sequence and where it starts."""
 
     seq: Sequence
-    first_token: int
-    """The prefill's token: the choice's first output, the first token of its stream."""
+    first_token: int | None
+    """The prefill's token: the choice's first output, the first token of its stream. None: no
+    prefill ran; the engine prefills the prompt and samples the first token itself."""
     first_logprobs: TokenLogprobs | None = None
     """first_token's, as the prefill reported them (when the sequence asks for logprobs)."""
 
@@ -241,18 +243,11 @@ class EngineLoop(EngineThread):
                 self._groups[group] = [choice.seq.seq_id for choice in choices]
                 for index, choice in enumerate(choices):
                     self._live[choice.seq.seq_id] = _LiveChoice(choice.seq, group, index, stream)
-                admitted = self.engine.add_prefilled_choices(
-                    [choice.seq for choice in choices],
-                    block_ids,
-                    [choice.first_token for choice in choices],
-                )
-                for choice, joined in zip(choices, admitted, strict=True):
-                    reason = None if joined else choice.seq.finish_reason  # its first token did
-                    delivered.append(
-                        self._delivery(
-                            choice.seq.seq_id, choice.first_token, reason, choice.first_logprobs
-                        )
-                    )
+                if choices[0].first_token is None:  # no token before the engine's first step
+                    for choice in choices:
+                        self.engine.add_sequence(choice.seq)
+                else:
+                    delivered += self._add_prefilled(choices, block_ids)
             case AbortChoices(group, indexes):
                 picked = self._groups.get(group, [])
                 if indexes is not None:
@@ -261,6 +256,21 @@ class EngineLoop(EngineThread):
                     if self.engine.abort(seq_id):
                         delivered.append(self._delivery(seq_id, None, FinishReason.ABORT))
         self._publish(delivered)
+
+    def _add_prefilled(self, choices: Seq[Choice], block_ids: list[int]) -> list[_Delivery]:
+        """Choices whose prompt KV is in `block_ids`: each one's first token, which may end it."""
+        admitted = self.engine.add_prefilled_choices(
+            [choice.seq for choice in choices], block_ids, [c.first_token for c in choices]
+        )
+        return [
+            self._delivery(
+                choice.seq.seq_id,
+                choice.first_token,
+                None if joined else choice.seq.finish_reason,  # its first token finished it
+                choice.first_logprobs,
+            )
+            for choice, joined in zip(choices, admitted, strict=True)
+        ]
 
     def _step(self) -> None:
         self._publish(

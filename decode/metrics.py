@@ -30,6 +30,11 @@ class DecodeMetrics:
         self.transfer_bytes = Counter(
             "tandem_decode_transfer_bytes", "KV bytes committed by senders", registry=self.registry
         )
+        self.local_prefills = Counter(
+            "tandem_decode_local_prefills",
+            "requests whose prompt this server prefilled itself (Generate with local_prefill)",
+            registry=self.registry,
+        )
         self.handover_seconds = Histogram(
             "tandem_decode_handover_seconds",
             "Generate call to its first token: waiting for commits, admission, first token",

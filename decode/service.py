@@ -8,7 +8,10 @@ Generate admits a request's choices (OpenAI's n: choice 0 from first_token_id, c
 other_choices[i - 1]) as one group of engine sequences sharing the ticket's KV, and streams them
 interleaved: each message names its choice (`index`), and each choice's last one carries its
 finish reason and its own usage; the stream ends after the last choice's. Every choice is
-validated before any runs: a refused one fails the ticket.
+validated before any runs: a refused one fails the ticket. A Generate with `local_prefill` has
+no ticket: admission makes it READY at once (Admission.admit_local) and each of its choices
+prefills the prompt in the engine and samples its own first token; from there it is the same
+path (stream, aborts, failures).
 
 An Abort (or the Generate's client going away) takes effect in every state: a RESERVED or READY
 ticket fails in admission; a RUNNING one is dropped by the engine loop, whose stream then ends
@@ -121,9 +124,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def Generate(self, request, context):
         started = time.monotonic()
-        res = self._call(context, self.admission.wait_ready, request.request_id, request.generation)
+        local = request.HasField("local_prefill")
+        if local:
+            res = self._admit_local(request, context)
+        else:
+            res = self._call(
+                context, self.admission.wait_ready, request.request_id, request.generation
+            )
         self._check_engine(context)
         stream = self._hand_over(res, self._new_choices(res, request, context), context)
+        self.metrics.local_prefills.inc(local)
 
         def client_gone() -> None:  # the RPC has ended: a no-op unless the request is live
             self._abort(res.request_id, res.generation, "client gone")
@@ -134,9 +144,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         for item in stream:
             if isinstance(item, EngineFailed):
                 context.abort(grpc.StatusCode.UNAVAILABLE, item.message)
-            if first:
+            if first and not local:  # a local prefill has no handover
                 self.metrics.handover_seconds.observe(time.monotonic() - started)
-                first = False
+            first = False
             self.metrics.tokens_generated.inc(len(item.token_ids))
             self._tokens_generated += len(item.token_ids)
             yield _response(item)
@@ -173,19 +183,38 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             max_model_len=self.admission.max_model_len,
         )
 
+    def _admit_local(self, request, context) -> Reservation:
+        """A prompt this server prefills itself: READY at once (no Reserve came before)."""
+        self._check_engine(context)
+        if request.other_choices:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "other_choices: not with local_prefill (local_prefill.n gives the choices)",
+            )
+        return self._call(
+            context,
+            self.admission.admit_local,
+            request.request_id,
+            list(request.local_prefill.prompt_token_ids),
+            request.max_tokens,
+        )
+
     def _new_choices(self, res: Reservation, request, context) -> list[Choice]:
-        """The engine's sequences for a READY ticket's choices, each with its first token; a
-        refused parameter of any choice fails the ticket."""
-        # Choice 0's start is the request's own fields, named as a ChoiceStart's.
-        starts = [("", request)]
-        starts += [(f"other_choices[{i}].", start) for i, start in enumerate(request.other_choices)]
+        """The engine's sequences for a READY ticket's choices, each with its first token (none
+        for a local prefill's: the engine samples them); a refused parameter of any choice fails
+        the ticket."""
+        if request.HasField("local_prefill"):
+            starts = [("", None)] * (request.local_prefill.n or 1)
+        else:  # Choice 0's start is the request's own fields, named as a ChoiceStart's.
+            starts = [("", request)]
+            starts += [(f"other_choices[{i}].", s) for i, s in enumerate(request.other_choices)]
         sampling = request.sampling
         try:
             params = SamplingParams(
                 **{f: getattr(sampling, f) for f in SAMPLING_FIELDS if sampling.HasField(f)}
             )
             first_logprobs = [
-                None if params.logprobs is None else _first_logprobs(prefix, start)
+                None if params.logprobs is None or start is None else _first_logprobs(prefix, start)
                 for prefix, start in starts
             ]
             # NOTE: on this RPC thread, new_choices reads only the engine's config, and
@@ -205,14 +234,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 self._grammar(request),
             )
             for seq, (prefix, start) in zip(seqs, starts, strict=True):
-                self._check_first_token(seq, prefix, start.first_token_id)
+                if start is not None:
+                    self._check_first_token(seq, prefix, start.first_token_id)
         except ValueError as e:
             self.admission.abort(
                 res.request_id, res.generation, f"bad request: {e}", kind=FailureKind.BAD_REQUEST
             )
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return [
-            Choice(seq, start.first_token_id, logprobs)
+            Choice(seq, None if start is None else start.first_token_id, logprobs)
             for seq, (_, start), logprobs in zip(seqs, starts, first_logprobs, strict=True)
         ]
 

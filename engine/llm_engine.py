@@ -177,9 +177,12 @@ class LLMEngine:
         stop: StopConditions,
         grammar: Grammar | None = None,
     ) -> Sequence:
-        seq = self.new_sequence(seq_id, prompt_ids, sampling, stop, grammar)
+        return self.add_sequence(self.new_sequence(seq_id, prompt_ids, sampling, stop, grammar))
+
+    def add_sequence(self, seq: Sequence) -> Sequence:
+        """Admits a `new_sequence` (or one of `new_choices`) for a whole prefill."""
         self.scheduler.add(seq)
-        self.sequences[seq_id] = seq
+        self.sequences[seq.seq_id] = seq
         return seq
 
     def add_prefilled(self, seq: Sequence, block_ids: list[int], first_token: int) -> bool:

@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from router.generation import Finished, Tokens
 from router.limiter import InFlightLimiter
@@ -40,6 +41,7 @@ class RouterMetrics:
         self.prefill_load = Gauge("tandem_router_prefill_in_flight",
                                   "prefill calls in flight, per prefill instance", ["instance"],
                                   registry=r)  # fmt: skip
+        r.register(_FallbackCollector(orchestrator))
 
     def count_response(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -53,6 +55,21 @@ class RouterMetrics:
         for prefill in self.orchestrator.prefills:
             self.prefill_load.labels(prefill.url).set(prefill.in_flight)
         return generate_latest(self.registry)
+
+
+class _FallbackCollector:
+    """tandem_router_decode_only_fallback_total, read from the orchestrator at scrape time (it
+    counts as it routes: router/decode_only.py)."""
+
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orchestrator = orchestrator
+
+    def collect(self):
+        yield CounterMetricFamily(
+            "tandem_router_decode_only_fallback",
+            "requests prefilled by their decode server because no prefill instance was healthy",
+            value=self.orchestrator.decode_only.fallback_requests,
+        )
 
 
 class RequestTimer:

@@ -108,6 +108,7 @@ class OpenAIApi:
     async def health(self) -> dict:
         return {
             "status": "ok",
+            "mode": self.orchestrator.decode_only.mode,
             "tokenizer": {
                 "source": self.prompts.source,
                 "parity": self.prompts.parity,

@@ -12,6 +12,11 @@ instance whose RPC fails with UNAVAILABLE is marked down until a Stats probe ans
 instance that cannot be reached or answers 503 (its engine failed) is marked down until its
 health check answers 200.
 
+Aggregated (every request), or while no prefill instance is healthy (the decode-only fallback,
+counted and logged: router/decode_only.py), a request skips Reserve and the prefill: its decode
+server prefills the prompt itself (GenerateRequest.local_prefill), and the rest is the same. A
+request whose prefill failed because none is healthy any longer falls back too.
+
 The instances are reached through a PrefillClient and a DecodeClient (router/clients.py),
 given to the constructor.
 """
@@ -29,6 +34,7 @@ import grpc
 from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2
 from router.clients import DecodeClient, PrefillCallError, PrefillClient, PrefillReply
+from router.decode_only import DecodeOnly
 from router.errors import BackendError
 from router.generation import Finished, GenerationRequest, Tokens
 from router.logprobs import LogprobsError, first_token_logprobs
@@ -76,11 +82,16 @@ class Orchestrator:
         decode_addresses: Sequence[str],
         prefill_client: PrefillClient,
         decode_client: DecodeClient,
+        aggregated: bool = False,
+        decode_only_fallback: bool = True,
     ) -> None:
+        """`aggregated`: every request is prefilled by its decode server (no prefill URL is
+        needed); `decode_only_fallback`: so is each request while no prefill is healthy."""
         self.prefills = [PrefillInstance(url) for url in prefill_urls]
         self.decodes = [DecodeInstance(address) for address in decode_addresses]
         self.prefill_client = prefill_client
         self.decode_client = decode_client
+        self.decode_only = DecodeOnly(aggregated, decode_only_fallback)
         self._ids = itertools.count(1)
 
     def generate(self, request: GenerationRequest, request_id: str) -> Generation:
@@ -96,22 +107,10 @@ class Orchestrator:
         outstanding = request.max_tokens * request.n
         decode.outstanding_tokens += outstanding
         rid = f"{request_id}-{next(self._ids)}"
-        reserved = None
         live = set(range(request.n))
         try:
-            reserved = await self.decode_client.reserve(decode.address, decode_pb2.ReserveRequest(
-                request_id=rid, prompt_token_ids=request.prompt_ids, num_senders=1,
-                max_tokens=request.max_tokens))  # fmt: skip
-            placed.placement = (decode, rid)
-            try:
-                firsts = await self._prefill(reserved.ticket, decode.address, request)
-            except PrefillFailed as e:
-                undelivered = not e.ticket_delivered
-                await asyncio.shield(self._abort(decode, rid, "prefill failed", undelivered))
-                raise
-            stream = self.decode_client.generate(
-                decode.address, _generate_request(request, rid, reserved.ticket, firsts)
-            )
+            generate = await self._placed(decode, rid, request, placed)
+            stream = self.decode_client.generate(decode.address, generate)
             async with contextlib.aclosing(stream):
                 async for message in stream:
                     index = message.index
@@ -134,12 +133,38 @@ class Orchestrator:
         except (asyncio.CancelledError, GeneratorExit):
             # The client is gone: stop decoding for it, or release its reservation (kept
             # quarantined by the decode server until a prefill still writing into it commits).
-            if reserved is not None and live:
+            if placed.placement is not None and live:
                 await asyncio.shield(self._abort(decode, rid, "client gone"))
             raise
         finally:
             placed.placement = None
             decode.outstanding_tokens -= outstanding
+
+    async def _placed(
+        self, decode: DecodeInstance, rid: str, request: GenerationRequest, placed: Generation
+    ) -> decode_pb2.GenerateRequest:
+        """The request placed on `decode` as `rid`: reserved and prefilled, or, skipping both,
+        to be prefilled there; returns its Generate call."""
+        if self.decode_only.skip_prefill(self._any_prefill_healthy()):
+            placed.placement = (decode, rid)
+            return _generate_request(request, rid)
+        reserved = await self.decode_client.reserve(decode.address, decode_pb2.ReserveRequest(
+            request_id=rid, prompt_token_ids=request.prompt_ids, num_senders=1,
+            max_tokens=request.max_tokens))  # fmt: skip
+        placed.placement = (decode, rid)
+        try:
+            firsts = await self._prefill(reserved.ticket, decode.address, request)
+        except PrefillFailed as e:
+            undelivered = not e.ticket_delivered
+            await asyncio.shield(self._abort(decode, rid, "prefill failed", undelivered))
+            # The last healthy prefill just went down: this request is the fallback's first.
+            if e.status == 503 and self.decode_only.skip_prefill(self._any_prefill_healthy()):
+                return _generate_request(request, rid)
+            raise
+        return _generate_request(request, rid, reserved.ticket, firsts)
+
+    def _any_prefill_healthy(self) -> bool:
+        return any(p.healthy for p in self.prefills)
 
     async def close(self) -> None:
         await self.prefill_client.close()
@@ -334,18 +359,32 @@ def _first_tokens(reply: dict, sampling: decode_pb2.SamplingParams, n: int) -> l
 
 
 def _generate_request(
-    request: GenerationRequest, rid: str, ticket: decode_pb2.Ticket, firsts: list[FirstToken]
+    request: GenerationRequest,
+    rid: str,
+    ticket: decode_pb2.Ticket | None = None,
+    firsts: Sequence[FirstToken] = (),
 ) -> decode_pb2.GenerateRequest:
-    first, *others = firsts
-    return decode_pb2.GenerateRequest(
-        request_id=rid, generation=ticket.generation, first_token_id=first.token_id,
-        first_token_logprobs=first.logprobs, sampling=request.sampling,
-        max_tokens=request.max_tokens, min_tokens=request.min_tokens,
-        stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
-        structured_output=request.structured,
-        other_choices=[decode_pb2.ChoiceStart(first_token_id=c.token_id,
-                                              first_token_logprobs=c.logprobs) for c in others],
+    """The Generate call: of a ticket, with the choices' first tokens from its prefill; or, with
+    no ticket, of a prompt the decode server prefills itself."""
+    message = decode_pb2.GenerateRequest(
+        request_id=rid, sampling=request.sampling, max_tokens=request.max_tokens,
+        min_tokens=request.min_tokens, stop_token_ids=request.stop_token_ids,
+        ignore_eos=request.ignore_eos, structured_output=request.structured,
     )  # fmt: skip
+    if ticket is None:
+        message.local_prefill.prompt_token_ids.extend(request.prompt_ids)
+        message.local_prefill.n = request.n
+        return message
+    first, *others = firsts
+    message.generation = ticket.generation
+    message.first_token_id = first.token_id
+    if first.logprobs is not None:
+        message.first_token_logprobs.CopyFrom(first.logprobs)
+    message.other_choices.extend(
+        decode_pb2.ChoiceStart(first_token_id=c.token_id, first_token_logprobs=c.logprobs)
+        for c in others
+    )
+    return message
 
 
 def _refusal(reply: PrefillReply) -> str:

@@ -2,6 +2,7 @@
 
     python -m router.server --model DIR --host 127.0.0.1 --port 8000 \
         --prefill http://127.0.0.1:8100 [--prefill ...] --decode 127.0.0.1:50051 [--decode ...]
+    python -m router.server --model DIR --aggregated --decode 127.0.0.1:50051 [--decode ...]
 """
 
 from __future__ import annotations
@@ -43,12 +44,22 @@ class RouterConfig:
     """When set, /v1/* requests need `Authorization: Bearer <api_key>`."""
     max_queue: int = 512
     """Requests in flight beyond this get 429 with Retry-After; 0: no limit."""
+    aggregated: bool = False
+    """No prefill instance: every request is prefilled by its decode server (the baseline that
+    disaggregation is measured against)."""
+    decode_only_fallback: bool = True
+    """While no prefill instance is healthy, requests are prefilled by their decode server
+    (counted in tandem_router_decode_only_fallback_total) instead of failing with 503."""
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model: {self.model} is not a Hugging Face folder (no config.json)")
-        if not self.prefill or not self.decode:
-            raise ValueError("prefill, decode: give at least one --prefill URL and one --decode")
+        if not self.decode:
+            raise ValueError("decode: give at least one --decode")
+        if self.aggregated and self.prefill:
+            raise ValueError("prefill: none with --aggregated (decode servers prefill)")
+        if not self.aggregated and not self.prefill:
+            raise ValueError("prefill: give at least one --prefill URL, or --aggregated")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a port number")
         if self.max_queue < 0:
@@ -65,6 +76,11 @@ def main() -> None:
     parser.add_argument("--served-model-name", default="")
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     parser.add_argument("--max-queue", type=int, default=512, help="429 beyond this many")
+    parser.add_argument("--aggregated", action="store_true",
+                        help="no prefill: the decode servers prefill every request")  # fmt: skip
+    parser.add_argument("--no-decode-only-fallback", action="store_true",
+                        help="with no prefill healthy, answer 503 instead of prefilling on the "
+                        "decode servers")  # fmt: skip
     parser.add_argument("--tool-call-parser", default=None,
                         help="vLLM's parser of tool calls in the output (hermes, llama3_json, "
                         "pythonic, ...); needed for tool_choice auto")  # fmt: skip
@@ -78,7 +94,8 @@ def main() -> None:
     try:
         config = RouterConfig(args.model, tuple(args.prefill), tuple(args.decode), args.host,
                               args.port, args.served_model_name, args.api_key,
-                              args.max_queue)  # fmt: skip
+                              args.max_queue, args.aggregated,
+                              not args.no_decode_only_fallback)  # fmt: skip
         sock = socket.create_server((config.host, config.port))
     except (ValueError, OSError) as e:
         sys.exit(f"router.server: cannot start: {e}")
@@ -94,9 +111,9 @@ def main() -> None:
         max_model_len=int(hf_config.get("max_position_embeddings", 4096)),
         vocab_size=int(hf_config.get("vocab_size") or len(tokenizer.tokenizer)),
     )
-    orchestrator = Orchestrator(
-        config.prefill, config.decode, HttpPrefillClient(), GrpcDecodeClient()
-    )
+    orchestrator = Orchestrator(config.prefill, config.decode, HttpPrefillClient(),
+                                GrpcDecodeClient(), config.aggregated,
+                                config.decode_only_fallback)  # fmt: skip
     prompts = PromptTokenizer(tokenizer, orchestrator)
     try:
         parsing = OutputParsing(tokenizer.tokenizer, args.tool_call_parser, args.reasoning_parser)
@@ -107,7 +124,8 @@ def main() -> None:
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await orchestrator.probe(every_decode=True)  # their context lengths
-        await prompts.check_parity()
+        if config.prefill:  # aggregated: no prefill's tokenizer to compare with
+            await prompts.check_parity()
         # The first structured-output request would otherwise wait seconds for this import.
         warm = asyncio.create_task(asyncio.to_thread(importlib.import_module, "engine.grammar"))
         probe = asyncio.create_task(orchestrator.probe_forever())

@@ -1,6 +1,7 @@
 """Failures behind the router: a decode server killed mid-stream ends the client's stream with an
 error event within 5 s and later requests are served by the remaining decode server; a killed
-prefill server is retried on another, and with none left the client gets a 503; a prefill whose
+prefill server is retried on another, and with none left (and the decode-only fallback off) the
+client gets a 503; a prefill whose
 engine failed (it answers 503) is marked down until its /health answers again. Afterwards no
 KV block stays allocated on the surviving decode server."""
 
@@ -48,7 +49,9 @@ def two_decodes():
 def two_prefills():
     decode, address = start_decode("tcp")
     prefills = [start_prefill("tcp") for _ in range(2)]
-    router, url = start_router([prefill_url for _, prefill_url in prefills], [address])
+    # Without the decode-only fallback (tests/aggregated_test.py), none left is a 503.
+    router, url = start_router([prefill_url for _, prefill_url in prefills], [address],
+                               "--no-decode-only-fallback")  # fmt: skip
     yield url, address, [proc for proc, _ in prefills]
     _stop(router, decode, *(proc for proc, _ in prefills))
 

@@ -4,6 +4,7 @@ ports, with the bundled SmolLM2 unless --model names a Hugging Face folder.
     ./bazelw run //tools:serve                      # or: python -m tools.serve
     ./bazelw run //tools:serve -- --model DIR --device cuda --transport nixl --port 8000
     ./bazelw run //tools:serve -- --prefill vllm    # stock vLLM prefills, with tandem's connector
+    ./bazelw run //tools:serve -- --aggregated      # router + decode only: decode prefills too
 
 Prints `tandem ready: http://HOST:PORT` once the router answers (and the decode servers'
 Prometheus /metrics URLs; the router serves its own at /metrics); Ctrl-C (or SIGTERM) stops every
@@ -55,6 +56,8 @@ def main() -> None:
     parser.add_argument("--prefill", choices=["embedded", "vllm"], default="embedded")
     parser.add_argument("--transport", default="tcp", help="tcp, shm, nixl or mooncake")
     parser.add_argument("--num-prefill", type=int, default=1)
+    parser.add_argument("--aggregated", action="store_true",
+                        help="no prefill: the decode servers prefill every request")  # fmt: skip
     parser.add_argument("--num-decode", type=int, default=1)
     parser.add_argument("--kv-cache-gb", default="1")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8 (every engine's)")
@@ -63,6 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.num_prefill < 1 or args.num_decode < 1:
         sys.exit("serve: --num-prefill and --num-decode must be at least 1")
+    num_prefill = 0 if args.aggregated else args.num_prefill
     model = _model_folder(args.model)
     if not (Path(model) / "config.json").is_file():
         sys.exit(f"serve: --model {model} is not a Hugging Face folder (no config.json)")
@@ -86,7 +90,8 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(0)))
     try:
-        decodes, prefills, metrics = [], [], []
+        decodes, metrics = [], []
+        prefills = ["--aggregated"] if args.aggregated else []  # the router's prefill arguments
         for _ in range(args.num_decode):
             proc, m = start(["decode.server", *common, "--grpc-port", "0", "--metrics-port", "0"],
                             r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
@@ -94,7 +99,7 @@ def main() -> None:
             procs.append(proc)
             decodes += ["--decode", f"{args.host}:{m.group(1)}"]
             metrics.append(f"http://{args.host}:{m.group(2)}/metrics")
-        for _ in range(args.num_prefill):
+        for _ in range(num_prefill):
             if args.prefill == "vllm":
                 proc, url = _start_vllm(model, args.host, dtype, args.transport, args.kv_cache_gb,
                                         "--kv-cache-dtype", args.kv_cache_dtype)  # fmt: skip

@@ -154,10 +154,11 @@ def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
 class FakeDecode:
     """A DecodeClient. Reserve hands out a ticket; Generate streams `tokens` for each choice
     (one message per list and choice; with logprobs when asked: the first token's as the
-    request carries them, the others' `logprob_of`), then, in this order of precedence: waits
-    until cancelled if `stall`, raises `stream_error` if set, finishes each choice with `finish`
-    if set, else just ends. `fail(rpc, address, error)` makes that RPC's next call on that
-    address raise; addresses in `unavailable` answer every RPC with UNAVAILABLE.
+    request carries them, the others' `logprob_of`; a local_prefill's all `logprob_of`), then,
+    in this order of precedence: waits until cancelled if `stall`, raises `stream_error` if set,
+    finishes each choice with `finish` if set, else just ends. `fail(rpc, address, error)` makes
+    that RPC's next call on that address raise; addresses in `unavailable` answer every RPC with
+    UNAVAILABLE.
 
     `live()` is the leak check: reservations the fake's server side still holds (neither
     generated to the end of the stream, failed, nor aborted)."""
@@ -203,6 +204,9 @@ class FakeDecode:
         return decode_pb2.ReserveResponse(ticket=ticket)
 
     async def generate(self, address, request):
+        local = request.HasField("local_prefill")
+        if local:  # no Reserve came: the server holds the request from this call on
+            self.reserved[request.request_id] = address
         try:
             self._call("Generate", address, request)
         except grpc.aio.AioRpcError:
@@ -210,12 +214,14 @@ class FakeDecode:
             raise
         starts = [request.first_token_logprobs,
                   *(c.first_token_logprobs for c in request.other_choices)]  # fmt: skip
+        if local:  # every token's logprobs are the server's own
+            starts = [None] * (request.local_prefill.n or 1)
         for position, token_ids in enumerate(self.tokens):
             for index, first_logprobs in enumerate(starts):  # the choices' messages interleave
                 message = decode_pb2.GenerateResponse(token_ids=token_ids, index=index)
                 if request.sampling.HasField("logprobs"):
                     message.logprobs.extend(logprob_of(t) for t in token_ids)
-                    if position == 0:
+                    if position == 0 and first_logprobs is not None:
                         message.logprobs[0].CopyFrom(first_logprobs)
                 yield message
         self.generating.set()
@@ -250,3 +256,20 @@ class FakeDecode:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"{address} is down")
         if self._errors[rpc, address]:
             raise self._errors[rpc, address].pop(0)
+
+
+def cancel_once(event: asyncio.Event, generation) -> None:
+    """Runs the coroutine `generation` until a fake sets `event` (`prefilling`, `generating`),
+    cancels it there, and checks that it ended cancelled."""
+
+    async def run() -> None:
+        task = asyncio.create_task(generation)
+        await event.wait()
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return
+        raise AssertionError("the generation ended without being cancelled")
+
+    asyncio.run(run())

@@ -208,6 +208,7 @@ def test_models_health_and_metrics():
         assert "context length 32" in reply.json()["error"]["message"]
         assert (await router.client.get("/health")).json() == {
             "status": "ok",
+            "mode": "disaggregated",
             "tokenizer": {"source": "router", "parity": "unchecked", "segmented": False},
             "decode": {D0: "up"},
             "prefill": {P0: "up"},

@@ -18,6 +18,7 @@ from router.tests.fakes import (
     FakeDecode,
     FakePrefill,
     answer,
+    cancel_once,
     dropped,
     ids,
     logprob_of,
@@ -32,9 +33,11 @@ REQUEST = GenerationRequest(
 )
 
 
-def _stack(prefills=(P0, P1), decodes=(D0,)) -> tuple[Orchestrator, FakePrefill, FakeDecode]:
+def _stack(
+    prefills=(P0, P1), decodes=(D0,), **options
+) -> tuple[Orchestrator, FakePrefill, FakeDecode]:
     prefill, decode = FakePrefill(), FakeDecode()
-    return Orchestrator(prefills, decodes, prefill, decode), prefill, decode
+    return Orchestrator(prefills, decodes, prefill, decode, **options), prefill, decode
 
 
 async def _generate(orchestrator: Orchestrator, request: GenerationRequest = REQUEST) -> list:
@@ -116,7 +119,7 @@ def test_a_prefill_marked_down_is_tried_last():
     ids=["never-connected", "one-connected", "both-reached"],
 )
 def test_prefill_failing_twice_aborts_the_reservation(failures, undelivered):
-    orchestrator, prefill, decode = _stack()
+    orchestrator, prefill, decode = _stack(decode_only_fallback=False)
     prefill.script(P0, failures[0])
     prefill.script(P1, failures[1])
     (error,) = asyncio.run(_generate(orchestrator))
@@ -234,14 +237,7 @@ def test_a_cancelled_consumer_aborts_on_the_decode_server():
     orchestrator, _, decode = _stack()
     decode.stall = True
 
-    async def cancel_while_waiting():
-        task = asyncio.create_task(_generate(orchestrator))
-        await decode.generating.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(cancel_while_waiting())
+    cancel_once(decode.generating, _generate(orchestrator))
     (abort,) = decode.aborts()
     assert abort.reason == "client gone"
     _assert_idle(orchestrator, decode)
@@ -254,14 +250,7 @@ def test_a_consumer_cancelled_during_the_prefill_aborts_its_reservation():
     orchestrator, prefill, decode = _stack()
     prefill.stall = True
 
-    async def cancel_while_prefilling():
-        task = asyncio.create_task(_generate(orchestrator))
-        await prefill.prefilling.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(cancel_while_prefilling())
+    cancel_once(prefill.prefilling, _generate(orchestrator))
     (abort,) = decode.aborts()
     assert abort.reason == "client gone" and not abort.ticket_undelivered
     assert not any(rpc == "Generate" for rpc, _, _ in decode.calls)

@@ -1,0 +1,99 @@
+"""Aggregated serving and the decode-only fallback, with real processes (the bundled SmolLM2 on
+the CPU, over tcp): a router started with --aggregated in front of the decode server alone
+answers with the same greedy text as the disaggregated stack; with the only prefill stopped, the
+disaggregated router serves every request through the decode server (each counted in
+tandem_router_decode_only_fallback_total), text unchanged; the prefill started again at its
+address takes the requests back. Afterwards no KV block stays allocated on the decode server.
+"""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+
+from tests.servers import (
+    MODEL,
+    counter,
+    decode_pool_free,
+    metrics_url,
+    start_decode,
+    start_prefill,
+    start_router,
+)
+
+PROMPTS = ["Count to ten:", "The capital of France is", "def fibonacci(n):"]
+LOCAL = "tandem_decode_local_prefills_total"
+FALLBACK = "tandem_router_decode_only_fallback_total"
+
+
+def _stop(*procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """The decode server, its prefill, a disaggregated and an aggregated router in front."""
+    decode, address = start_decode("tcp")
+    prefill, prefill_url = start_prefill("tcp")
+    router, url = start_router([prefill_url], [address])
+    aggregated, aggregated_url = start_router([], [address], "--aggregated")
+    procs = {"prefill": prefill}
+    yield address, prefill_url, url, aggregated_url, procs
+    _stop(aggregated, router, procs["prefill"], decode)
+
+
+def _texts(url: str) -> list[str]:
+    texts = []
+    for prompt in PROMPTS:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] > 0
+        texts.append(reply.json()["choices"][0]["text"])
+    return texts
+
+
+def _mode(url: str) -> str:
+    return httpx.get(f"{url}/health", timeout=10).json()["mode"]
+
+
+def test_aggregated_answers_as_the_disaggregated_stack(stack):
+    address, _, url, aggregated_url, _ = stack
+    decode_metrics = metrics_url(address)
+    disaggregated = _texts(url)
+    before = counter(decode_metrics, LOCAL)
+    assert _texts(aggregated_url) == disaggregated
+    assert counter(decode_metrics, LOCAL) - before == len(PROMPTS)
+    assert _mode(aggregated_url) == "aggregated"
+    assert counter(f"{aggregated_url}/metrics", FALLBACK) == 0
+    assert decode_pool_free(address)
+
+
+def test_with_the_prefill_stopped_the_decode_server_serves_until_it_is_back(stack):
+    address, prefill_url, url, _, procs = stack
+    decode_metrics = metrics_url(address)
+    disaggregated = _texts(url)
+    assert _mode(url) == "disaggregated"
+    _stop(procs["prefill"])
+    local = counter(decode_metrics, LOCAL)
+    assert _texts(url) == disaggregated
+    assert counter(f"{url}/metrics", FALLBACK) == len(PROMPTS)
+    assert counter(decode_metrics, LOCAL) - local == len(PROMPTS)
+    assert _mode(url) == "decode-only fallback"
+    procs["prefill"], _ = start_prefill("tcp", urlparse(prefill_url).port)
+    deadline = time.monotonic() + 15
+    while httpx.get(f"{url}/health", timeout=10).json()["prefill"][prefill_url] != "up":
+        assert time.monotonic() < deadline, "the prefill was never probed back up"
+        time.sleep(0.2)
+    local = counter(decode_metrics, LOCAL)
+    assert _texts(url) == disaggregated
+    assert counter(decode_metrics, LOCAL) == local  # prefilled by the prefill again
+    assert counter(f"{url}/metrics", FALLBACK) == len(PROMPTS)
+    assert _mode(url) == "disaggregated"
+    assert decode_pool_free(address)
