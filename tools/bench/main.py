@@ -8,12 +8,21 @@
 
 Prints a table (TTFT, TPOT, ITL, E2E mean and percentiles, throughput, errors by kind); with
 --result-json and --plot, also writes the results as JSON and the latency CDFs as a PNG.
+
+A named scenario (tools/bench/scenarios.py) runs its concurrency sweep, one level after another,
+and prints one row per level; --compare prints two such runs side by side:
+
+    ./bazelw run //tools:bench -- --base-url URL --scenario 8k1k --tokenizer DIR \
+        --result-json disaggregated.json
+    ./bazelw run //tools:bench -- --base-url URL --scenario agentic --context 131072 ...
+    ./bazelw run //tools:bench -- --compare aggregated.json disaggregated.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import sys
@@ -21,10 +30,10 @@ from pathlib import Path
 
 import httpx
 
-from tools.bench import datasets
+from tools.bench import datasets, scenarios
 from tools.bench.config import BenchConfig
 from tools.bench.progress import Progress
-from tools.bench.report import plot_cdfs, summarize, table, write_json
+from tools.bench.report import plot_cdfs, records, summarize, table, write_json
 from tools.bench.runner import Load, RunResult, run
 
 
@@ -35,6 +44,14 @@ class ServerError(Exception):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bench", description=__doc__.splitlines()[0])
     BenchConfig.add_cli_args(parser)
+    parser.add_argument("--scenario", choices=sorted(scenarios.SCENARIOS), default=None,
+                        help="a named dataset shape and concurrency sweep")  # fmt: skip
+    parser.add_argument("--concurrencies", default=None,
+                        help="the scenario's levels instead of its own, e.g. 1,8")  # fmt: skip
+    parser.add_argument("--context", type=int, default=32768,
+                        help="agentic scenario: the last turn's context in tokens")  # fmt: skip
+    parser.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
+                        help="two scenario runs' results side by side, and B / A")  # fmt: skip
     args = parser.parse_args(argv)
     args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     # NOTE: `bazel run` starts the binary in its runfiles tree; paths given are the user's.
@@ -43,10 +60,23 @@ def main(argv: list[str] | None = None) -> None:
     args.plot = args.plot and str(user_dir / args.plot)
     if args.tokenizer and (user_dir / args.tokenizer).exists():  # else a Hugging Face hub id
         args.tokenizer = str(user_dir / args.tokenizer)
+    if args.compare:
+        a, b = (json.loads((user_dir / path).read_text()) for path in args.compare)
+        print(scenarios.compare_table(a, b, *(Path(path).stem for path in args.compare)))
+        return
     try:
         config = BenchConfig.from_cli_args(args)
+        levels = args.concurrencies and [int(c) for c in args.concurrencies.split(",")]
+        if args.scenario:
+            sweep = scenarios.level_configs(config, args.scenario, levels, args.context)
     except ValueError as e:
         parser.error(str(e))
+    if args.scenario:
+        try:
+            run_scenario(args.scenario, config, sweep)
+        except ServerError as e:
+            sys.exit(f"bench: {e}")
+        return
     conversations = _dataset(config)
     try:
         model, result = asyncio.run(_bench(config, conversations))
@@ -63,6 +93,30 @@ def main(argv: list[str] | None = None) -> None:
         rate = "unlimited" if config.request_rate == math.inf else f"{config.request_rate}/s"
         load = f"concurrency {config.max_concurrency or 'unlimited'}, rate {rate}"
         plot_cdfs(Path(config.plot), result.results, f"{config.dataset}, {model}, {load}")
+
+
+def run_scenario(name: str, base: BenchConfig, sweep: list[BenchConfig], bench=None) -> list:
+    """Each level in turn against the server (through `bench(config, conversations)`, by
+    default the HTTP client); prints the rows so far after each, writes the JSON of all of them
+    to base.result_json; returns the levels."""
+    levels = []
+    for config in sweep:
+        conversations = _dataset(config)
+        model, result = asyncio.run((bench or _bench)(config, conversations))
+        summary = summarize(result, sum(len(c.turns) for c in conversations))
+        levels.append({"concurrency": config.max_concurrency, "config": config.to_json(),
+                       "summary": summary, "requests": records(result.results)})  # fmt: skip
+        print(f"{name}, model {model} at {base.base_url}")
+        print(scenarios.sweep_table(levels))
+        if base.plot:
+            path = Path(base.plot)
+            title = f"{name}, {model}, concurrency {config.max_concurrency}"
+            plot_cdfs(path.with_stem(f"{path.stem}-c{config.max_concurrency}"), result.results,
+                      title)  # fmt: skip
+    if base.result_json:
+        payload = {"scenario": name, "model": model, "levels": levels}
+        Path(base.result_json).write_text(json.dumps(payload, indent=2) + "\n")
+    return levels
 
 
 def _dataset(config: BenchConfig) -> list[datasets.Conversation]:

@@ -104,11 +104,15 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def records(results: list[RequestResult]) -> list[dict]:
+    """One record per request sent, its text left out."""
+    return [{k: v for k, v in asdict(r).items() if k != "text"} for r in results]
+
+
 def write_json(path: Path, config: dict, summary: dict, results: list[RequestResult]) -> None:
-    """The configuration, the summary, and one record per request sent (its text left out)."""
-    records = [{k: v for k, v in asdict(r).items() if k != "text"} for r in results]
-    path.write_text(json.dumps({"config": config, "summary": summary, "requests": records},
-                               indent=2) + "\n")  # fmt: skip
+    """The configuration, the summary, and the requests' `records`."""
+    payload = {"config": config, "summary": summary, "requests": records(results)}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def plot_cdfs(path: Path, results: list[RequestResult], title: str) -> None:

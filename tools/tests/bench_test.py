@@ -4,14 +4,11 @@ tandem stack started by //tools:serve."""
 
 from __future__ import annotations
 
-import asyncio
-import io
 import json
 import signal
 import subprocess
 import sys
 
-import httpx
 import pytest
 from transformers import AutoTokenizer
 
@@ -23,10 +20,10 @@ from tools.bench.datasets import (
     agentic_dataset,
     random_dataset,
 )
-from tools.bench.progress import Progress
 from tools.bench.report import cdf, percentiles, summarize
-from tools.bench.runner import Load, RunResult, run
+from tools.bench.runner import Load, RunResult
 from tools.launch import start
+from tools.tests.fake_openai import FakeServer
 
 MODEL = "tools/smollm2-135m-instruct"  # Bazel data: //tools:smollm2
 
@@ -100,39 +97,6 @@ def test_agentic_dataset_is_reproducible_and_its_turns_vary_around_the_mean():
         lengths = [WordText().count(t.text) for t in conversation.turns]
         assert all(40 <= n <= 160 for n in lengths), lengths
         assert all(t.output_len == 9 for t in conversation.turns)
-
-
-class FakeServer:
-    """An OpenAI streaming endpoint: replies `max_tokens` chunks "w0 w1 ..." with usage, and
-    fails with 500 the requests whose `fail(body)` is true. Records every request body."""
-
-    def __init__(self, fail=lambda body: False) -> None:
-        self.bodies: list[dict] = []
-        self._fail = fail
-
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        self.bodies.append(body)
-        if self._fail(body):
-            return httpx.Response(500, json={"error": {"message": "boom"}})
-        n = body["max_tokens"]
-        chat = request.url.path == Endpoint.CHAT.value
-        pieces = [
-            {"delta": {"content": f"w{i} "}} if chat else {"text": f"w{i} "} for i in range(n)
-        ]
-        events = [{"choices": [piece]} for piece in pieces]
-        events.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}})
-        sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
-
-    def run(self, conversations, load: Load) -> RunResult:
-        async def go() -> RunResult:
-            transport = httpx.MockTransport(self.handle)
-            async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
-                progress = Progress(sum(len(c.turns) for c in conversations), out=io.StringIO())
-                return await run(http, conversations, load, {"model": "m"}, progress)
-
-        return asyncio.run(go())
 
 
 def test_random_requests_stream_with_usage_and_ask_for_the_output_length():
