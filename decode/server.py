@@ -28,6 +28,7 @@ from engine.engine_config import KV_SCALE
 from engine.llm_engine import EngineConfig, LLMEngine
 from prefill.ticket import DECODE_LAYOUT, kv_dtype_fields, layout_descriptor
 from proto.tandem.v1 import decode_pb2_grpc, layout_pb2
+from rpc import keepalive
 from tools import preflight
 from transport.config import KvTransportConfig
 
@@ -108,7 +109,8 @@ class DecodeServer:
         )
         # NOTE: without so_reuseport=0 a second server would silently share a taken port.
         self._grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=64), options=[("grpc.so_reuseport", 0)]
+            futures.ThreadPoolExecutor(max_workers=64),
+            options=[("grpc.so_reuseport", 0), *keepalive.SERVER_OPTIONS],
         )
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self._grpc)
         address = f"{config.kv.host}:{config.grpc_port}"

@@ -40,6 +40,7 @@ from prefill.kv_writes import BlockLayout, valid_bytes
 from prefill.send_session import BuildOps, SendSession, SendStats, SessionState, Target
 from prefill.ticket import KvTransfer, kv_planes, ticket_problem
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
+from rpc import keepalive
 from transport.base import Peer, Transport, TransportError
 
 HELLO_TIMEOUT_S = 5.0
@@ -75,7 +76,7 @@ class _Decode:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(address, options=keepalive.CHANNEL_OPTIONS)
         self.stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
         self.hello: Future | None = None
         """Resolves to "" (accepted) or why not; replaced once a failure is `retry_at` old."""

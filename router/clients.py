@@ -20,6 +20,7 @@ import httpx
 
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from router.structured import prefill_fields
+from rpc import keepalive
 
 # Idle connections to a prefill server are dropped after 2 s, before the server's own keep-alive
 # timeout (5 s in uvicorn, tandem's prefill server and vLLM's alike) can close one as a request
@@ -194,7 +195,7 @@ class GrpcDecodeClient:
 
     def _stub(self, address: str) -> decode_pb2_grpc.DecodeServiceStub:
         if address not in self._stubs:
-            channel = grpc.aio.insecure_channel(address)
+            channel = grpc.aio.insecure_channel(address, options=keepalive.CHANNEL_OPTIONS)
             self._channels[address] = channel
             self._stubs[address] = decode_pb2_grpc.DecodeServiceStub(channel)
         return self._stubs[address]

@@ -10,12 +10,15 @@ import threading
 import time
 
 
-def start(args: list[str], ready: str, timeout: float = 120) -> tuple[subprocess.Popen, re.Match]:
-    """Runs `python -m ARGS...` and waits for a stdout line matching `ready`."""
+def start(
+    args: list[str], ready: str, timeout: float = 120, prefix: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, re.Match]:
+    """Runs `python -m ARGS...` (after `prefix`, e.g. `ip netns exec NS`) and waits for a stdout
+    line matching `ready`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MC_LOG_LEVEL": "ERROR"}
     env.update(NIXL_LOG_LEVEL="WARN", UCX_LOG_FILE="stderr")
     proc = subprocess.Popen(
-        [sys.executable, "-m", *args],
+        [*prefix, sys.executable, "-m", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
