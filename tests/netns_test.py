@@ -1,11 +1,13 @@
 """The stack across hosts of their own: network namespaces made by this test (as root) for the
-router, the prefill and the decode server, each with its own address on a bridge, the test's
-own host on it too; every server binds and advertises the address it is given. A completion
-crosses all three (its KV over the tcp transport, prefill host to decode host); then the decode
-host's link is cut mid-stream (`ip link set ... down`): the client gets an error event within
-the gRPC keepalive's bound (rpc.keepalive) instead of waiting on a dead socket, the decode
-server drops the request it can no longer deliver and frees its blocks, and once the link is
-back the router serves again. The namespaces go at the end, and their links with them.
+router, two prefill and two decode servers, each with its own address on a bridge, the test's
+own host on it too; every server binds and advertises the address it is given. Greedy
+completions across them (their KV over the tcp transport, and over Mooncake's TCP, prefill
+hosts to decode hosts) equal the same stack's on one host's loopback. Then the link of the
+decode host serving a stream is cut mid-stream (`ip link set ... down`): the client gets an
+error event within the gRPC keepalive's bound (rpc.keepalive) instead of waiting on a dead
+socket, the other decode host goes on serving, the cut one drops the request it can no longer
+deliver and frees its blocks, and once the link is back the router serves through it again.
+The namespaces go at the end, and their links with them.
 """
 
 from __future__ import annotations
@@ -15,17 +17,19 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from rpc import keepalive
-from tests.servers import COMMON, MODEL
+from tests.servers import COMMON, MODEL, running_backends, start_router
 from tools.launch import start
 
 TAG = f"td{os.getpid() % 10000}"
 SUBNET = f"10.{77 + os.getpid() % 100}.{os.getpid() % 250}"
-HOSTS = {"router": 1, "prefill": 2, "decode": 3}
+HOSTS = {"router": 1, "prefill0": 2, "prefill1": 3, "decode0": 4, "decode1": 5}
+DECODES = ("decode0", "decode1")
 TEST_HOST = 254
 DECODE_GRPC, DECODE_METRICS, PREFILL_PORT, ROUTER_PORT = 50051, 9100, 8100, 8000
 
@@ -40,7 +44,7 @@ def _address(host: str) -> str:
 
 def _link(host: str) -> str:
     """The switch's end of a host's link (at most 15 characters, as Linux wants)."""
-    return f"{TAG}{host[0]}"
+    return f"{TAG}{host[0]}{host[-1]}"
 
 
 def _make_network() -> None:
@@ -79,31 +83,34 @@ def _on(host: str) -> tuple[str, ...]:
     return ("ip", "netns", "exec", f"{TAG}-{host}")
 
 
-@pytest.fixture(scope="module")
-def stack():
+@pytest.fixture(scope="module", params=["tcp", "mooncake"])
+def stack(request):
+    """The five hosts' stack over the KV transport `request.param`: (router URL, transport)."""
+    transport = request.param
     _make_network()
     procs = []
     try:
-        decode, _ = start(
-            ["decode.server", *COMMON, "--transport", "tcp", "--host", _address("decode"),
-             "--grpc-port", str(DECODE_GRPC), "--metrics-port", str(DECODE_METRICS)],
-            "serving gRPC on", prefix=_on("decode"),
-        )  # fmt: skip
-        procs.append(decode)
-        prefill, _ = start(
-            ["prefill.server", *COMMON, "--transport", "tcp", "--host", _address("prefill"),
-             "--port", str(PREFILL_PORT)],
-            "serving on", prefix=_on("prefill"),
-        )  # fmt: skip
-        procs.append(prefill)
-        router, _ = start(
-            ["router.server", "--model", MODEL, "--host", _address("router"),
-             "--port", str(ROUTER_PORT), "--prefill", f"http://{_address('prefill')}:{PREFILL_PORT}",
-             "--decode", f"{_address('decode')}:{DECODE_GRPC}"],
-            "serving on", prefix=_on("router"),
-        )  # fmt: skip
+        for host in DECODES:
+            proc, _ = start(
+                ["decode.server", *COMMON, "--transport", transport, "--host", _address(host),
+                 "--grpc-port", str(DECODE_GRPC), "--metrics-port", str(DECODE_METRICS)],
+                "serving gRPC on", prefix=_on(host),
+            )  # fmt: skip
+            procs.append(proc)
+        router_args = ["router.server", "--model", MODEL, "--host", _address("router"),
+                       "--port", str(ROUTER_PORT)]  # fmt: skip
+        for host in ("prefill0", "prefill1"):
+            proc, _ = start(
+                ["prefill.server", *COMMON, "--transport", transport, "--host", _address(host),
+                 "--port", str(PREFILL_PORT)],
+                "serving on", prefix=_on(host),
+            )  # fmt: skip
+            procs.append(proc)
+            router_args += ["--prefill", f"http://{_address(host)}:{PREFILL_PORT}"]
+        router_args += [f"--decode={_address(host)}:{DECODE_GRPC}" for host in DECODES]
+        router, _ = start(router_args, "serving on", prefix=_on("router"))
         procs.append(router)
-        yield f"http://{_address('router')}:{ROUTER_PORT}"
+        yield f"http://{_address('router')}:{ROUTER_PORT}", transport
     finally:
         for proc in procs:
             proc.terminate()
@@ -112,12 +119,12 @@ def stack():
         _remove_network()
 
 
-def _decode_metrics() -> dict[str, float]:
-    """The decode server's tandem_decode_* gauges and counters, read on its own host (its
-    link may be down)."""
-    url = f"http://{_address('decode')}:{DECODE_METRICS}/metrics"
+def _decode_metrics(host: str) -> dict[str, float]:
+    """A decode server's tandem_decode_* gauges and counters, read on its own host (its link
+    may be down)."""
+    url = f"http://{_address(host)}:{DECODE_METRICS}/metrics"
     code = f"import httpx; print(httpx.get({url!r}, timeout=10).text)"
-    text = subprocess.run([*_on("decode"), sys.executable, "-c", code], check=True,
+    text = subprocess.run([*_on(host), sys.executable, "-c", code], check=True,
                           capture_output=True, text=True).stdout  # fmt: skip
     return {
         line.split()[0]: float(line.split()[1])
@@ -126,22 +133,51 @@ def _decode_metrics() -> dict[str, float]:
     }
 
 
-def _complete(url: str) -> httpx.Response:
-    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
-            "temperature": 0}  # fmt: skip
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Count to ten:", "Once upon a"]
+
+
+def _complete(url: str, prompt: str = PROMPTS[0]) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 
-def test_a_completion_crosses_the_three_hosts(stack):
-    before = _decode_metrics()["tandem_decode_transfer_bytes_total"]
-    reply = _complete(stack)
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["usage"]["completion_tokens"] == 8
-    # The prompt's KV went from the prefill's host to the decode server's.
-    assert _decode_metrics()["tandem_decode_transfer_bytes_total"] > before
+def _texts(url: str) -> list[str]:
+    replies = [_complete(url, prompt) for prompt in PROMPTS]
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    return [r.json()["choices"][0]["text"] for r in replies]
+
+
+def _transferred() -> float:
+    return sum(_decode_metrics(h)["tandem_decode_transfer_bytes_total"] for h in DECODES)
+
+
+def test_completions_across_five_hosts_equal_the_one_host_stack(stack):
+    url, transport = stack
+    before = _transferred()
+    texts = _texts(url)
+    assert _transferred() > before  # prompts' KV went from prefill hosts to decode hosts
+    with running_backends(transport) as (prefill_urls, decode_addresses):
+        router, one_host = start_router(prefill_urls, decode_addresses)
+        try:
+            assert texts == _texts(one_host)
+        finally:
+            router.terminate()
+            router.wait(timeout=30)
+
+
+def _serving() -> str:
+    """The decode host running the one stream in flight."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        running = [h for h in DECODES if _decode_metrics(h)["tandem_decode_running"] > 0]
+        if running:
+            return running[0]
+        time.sleep(0.2)
+    raise AssertionError("no decode host runs the stream")
 
 
 def test_a_cut_link_ends_the_stream_with_an_error_and_frees_the_blocks(stack):
+    stack, _ = stack
     body = {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 2000,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
     chunks, error = 0, None
@@ -154,7 +190,8 @@ def test_a_cut_link_ends_the_stream_with_an_error_and_frees_the_blocks(stack):
             if chunks == 5:
                 break
         assert chunks == 5
-        _cut("decode", down=True)
+        cut = _serving()
+        _cut(cut, down=True)
         cut_at = time.monotonic()
         for line in lines:
             if line.startswith("data: {") and "error" in (event := json.loads(line[6:])):
@@ -163,18 +200,24 @@ def test_a_cut_link_ends_the_stream_with_an_error_and_frees_the_blocks(stack):
         waited = time.monotonic() - cut_at
     assert error is not None and error["code"] == 503, error
     assert waited < keepalive.KEEPALIVE_S + keepalive.KEEPALIVE_TIMEOUT_S + 5, waited
-    # The decode server cannot deliver to the router any more: its own keepalive ends the call,
-    # the request is aborted and its blocks freed, while the link is still down.
+    # The other decode host serves meanwhile.
+    assert _complete(stack).status_code == 200
+    # The cut one cannot deliver to the router any more: its own keepalive ends the call, the
+    # request is aborted and its blocks freed, while the link is still down.
     deadline = time.monotonic() + keepalive.KEEPALIVE_S + keepalive.KEEPALIVE_TIMEOUT_S + 10
     while time.monotonic() < deadline:
-        metrics = _decode_metrics()
+        metrics = _decode_metrics(cut)
         if metrics["tandem_decode_running"] == 0:
             break
         time.sleep(1)
     assert metrics["tandem_decode_running"] == 0
     assert metrics["tandem_decode_kv_blocks_free"] == metrics["tandem_decode_kv_blocks_total"]
-    _cut("decode", down=False)
-    deadline = time.monotonic() + 60  # the router probes the decode server back
-    while (reply := _complete(stack)).status_code != 200 and time.monotonic() < deadline:
-        time.sleep(1)
-    assert reply.status_code == 200, reply.text
+    _cut(cut, down=False)
+    # The router probes it back: two requests at once go to the two hosts (least loaded).
+    served = _decode_metrics(cut)["tandem_decode_tokens_generated_total"]
+    deadline = time.monotonic() + 60
+    with ThreadPoolExecutor(2) as pool:
+        while _decode_metrics(cut)["tandem_decode_tokens_generated_total"] == served:
+            assert time.monotonic() < deadline, "the router never routed to the restored host"
+            replies = list(pool.map(_complete, [stack, stack]))
+            assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
