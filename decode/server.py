@@ -11,8 +11,10 @@ exits non-zero with one line saying what and how to fix it.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -45,10 +47,15 @@ class DecodeServerConfig:
     """Prometheus /metrics; None: not served."""
     model_name: str = ""
     """Served model name (informational); default: the model argument."""
+    drain_grace_s: float = 30.0
+    """On SIGTERM: seconds the requests already admitted get to finish before the server
+    stops (it refuses new ones at once)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.grpc_port < 65536:
             raise ValueError(f"grpc_port: {self.grpc_port} is not a port number")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s: {self.drain_grace_s} must be >= 0")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +64,8 @@ class DecodeServerConfig:
         parser.add_argument("--grpc-port", type=int, default=0)
         parser.add_argument("--metrics-port", type=int, default=None)
         parser.add_argument("--served-model-name", default="")
+        parser.add_argument("--drain-grace-s", type=float, default=30.0,
+                            help="on SIGTERM, seconds admitted requests get to finish")  # fmt: skip
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> DecodeServerConfig:
@@ -66,6 +75,7 @@ class DecodeServerConfig:
             grpc_port=args.grpc_port,
             metrics_port=args.metrics_port,
             model_name=args.served_model_name,
+            drain_grace_s=args.drain_grace_s,
         )
 
 
@@ -141,6 +151,18 @@ class DecodeServer:
         self.loop.stop()
         self.transport.close()
 
+    def drain(self) -> int:
+        """Refuses new requests (UNAVAILABLE, and Stats says `draining`), waits up to
+        drain_grace_s for the admitted ones to end, then stops; returns how many were still
+        live (their streams end with an error)."""
+        self.servicer.draining = True
+        deadline = time.monotonic() + self.config.drain_grace_s
+        while self.admission.num_live and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = self.admission.num_live
+        self.stop()
+        return left
+
     def _expire_loop(self) -> None:
         """Frees quarantined blocks and fails overdue tickets even when no RPC arrives."""
         while not self._stop.wait(0.2):
@@ -177,10 +199,16 @@ def main() -> None:
         sys.exit(f"decode.server: cannot start: {e}")
     metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
     print(f"decode.server: serving gRPC on {args.host}:{server.port}{metrics}", flush=True)
+    terminated = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: terminated.set())
     try:
-        threading.Event().wait()
+        terminated.wait()
     except KeyboardInterrupt:
         server.stop()
+        return
+    print("decode.server: draining (SIGTERM): new requests refused", flush=True)
+    left = server.drain()
+    print(f"decode.server: stopped, {left} request(s) cut at the end of the grace", flush=True)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.endpoint = endpoint
         self.metrics = metrics
         self._tokens_generated = 0
+        self.draining = False
+        """Set by the server's drain: new requests are refused, live ones run to their end."""
         self._handover = threading.Lock()
         """Held by Generate from take() to submit() and by an abort's look-up (see the
         module's docstring)."""
@@ -79,6 +81,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def Reserve(self, request, context):
         self._check_engine(context)
+        self._refuse_if_draining(context)
         res = self._call(
             context,
             self.admission.reserve,
@@ -181,11 +184,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             tokens_generated=self._tokens_generated,
             layout=self.layout,
             max_model_len=self.admission.max_model_len,
+            draining=self.draining,
         )
+
+    def _refuse_if_draining(self, context) -> None:
+        if self.draining:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "draining: this decode server is shutting down; send new requests to another",
+            )
 
     def _admit_local(self, request, context) -> Reservation:
         """A prompt this server prefills itself: READY at once (no Reserve came before)."""
         self._check_engine(context)
+        self._refuse_if_draining(context)
         if request.other_choices:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,

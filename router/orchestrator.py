@@ -8,7 +8,9 @@
 Cancelling the consumer (client gone) aborts the request on the decode server, and so does a
 prefill failure (the reservation is released at once instead of at its deadline); a consumer
 done with one choice (a stop string) stops that one alone. A decode
-instance whose RPC fails with UNAVAILABLE is marked down until a Stats probe answers; a prefill
+instance whose RPC fails with UNAVAILABLE is marked down until a Stats probe answers and says it
+is not draining (a decode server shutting down refuses new requests so); a Reserve that fails
+so is sent to another decode instance, nothing having been sent anywhere yet. A prefill
 instance that cannot be reached or answers 503 (its engine failed) is marked down until its
 health check answers 200.
 
@@ -109,7 +111,20 @@ class Orchestrator:
         rid = f"{request_id}-{next(self._ids)}"
         live = set(range(request.n))
         try:
-            generate = await self._placed(decode, rid, request, placed)
+            while True:
+                try:
+                    generate = await self._placed(decode, rid, request, placed)
+                    break
+                except grpc.aio.AioRpcError as e:
+                    # Only Reserve raises here, before anything was sent: a decode server that
+                    # is draining or down; the request goes to another one, if any is left.
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    decode.healthy = False
+                    other = self._pick_decode()
+                    decode.outstanding_tokens -= outstanding
+                    other.outstanding_tokens += outstanding
+                    decode = other
             stream = self.decode_client.generate(decode.address, generate)
             async with contextlib.aclosing(stream):
                 async for message in stream:
@@ -200,7 +215,7 @@ class Orchestrator:
             if every_decode or not decode.healthy or not decode.max_model_len:
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     stats = await self.decode_client.stats(decode.address)
-                    decode.healthy = True
+                    decode.healthy = not stats.draining
                     decode.max_model_len = stats.max_model_len
         for prefill in self.prefills:
             if not prefill.healthy:

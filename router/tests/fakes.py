@@ -158,7 +158,7 @@ class FakeDecode:
     in this order of precedence: waits until cancelled if `stall`, raises `stream_error` if set,
     finishes each choice with `finish` if set, else just ends. `fail(rpc, address, error)` makes
     that RPC's next call on that address raise; addresses in `unavailable` answer every RPC with
-    UNAVAILABLE.
+    UNAVAILABLE; those in `draining` say so in Stats.
 
     `live()` is the leak check: reservations the fake's server side still holds (neither
     generated to the end of the stream, failed, nor aborted)."""
@@ -169,6 +169,7 @@ class FakeDecode:
         self.stall = False
         self.stream_error: grpc.aio.AioRpcError | None = None
         self.unavailable: set[str] = set()
+        self.draining: set[str] = set()
         self.max_model_len = 0
         """What Stats reports."""
         self.generating = asyncio.Event()
@@ -245,7 +246,9 @@ class FakeDecode:
 
     async def stats(self, address) -> decode_pb2.StatsResponse:
         self._call("Stats", address, decode_pb2.StatsRequest())
-        return decode_pb2.StatsResponse(max_model_len=self.max_model_len)
+        return decode_pb2.StatsResponse(
+            max_model_len=self.max_model_len, draining=address in self.draining
+        )
 
     async def close(self) -> None:
         pass

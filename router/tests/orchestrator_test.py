@@ -267,19 +267,37 @@ def test_an_abort_that_fails_is_not_the_error_reported():
     _assert_idle(orchestrator, decode)
 
 
-def test_an_unavailable_decode_is_passed_over_until_stats_answers():
+def test_an_unavailable_decode_is_passed_over_until_stats_answers_not_draining():
+    """A Reserve refused with UNAVAILABLE (a decode server down, or draining) goes to another
+    decode server: the request is served there, and the first one is left out until a Stats
+    probe answers and does not say it is draining."""
     orchestrator, _, decode = _stack(decodes=(D0, D1))
     decode.unavailable.add(D0)
-    (error,) = asyncio.run(_generate(orchestrator))  # D0 first: both have no outstanding tokens
-    assert error.status == 503 and D0 in str(error)
+    items = asyncio.run(_generate(orchestrator))  # D0 first: both have no outstanding tokens
+    assert isinstance(items[-1], Finished)
+    assert [address for rpc, address, _ in decode.calls if rpc == "Reserve"] == [D0, D1]
     assert _health(orchestrator)[D0] is False
     assert isinstance(asyncio.run(_generate(orchestrator))[-1], Finished)
     assert {address for rpc, address, _ in decode.calls if rpc == "Generate"} == {D1}
     asyncio.run(orchestrator.probe())
     assert _health(orchestrator)[D0] is False  # Stats still fails
     decode.unavailable.clear()
+    decode.draining.add(D0)
+    asyncio.run(orchestrator.probe())
+    assert _health(orchestrator)[D0] is False  # it answers, draining
+    decode.draining.clear()
     asyncio.run(orchestrator.probe())
     assert _health(orchestrator)[D0] is True
+    assert all(d.outstanding_tokens == 0 for d in orchestrator.decodes)
+    _assert_idle(orchestrator, decode)
+
+
+def test_a_reserve_refused_everywhere_is_a_503():
+    orchestrator, prefill, decode = _stack(decodes=(D0, D1))
+    decode.unavailable |= {D0, D1}
+    (error,) = asyncio.run(_generate(orchestrator))
+    assert error.status == 503 and "no decode instance" in str(error)
+    assert not prefill.calls and all(d.outstanding_tokens == 0 for d in orchestrator.decodes)
     _assert_idle(orchestrator, decode)
 
 

@@ -1,0 +1,104 @@
+"""Draining a decode server (SIGTERM), with real processes (the bundled SmolLM2 on the CPU, over
+tcp): it refuses new requests at once and the router sends them to the other decode server,
+while the stream it is running goes on to its last token; then it exits 0. With a short grace a
+stream that cannot finish in time ends with an error event, and the server still exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+
+from tests.servers import MODEL, counter, metrics_url, start_decode, start_prefill, start_router
+
+LONG = {"model": MODEL, "prompt": "Tell a long story.", "temperature": 0, "ignore_eos": True,
+        "stream": True}  # fmt: skip
+
+
+def _complete(url: str) -> httpx.Response:
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
+            "temperature": 0}  # fmt: skip
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def _running(address: str) -> float:
+    return counter(metrics_url(address), "tandem_decode_running")
+
+
+def _stream(url: str, max_tokens: int, on_fifth_chunk) -> tuple[int, dict | None, str | None]:
+    """Streams a long completion, calling on_fifth_chunk() once: (text chunks, the error event
+    if one came, the finish reason)."""
+    chunks, error, finish = 0, None, None
+    body = {**LONG, "max_tokens": max_tokens}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]
+                break
+            chunks += 1
+            finish = event["choices"][0]["finish_reason"] or finish
+            if chunks == 5:
+                on_fifth_chunk()
+    return chunks, error, finish
+
+
+def test_a_draining_decode_server_finishes_its_stream_and_the_router_goes_elsewhere():
+    procs = []
+    try:
+        first, first_address = start_decode("tcp")
+        second, second_address = start_decode("tcp")
+        prefill, prefill_url = start_prefill("tcp")
+        procs += [first, second, prefill]
+        router, url = start_router([prefill_url], [first_address, second_address])
+        procs.append(router)
+        served_meanwhile = []
+
+        def drain_and_ask():
+            # The router picks the least loaded: with nothing in flight, the first one.
+            assert _running(first_address) == 1
+            first.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            served_meanwhile.append(_complete(url))
+
+        chunks, error, finish = _stream(url, 120, drain_and_ask)
+        assert error is None and finish == "length" and chunks >= 100
+        (reply,) = served_meanwhile
+        assert reply.status_code == 200, reply.text
+        assert counter(metrics_url(second_address), "tandem_decode_tokens_generated_total") >= 8
+        assert first.wait(timeout=30) == 0
+        assert _complete(url).status_code == 200  # the second one serves from now on
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def test_a_stream_longer_than_the_grace_is_cut_and_the_server_exits_0():
+    procs = []
+    try:
+        decode, address = start_decode("tcp", "float32", "--drain-grace-s", "1")
+        prefill, prefill_url = start_prefill("tcp")
+        procs += [decode, prefill]
+        router, url = start_router([prefill_url], [address])
+        procs.append(router)
+        signalled = []
+
+        def drain():
+            decode.send_signal(signal.SIGTERM)
+            signalled.append(time.monotonic())
+
+        _, error, _ = _stream(url, 1500, drain)
+        assert error is not None and error["code"] == 503, error
+        assert time.monotonic() - signalled[0] < 15
+        assert decode.wait(timeout=30) == 0
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
