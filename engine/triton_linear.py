@@ -72,7 +72,8 @@ __all__ = [
 _VERY_TALL = (16, 1024, 8)
 _TALL = (16, 512, 8)
 _OTHER = (4, 1024, 4)
-# FP8 matrices: the same bytes of a row per K step to start from (untuned).
+# FP8 matrices: the best of 7 sets timed in the engine's own bs=1 decode step of Llama-3-8B in
+# fp8 on an H200 (each from a sweep of 24 per shape streamed alone; docs/performance.md).
 _FP8_CONFIGS = {_VERY_TALL: (8, 2048, 4), _TALL: (16, 1024, 8), _OTHER: (8, 2048, 8)}
 
 # How the kernel scales its products (the SCALES constexpr): not at all (a weight tensor), once
