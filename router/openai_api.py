@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from router import admin_api
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import BackendError, RequestError, error_body
 from router.generation import Finished, GenerationRequest
@@ -66,6 +67,7 @@ def create_app(
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    admin_api.add_routes(app, orchestrator)
     return app
 
 
@@ -90,11 +92,13 @@ class OpenAIApi:
         self.metrics = RouterMetrics(orchestrator, limiter)
 
     async def gate(self, request: Request, call_next) -> Response:
-        """Middleware: API key (Bearer) on /v1/*, X-Request-Id in and out, responses counted."""
+        """Middleware: API key (Bearer) on /v1/* and /admin/*, X-Request-Id in and out, responses
+        counted."""
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         request.state.request_id = request_id
         authorized = request.headers.get("authorization") == f"Bearer {self.api_key}"
-        if self.api_key and request.url.path.startswith("/v1/") and not authorized:
+        guarded = request.url.path.startswith(("/v1/", admin_api.PATH))
+        if self.api_key and guarded and not authorized:
             response = error_response(401, "missing or wrong API key (Authorization: Bearer ...)")
         else:
             response = await call_next(request)

@@ -226,6 +226,29 @@ class Orchestrator:
             await asyncio.sleep(PROBE_INTERVAL_S)
             await self.probe()
 
+    def add_instance(self, role: str, address: str) -> bool:
+        """Registers a prefill URL or a decode address, marked down until a probe answers;
+        False if it is registered already."""
+        if role == "prefill":
+            if any(p.url == address for p in self.prefills):
+                return False
+            self.prefills.append(PrefillInstance(address, healthy=False))
+            return True
+        if any(d.address == address for d in self.decodes):
+            return False
+        self.decodes.append(DecodeInstance(address, healthy=False))
+        return True
+
+    def remove_instance(self, role: str, address: str) -> bool:
+        """No new request goes to it (those it runs finish there); False if it is unknown."""
+        if role == "prefill":
+            kept = [p for p in self.prefills if p.url != address]
+            removed, self.prefills = len(kept) < len(self.prefills), kept
+        else:
+            kept = [d for d in self.decodes if d.address != address]
+            removed, self.decodes = len(kept) < len(self.decodes), kept
+        return removed
+
     def max_model_len(self, configured: int) -> int:
         """The context a request may fill: `configured` (the model's), or less where a decode
         server said it decodes less."""

@@ -1,6 +1,7 @@
 """The one fake of each interface the router's tests need: FakePrefill (a PrefillClient),
 FakeDecode (a DecodeClient) and CharTokenizer (the slice of a Hugging Face tokenizer the router
-uses). Each records what it was asked and answers as scripted; unscripted calls succeed."""
+uses). Each records what it was asked and answers as scripted; unscripted calls succeed. Router:
+the HTTP app over them, in-process."""
 
 from __future__ import annotations
 
@@ -9,10 +10,16 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import grpc
+import httpx
 
 from prefill.ticket import KvTransfer
 from proto.tandem.v1 import decode_pb2
 from router.clients import PrefillCallError, PrefillReply
+from router.openai_api import create_app
+from router.orchestrator import Orchestrator
+from router.prompts import PromptTokenizer
+from router.requests import ServedModel
+from router.tokenization import SegmentTokenizer
 
 
 def ids(text: str) -> list[int]:
@@ -276,3 +283,22 @@ def cancel_once(event: asyncio.Event, generation) -> None:
         raise AssertionError("the generation ended without being cancelled")
 
     asyncio.run(run())
+
+
+MODEL = "tiny"
+P0, D0 = "http://prefill-0", "decode-0:50051"
+
+
+class Router:
+    """An app over the fakes, and an HTTP client for it."""
+
+    def __init__(self, api_key: str | None = None, max_queue: int = 0) -> None:
+        self.prefill, self.decode = FakePrefill(), FakeDecode()
+        self.orchestrator = Orchestrator([P0], [D0], self.prefill, self.decode)
+        self.prompts = PromptTokenizer(SegmentTokenizer(CharTokenizer()), self.orchestrator)
+        served = ServedModel(MODEL, max_model_len=64, vocab_size=0x110000)  # code points
+        app = create_app(self.orchestrator, self.prompts, served, api_key, max_queue)
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://r")
+
+    async def post(self, path: str, body: dict, **kwargs) -> httpx.Response:
+        return await self.client.post(path, json=body, **kwargs)

@@ -11,32 +11,11 @@ import grpc
 import httpx
 
 from proto.tandem.v1 import decode_pb2
-from router.openai_api import ClientGone, _unless_client_leaves, create_app
-from router.orchestrator import Orchestrator
-from router.prompts import PromptTokenizer
-from router.requests import ServedModel
-from router.tests.fakes import CharTokenizer, FakeDecode, FakePrefill, answer, ids, rpc_error
-from router.tokenization import SegmentTokenizer
+from router.openai_api import ClientGone, _unless_client_leaves
+from router.tests.fakes import D0, MODEL, P0, Router, answer, ids, rpc_error
 
-MODEL = "tiny"
-P0, D0 = "http://prefill-0", "decode-0:50051"
 COMPLETION = {"model": MODEL, "prompt": "Capital?", "max_tokens": 8}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Capital?"}], "max_tokens": 8}
-
-
-class Router:
-    """An app over the fakes, and an HTTP client for it."""
-
-    def __init__(self, api_key: str | None = None, max_queue: int = 0) -> None:
-        self.prefill, self.decode = FakePrefill(), FakeDecode()
-        self.orchestrator = Orchestrator([P0], [D0], self.prefill, self.decode)
-        self.prompts = PromptTokenizer(SegmentTokenizer(CharTokenizer()), self.orchestrator)
-        served = ServedModel(MODEL, max_model_len=64, vocab_size=0x110000)  # code points
-        app = create_app(self.orchestrator, self.prompts, served, api_key, max_queue)
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://r")
-
-    async def post(self, path: str, body: dict, **kwargs) -> httpx.Response:
-        return await self.client.post(path, json=body, **kwargs)
 
 
 def _run(test, **router_args) -> Router:

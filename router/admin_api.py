@@ -1,0 +1,87 @@
+"""Instances that come and go: the router's /admin/instances, behind the API key as /v1/* is.
+
+    GET    /admin/instances   {"prefill": {url: "up"|"down"}, "decode": {address: ...}}
+    POST   /admin/instances   {"role": "decode", "address": "10.0.0.7:50051"}
+    POST   /admin/instances   {"role": "prefill", "address": "http://10.0.0.8:8100"}
+    DELETE /admin/instances   {"role": ..., "address": ...}
+
+A registered instance is probed at once (a decode server's Stats, a prefill's /health) and takes
+requests once it has answered; one that does not answer is kept, marked down, and probed with
+the others until it does (POST answers 201 either way, saying which). Removing an instance stops
+new requests going to it; those it runs finish there. A malformed body gets 400 with OpenAI's
+error body, an instance registered twice 409, an unknown one removed 404, a prefill on an
+aggregated router 409.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from router.errors import RequestError
+from router.orchestrator import Orchestrator
+
+PATH = "/admin/instances"
+_DECODE_ADDRESS = re.compile(r"^[^\s/:]+:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$")
+
+
+def add_routes(app: FastAPI, orchestrator: Orchestrator) -> None:
+    admin = AdminApi(orchestrator)
+    app.add_api_route(PATH, admin.instances, methods=["GET"])
+    app.add_api_route(PATH, admin.register, methods=["POST"])
+    app.add_api_route(PATH, admin.deregister, methods=["DELETE"])
+
+
+class AdminApi:
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orchestrator = orchestrator
+
+    async def instances(self) -> dict:
+        return {
+            "prefill": {p.url: _up(p.healthy) for p in self.orchestrator.prefills},
+            "decode": {d.address: _up(d.healthy) for d in self.orchestrator.decodes},
+        }
+
+    async def register(self, request: Request) -> JSONResponse:
+        role, address = _instance(await request.body())
+        if role == "prefill" and self.orchestrator.decode_only.aggregated:
+            raise RequestError(409, "an aggregated router has no prefill instances", "role")
+        if not self.orchestrator.add_instance(role, address):
+            raise RequestError(409, f"{role} {address} is registered already", "address")
+        await self.orchestrator.probe()
+        status = (await self.instances())[role][address]
+        body = {"role": role, "address": address, "status": status}
+        return JSONResponse(body, status_code=201)
+
+    async def deregister(self, request: Request) -> dict:
+        role, address = _instance(await request.body())
+        if not self.orchestrator.remove_instance(role, address):
+            raise RequestError(404, f"{role} {address} is not registered", "address")
+        return {"role": role, "address": address, "status": "removed"}
+
+
+def _instance(body: bytes) -> tuple[str, str]:
+    """(role, address) of a request body; RequestError(400) naming the field otherwise."""
+    try:
+        fields = json.loads(body)
+    except ValueError:
+        raise RequestError(400, "the body is not JSON") from None
+    if not isinstance(fields, dict):
+        raise RequestError(400, "the body must be a JSON object")
+    role, address = fields.get("role"), fields.get("address")
+    if role not in ("prefill", "decode"):
+        raise RequestError(400, f"role: {role!r} is not 'prefill' or 'decode'", "role")
+    if not isinstance(address, str):
+        raise RequestError(400, f"address: {address!r} is not a string", "address")
+    if role == "prefill" and not re.match(r"^https?://[^\s/]+$", address):
+        raise RequestError(400, f"address: {address!r} is not http(s)://host:port", "address")
+    if role == "decode" and not _DECODE_ADDRESS.match(address):
+        raise RequestError(400, f"address: {address!r} is not host:port", "address")
+    return role, address
+
+
+def _up(healthy: bool) -> str:
+    return "up" if healthy else "down"
