@@ -1,7 +1,10 @@
-"""Draining a decode server (SIGTERM), with real processes (the bundled SmolLM2 on the CPU, over
-tcp): it refuses new requests at once and the router sends them to the other decode server,
-while the stream it is running goes on to its last token; then it exits 0. With a short grace a
-stream that cannot finish in time ends with an error event, and the server still exits 0.
+"""Instances that go and come back, with real processes (the bundled SmolLM2 on the CPU).
+Draining a decode server (SIGTERM, over tcp): it refuses new requests at once and the router
+sends them to the other decode server, while the stream it is running goes on to its last token;
+then it exits 0. With a short grace a stream that cannot finish in time ends with an error
+event, and the server still exits 0. A decode server restarted on its address (new transport
+endpoints, new memory) serves the next request at once over every transport: nothing the
+prefill cached of the old one is used.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from tests.servers import MODEL, counter, metrics_url, start_decode, start_prefill, start_router
 
@@ -98,6 +102,33 @@ def test_a_stream_longer_than_the_grace_is_cut_and_the_server_exits_0():
         assert error is not None and error["code"] == 503, error
         assert time.monotonic() - signalled[0] < 15
         assert decode.wait(timeout=30) == 0
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm", "mooncake", "nixl"])
+def test_a_decode_server_restarted_on_its_address_serves_at_once(backend):
+    procs = []
+    try:
+        decode, address = start_decode(backend)
+        prefill, prefill_url = start_prefill(backend)
+        procs += [decode, prefill]
+        router, url = start_router([prefill_url], [address])
+        procs.append(router)
+        first = _complete(url)
+        assert first.status_code == 200, first.text
+        decode.terminate()
+        assert decode.wait(timeout=30) == 0
+        port = address.rsplit(":", 1)[1]
+        decode, again = start_decode(backend, "float32", "--grpc-port", port)
+        procs.append(decode)
+        assert again == address
+        for _ in range(3):
+            reply = _complete(url)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
     finally:
         for proc in procs:
             proc.terminate()
