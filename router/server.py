@@ -20,6 +20,7 @@ from pathlib import Path
 
 import uvicorn
 
+from router import discovery
 from router.clients import GrpcDecodeClient, HttpPrefillClient
 from router.openai_api import create_app
 from router.orchestrator import Orchestrator
@@ -50,16 +51,26 @@ class RouterConfig:
     decode_only_fallback: bool = True
     """While no prefill instance is healthy, requests are prefilled by their decode server
     (counted in tandem_router_decode_only_fallback_total) instead of failing with 503."""
+    decode_services: tuple[str, ...] = ()
+    """DNS names (name:port) whose addresses are decode servers, re-resolved (router.discovery)."""
+    prefill_services: tuple[str, ...] = ()
+    """The same for prefill servers (http://name:port)."""
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model: {self.model} is not a Hugging Face folder (no config.json)")
-        if not self.decode:
-            raise ValueError("decode: give at least one --decode")
-        if self.aggregated and self.prefill:
+        if not self.decode and not self.decode_services:
+            raise ValueError("decode: give at least one --decode or --decode-service")
+        prefills = self.prefill or self.prefill_services
+        if self.aggregated and prefills:
             raise ValueError("prefill: none with --aggregated (decode servers prefill)")
-        if not self.aggregated and not self.prefill:
-            raise ValueError("prefill: give at least one --prefill URL, or --aggregated")
+        if not self.aggregated and not prefills:
+            raise ValueError(
+                "prefill: give at least one --prefill URL or --prefill-service, or --aggregated"
+            )
+        for role, specs in (("decode", self.decode_services), ("prefill", self.prefill_services)):
+            for spec in specs:
+                discovery.service(role, spec)  # ValueError naming the flag
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a port number")
         if self.max_queue < 0:
@@ -78,6 +89,10 @@ def main() -> None:
     parser.add_argument("--max-queue", type=int, default=512, help="429 beyond this many")
     parser.add_argument("--aggregated", action="store_true",
                         help="no prefill: the decode servers prefill every request")  # fmt: skip
+    parser.add_argument("--decode-service", action="append", default=[],
+                        help="DNS name:port resolving to decode servers (re-resolved)")  # fmt: skip
+    parser.add_argument("--prefill-service", action="append", default=[],
+                        help="http://name:port resolving to prefill servers")  # fmt: skip
     parser.add_argument("--no-decode-only-fallback", action="store_true",
                         help="with no prefill healthy, answer 503 instead of prefilling on the "
                         "decode servers")  # fmt: skip
@@ -95,7 +110,8 @@ def main() -> None:
         config = RouterConfig(args.model, tuple(args.prefill), tuple(args.decode), args.host,
                               args.port, args.served_model_name, args.api_key,
                               args.max_queue, args.aggregated,
-                              not args.no_decode_only_fallback)  # fmt: skip
+                              not args.no_decode_only_fallback, tuple(args.decode_service),
+                              tuple(args.prefill_service))  # fmt: skip
         sock = socket.create_server((config.host, config.port))
     except (ValueError, OSError) as e:
         sys.exit(f"router.server: cannot start: {e}")
@@ -121,15 +137,20 @@ def main() -> None:
         sys.exit(f"router.server: cannot start: {e}")
     app = create_app(orchestrator, prompts, served, config.api_key, config.max_queue, parsing)
 
+    found = discovery.Discovery(orchestrator, config.decode_services, config.prefill_services)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        await found.refresh()
         await orchestrator.probe(every_decode=True)  # their context lengths
-        if config.prefill:  # aggregated: no prefill's tokenizer to compare with
+        if orchestrator.prefills:  # aggregated: no prefill's tokenizer to compare with
             await prompts.check_parity()
         # The first structured-output request would otherwise wait seconds for this import.
         warm = asyncio.create_task(asyncio.to_thread(importlib.import_module, "engine.grammar"))
         probe = asyncio.create_task(orchestrator.probe_forever())
+        rediscover = asyncio.create_task(found.run_forever())
         yield
+        rediscover.cancel()
         probe.cancel()
         warm.cancel()
         await orchestrator.close()
