@@ -16,16 +16,15 @@ aggregated router 409.
 from __future__ import annotations
 
 import json
-import re
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from router import discovery
 from router.errors import RequestError
 from router.orchestrator import Orchestrator
 
 PATH = "/admin/instances"
-_DECODE_ADDRESS = re.compile(r"^[^\s/:]+:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$")
 
 
 def add_routes(app: FastAPI, orchestrator: Orchestrator) -> None:
@@ -40,10 +39,7 @@ class AdminApi:
         self.orchestrator = orchestrator
 
     async def instances(self) -> dict:
-        return {
-            "prefill": {p.url: _up(p.healthy) for p in self.orchestrator.prefills},
-            "decode": {d.address: _up(d.healthy) for d in self.orchestrator.decodes},
-        }
+        return instance_health(self.orchestrator)
 
     async def register(self, request: Request) -> JSONResponse:
         role, address = _instance(await request.body())
@@ -52,7 +48,7 @@ class AdminApi:
         if not self.orchestrator.add_instance(role, address):
             raise RequestError(409, f"{role} {address} is registered already", "address")
         await self.orchestrator.probe()
-        status = (await self.instances())[role][address]
+        status = instance_health(self.orchestrator)[role][address]
         body = {"role": role, "address": address, "status": status}
         return JSONResponse(body, status_code=201)
 
@@ -76,12 +72,17 @@ def _instance(body: bytes) -> tuple[str, str]:
         raise RequestError(400, f"role: {role!r} is not 'prefill' or 'decode'", "role")
     if not isinstance(address, str):
         raise RequestError(400, f"address: {address!r} is not a string", "address")
-    if role == "prefill" and not re.match(r"^https?://[^\s/]+$", address):
-        raise RequestError(400, f"address: {address!r} is not http(s)://host:port", "address")
-    if role == "decode" and not _DECODE_ADDRESS.match(address):
-        raise RequestError(400, f"address: {address!r} is not host:port", "address")
+    try:
+        discovery.instance_address(role, address)
+    except ValueError as e:
+        raise RequestError(400, f"address: {e}", "address") from None
     return role, address
 
 
-def _up(healthy: bool) -> str:
-    return "up" if healthy else "down"
+def instance_health(orchestrator: Orchestrator) -> dict[str, dict[str, str]]:
+    """Every instance by role, "up" or "down" (/admin/instances, and /health's)."""
+    up = {True: "up", False: "down"}
+    return {
+        "prefill": {p.url: up[p.healthy] for p in orchestrator.prefills},
+        "decode": {d.address: up[d.healthy] for d in orchestrator.decodes},
+    }

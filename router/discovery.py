@@ -31,19 +31,35 @@ async def resolve(host: str) -> list[str]:
     return sorted({info[4][0] for info in infos})
 
 
+def instance_address(role: str, text: str) -> tuple[str, str, int]:
+    """(scheme or "", host, port) of an instance's address: a decode server's host:port, a
+    prefill's http(s)://host:port (a name or an IP; IPv6 in brackets); ValueError saying which
+    form `text` is not. Registered addresses (router.admin_api) and service names alike."""
+    form = "http(s)://host:port" if role == "prefill" else "host:port"
+    schemes = ("http", "https") if role == "prefill" else ("",)
+    try:
+        parts = urlsplit(text if role == "prefill" else f"//{text}")
+        valid = (
+            parts.scheme in schemes
+            and bool(parts.hostname)
+            and parts.port is not None  # (raises ValueError past 65535 or not a number)
+            and not (parts.path or parts.query or parts.fragment or parts.username)
+            and not any(c.isspace() for c in text)
+        )
+    except ValueError:
+        valid = False
+    if not valid:
+        raise ValueError(f"{text!r} is not {form}")
+    return parts.scheme, parts.hostname, parts.port
+
+
 def service(role: str, spec: str) -> tuple[str, str, int]:
-    """(scheme or "", host, port) of a --decode-service host:port or a --prefill-service
-    http(s)://host:port; ValueError naming the flag otherwise."""
-    flag = f"--{role}-service"
-    if role == "prefill":
-        parts = urlsplit(spec)
-        if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
-            raise ValueError(f"{flag}: {spec!r} is not http(s)://name:port")
-        return parts.scheme, parts.hostname, parts.port
-    host, _, port = spec.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"{flag}: {spec!r} is not name:port")
-    return "", host, int(port)
+    """`instance_address` of a --decode-service or --prefill-service; ValueError naming the
+    flag otherwise."""
+    try:
+        return instance_address(role, spec)
+    except ValueError as e:
+        raise ValueError(f"--{role}-service: {e}") from None
 
 
 class Discovery:

@@ -118,8 +118,7 @@ class OpenAIApi:
                 "parity": self.prompts.parity,
                 "segmented": self.prompts.local.segmented,
             },
-            "decode": {d.address: _up(d.healthy) for d in self.orchestrator.decodes},
-            "prefill": {p.url: _up(p.healthy) for p in self.orchestrator.prefills},
+            **admin_api.instance_health(self.orchestrator),
         }
 
     async def models(self) -> dict:
@@ -270,7 +269,3 @@ async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
         yield first
         async for item in rest:
             yield item
-
-
-def _up(healthy: bool) -> str:
-    return "up" if healthy else "down"

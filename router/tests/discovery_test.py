@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from router.discovery import Discovery, resolve, service
+from router.discovery import Discovery, instance_address, resolve, service
 from router.orchestrator import Orchestrator
 from router.tests.fakes import FakeDecode, FakePrefill
 
@@ -50,9 +50,13 @@ def test_the_instances_follow_what_the_names_resolve_to():
 def test_the_real_resolver_and_malformed_services():
     assert "127.0.0.1" in asyncio.run(resolve("localhost"))
     assert service("decode", "decode.svc:50051") == ("", "decode.svc", 50051)
+    assert instance_address("decode", "[fd00::3]:50051") == ("", "fd00::3", 50051)
+    for text in ("decode.svc:99999", "a b:1", "decode.svc:50051/x", "user@decode.svc:1"):
+        with pytest.raises(ValueError, match="is not host:port"):
+            instance_address("decode", text)
     assert service("prefill", "http://prefill.svc:8100") == ("http", "prefill.svc", 8100)
     with pytest.raises(
-        ValueError, match=re.escape("--decode-service: 'decode.svc' is not name:port")
+        ValueError, match=re.escape("--decode-service: 'decode.svc' is not host:port")
     ):
         service("decode", "decode.svc")
     with pytest.raises(
