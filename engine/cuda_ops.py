@@ -25,7 +25,7 @@ def qkv_rope(
     num_heads: int,
     num_kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    head_dim = triton_linear.out_features(weight) // (num_heads + 2 * num_kv_heads)
+    head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
 
     def fuses(x: torch.Tensor) -> bool:
         return triton_linear.fuses_rope(x, weight, head_dim)

@@ -107,6 +107,11 @@ class Fp8Weight(NamedTuple):
     scale: torch.Tensor  # [..., N, ceil(K / block_k)] float32
     block_k: int  # columns a scale covers (K for a per-tensor scale)
 
+    @property
+    def shape(self) -> torch.Size:
+        """The matrix's shape, as a weight tensor's: [..., N, K]."""
+        return self.weight.shape
+
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """q * scale in float32, rounded once to dtype."""
         columns = self.weight.shape[-1]
@@ -118,14 +123,20 @@ Matrix = torch.Tensor | Fp8Weight
 """A projection's matrix as compute takes it: a weight tensor, or an fp8 one with its scales."""
 
 
-def expert(weight: torch.Tensor | Fp8Weight, index: int) -> torch.Tensor | Fp8Weight:
+def as_matrix(scheme: Fp8Scheme | None, weight: torch.Tensor, scale: torch.Tensor | None) -> Matrix:
+    """A module's weight as compute takes it: the tensor itself without an Fp8Scheme, else
+    the Fp8Weight of it and its row-wise `scale`."""
+    return weight if scheme is None else scheme.matrix(weight, scale)
+
+
+def expert(weight: Matrix, index: int) -> Matrix:
     """One matrix of a stack [experts, N, K] (tensor or fp8)."""
     if isinstance(weight, Fp8Weight):
         return Fp8Weight(weight.weight[index], weight.scale[index], weight.block_k)
     return weight[index]
 
 
-def dense(weight: torch.Tensor | Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+def dense(weight: Matrix, dtype: torch.dtype) -> torch.Tensor:
     """The matrix in a compute dtype: itself if it is a tensor already."""
     return weight.dense(dtype) if isinstance(weight, Fp8Weight) else weight
 

@@ -95,7 +95,7 @@ def run(config: ModelConfig, num_layers: int) -> dict:
                 for n in names:
                     if i < len(matrices[n]):
                         w = matrices[n][i]
-                        linear(inputs[_columns(w)], w)
+                        linear(inputs[w.shape[1]], w)
 
         seconds = graph_seconds(step)
         rate = total / seconds
@@ -120,10 +120,6 @@ def _bytes(weight: torch.Tensor | Fp8Weight) -> int:
     if isinstance(weight, Fp8Weight):
         return weight.weight.numel() + weight.scale.numel() * weight.scale.element_size()
     return weight.numel() * weight.element_size()
-
-
-def _columns(weight: torch.Tensor | Fp8Weight) -> int:
-    return (weight.weight if isinstance(weight, Fp8Weight) else weight).shape[1]
 
 
 def print_table(report: dict) -> None:

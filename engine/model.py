@@ -22,7 +22,7 @@ from torch import nn
 from engine import attention as torch_attention
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
-from engine.fp8 import FP8_DTYPE, Fp8Scheme, Matrix, dense
+from engine.fp8 import FP8_DTYPE, Fp8Scheme, Matrix, as_matrix, dense
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -191,9 +191,7 @@ class Linear(nn.Linear):
     @property
     def matrix(self) -> Matrix:
         """The weight as the ops take it."""
-        if self.fp8 is None:
-            return self.weight
-        return self.fp8.matrix(self.weight, self.weight_scale)
+        return as_matrix(self.fp8, self.weight, self.weight_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.matrix, self.bias)

@@ -169,10 +169,7 @@ class Experts(nn.Module):
         self.kernel = kernel
 
     def matrix(self, name: str) -> Matrix:
-        weight = getattr(self, name)
-        if self.fp8 is None:
-            return weight
-        return self.fp8.matrix(weight, getattr(self, f"{name}_scale"))
+        return fp8.as_matrix(self.fp8, getattr(self, name), getattr(self, f"{name}_scale"))
 
     def forward(
         self, h: torch.Tensor, routing: Routing, residual: torch.Tensor | None = None

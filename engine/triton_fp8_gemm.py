@@ -44,7 +44,7 @@ _DEQUANTIZE_ROWS_PER_PROGRAM = 64
 def _k_step(weight: Fp8Weight) -> int | None:
     """BLOCK_K: a power of two >= 16 that divides the scale block (None if there is none), or
     the largest step where one scale covers each row's K."""
-    in_features = weight.weight.shape[-1]
+    in_features = weight.shape[-1]
     if weight.block_k >= in_features:
         return min(_MAX_BLOCK_K, max(_MIN_DOT, triton.next_power_of_2(in_features)))
     step = weight.block_k & -weight.block_k  # its largest power-of-two divisor
@@ -79,8 +79,8 @@ def linear(
     if not applies(x, weight):
         return torch.nn.functional.linear(x, weight.dense(x.dtype), bias)
     rows, columns = x.shape
-    out_features, in_features = weight.weight.shape
-    assert columns == in_features, (x.shape, weight.weight.shape)
+    out_features, in_features = weight.shape
+    assert columns == in_features, (x.shape, weight.shape)
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows == 0:
         return y
@@ -133,7 +133,7 @@ def quantizes_activations(x: torch.Tensor, weight: Fp8Weight) -> bool:
 
 def dequantize(weight: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     """weight.dense(dtype) in one kernel: q * s in fp32, rounded once (where `applies`)."""
-    out_features, in_features = weight.weight.shape
+    out_features, in_features = weight.shape
     dense = torch.empty(out_features, in_features, dtype=dtype, device=weight.weight.device)
     block_k = _k_step(weight)
     grid = (

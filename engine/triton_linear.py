@@ -58,7 +58,6 @@ __all__ = [
     "linear_residual",
     "linear_rope",
     "linear_silu",
-    "out_features",
 ]
 
 # (rows per program, largest K step, warps) by the matrix's shape, N out of K in. Chosen on an
@@ -100,7 +99,7 @@ def linear(x: torch.Tensor, weight: Matrix, bias: torch.Tensor | None = None) ->
     """F.linear, with one-row CUDA inputs computed by the GEMV kernel and fp8 matrices by
     engine.triton_fp8_gemm otherwise."""
     if gemv_applies(x, weight):
-        return _gemv(x, weight, bias, _STORE, out_features(weight))
+        return _gemv(x, weight, bias, _STORE, weight.shape[0])
     if isinstance(weight, Fp8Weight):
         return triton_fp8_gemm.linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -111,21 +110,20 @@ def linear_residual(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x @ weight.T + residual (each rounded, as a separate add would be), and h * norm_weight
     for a `Prenorm` GEMV after it, where `gemv_applies(x, weight)`."""
-    assert residual.shape == (1, out_features(weight)) and residual.is_contiguous()
+    assert residual.shape == (1, weight.shape[0]) and residual.is_contiguous()
     scaled = torch.empty_like(residual)
-    rows = out_features(weight)
-    h = _gemv(x, weight, None, _STORE, rows, residual=(residual, norm_weight, scaled))
+    h = _gemv(x, weight, None, _STORE, weight.shape[0], residual=(residual, norm_weight, scaled))
     return h, scaled
 
 
 def fuses_silu(x: torch.Tensor, weight: Matrix) -> bool:
     """Whether `linear_silu` applies: one row, and gate rows in whole programs."""
-    return gemv_applies(x, weight) and (out_features(weight) // 2) % _pairs(weight) == 0
+    return gemv_applies(x, weight) and (weight.shape[0] // 2) % _pairs(weight) == 0
 
 
 def linear_silu(x: torch.Tensor, weight: Matrix, norm: Prenorm | None = None) -> torch.Tensor:
     """silu(gate) * up of [gate | up] = x @ weight.T, where `fuses_silu(x, weight)`."""
-    return _gemv(x, weight, None, _SILU, out_features(weight) // 2, norm=norm)
+    return _gemv(x, weight, None, _SILU, weight.shape[0] // 2, norm=norm)
 
 
 def fuses_rope(x: torch.Tensor, weight: Matrix, head_dim: int) -> bool:
@@ -133,7 +131,7 @@ def fuses_rope(x: torch.Tensor, weight: Matrix, head_dim: int) -> bool:
     return (
         gemv_applies(x, weight)
         and (head_dim // 2) % _pairs(weight) == 0
-        and out_features(weight) % head_dim == 0
+        and weight.shape[0] % head_dim == 0
     )
 
 
@@ -151,18 +149,12 @@ def linear_rope(
     cos, sin [1, head_dim / 2], where `fuses_rope(x, weight, head_dim)`."""
     assert rotated_features % head_dim == 0 and cos.is_contiguous() and sin.is_contiguous()
     rope = (cos, sin, head_dim // 2, rotated_features)
-    return _gemv(x, weight, bias, _ROPE, out_features(weight), rope=rope, norm=norm)
-
-
-def out_features(weight: Matrix) -> int:
-    """Rows of a matrix: its output features."""
-    return weight.weight.shape[0] if isinstance(weight, Fp8Weight) else weight.shape[0]
+    return _gemv(x, weight, bias, _ROPE, weight.shape[0], rope=rope, norm=norm)
 
 
 def _config(weight: Matrix) -> tuple[int, int, int]:
     """(rows per program, largest K step, warps) of a matrix."""
-    values = weight.weight if isinstance(weight, Fp8Weight) else weight
-    rows, columns = values.shape
+    rows, columns = weight.shape
     config = _TALL if 2 * rows >= 3 * columns else _OTHER
     if rows >= 3 * columns:
         config = _VERY_TALL
@@ -176,15 +168,14 @@ def _pairs(weight: Matrix) -> int:
 
 def _block_k(weight: Matrix) -> int:
     """The K step: the config's, or all of K if it is shorter (rounded up to a power of two)."""
-    columns = (weight.weight if isinstance(weight, Fp8Weight) else weight).shape[1]
-    return min(_config(weight)[1], triton.next_power_of_2(columns))
+    return min(_config(weight)[1], triton.next_power_of_2(weight.shape[1]))
 
 
 def _scaling(weight: Matrix) -> int:
     """The SCALES mode of a matrix, or None where the GEMV cannot step by its scale blocks."""
     if not isinstance(weight, Fp8Weight):
         return _UNSCALED
-    if weight.block_k >= weight.weight.shape[1]:
+    if weight.block_k >= weight.shape[1]:
         return _ROW_SCALED
     power_of_two = weight.block_k & (weight.block_k - 1) == 0
     return _BLOCK_SCALED if power_of_two and _block_k(weight) % weight.block_k == 0 else None
