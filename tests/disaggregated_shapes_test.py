@@ -17,7 +17,7 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 
-from decode.server import DecodeServer, DecodeServerConfig
+from decode.server import DecodeServerConfig
 from engine import config as engine_config
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -26,8 +26,8 @@ from engine.sequence import StopConditions
 from prefill import ticket as ticket_module
 from prefill.server import PrefillServer, PrefillServerConfig
 from prefill.ticket import PREFILL_LAYOUT, layout_descriptor, transfer_params
-from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
-from tests.servers import decode_pool_free
+from proto.tandem.v1 import decode_pb2
+from tests.servers import decode_pool_free, serving_decode
 from transport.config import KvTransportConfig
 
 BLOCK = 16
@@ -58,12 +58,8 @@ def engine_args(request):
 @pytest.fixture(scope="module")
 def decode(engine_args):
     kv = KvTransportConfig(backend="tcp", host="127.0.0.1")
-    server = DecodeServer(DecodeServerConfig(EngineConfig(**engine_args), kv))
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    yield server, decode_pb2_grpc.DecodeServiceStub(channel)
-    channel.close()
-    server.stop()
+    with serving_decode(DecodeServerConfig(EngineConfig(**engine_args), kv)) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

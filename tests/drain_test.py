@@ -9,48 +9,24 @@ prefill cached of the old one is used.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 
-import httpx
 import pytest
 
-from tests.servers import MODEL, counter, metrics_url, start_decode, start_prefill, start_router
-
-LONG = {"model": MODEL, "prompt": "Tell a long story.", "temperature": 0, "ignore_eos": True,
-        "stream": True}  # fmt: skip
-
-
-def _complete(url: str) -> httpx.Response:
-    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
-            "temperature": 0}  # fmt: skip
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+from tests.servers import (
+    complete,
+    counter,
+    metrics_url,
+    start_decode,
+    start_prefill,
+    start_router,
+    stream_long,
+)
 
 
 def _running(address: str) -> float:
     return counter(metrics_url(address), "tandem_decode_running")
-
-
-def _stream(url: str, max_tokens: int, on_fifth_chunk) -> tuple[int, dict | None, str | None]:
-    """Streams a long completion, calling on_fifth_chunk() once: (text chunks, the error event
-    if one came, the finish reason)."""
-    chunks, error, finish = 0, None, None
-    body = {**LONG, "max_tokens": max_tokens}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
-        assert reply.status_code == 200
-        for line in reply.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                error = event["error"]
-                break
-            chunks += 1
-            finish = event["choices"][0]["finish_reason"] or finish
-            if chunks == 5:
-                on_fifth_chunk()
-    return chunks, error, finish
 
 
 def test_a_draining_decode_server_finishes_its_stream_and_the_router_goes_elsewhere():
@@ -69,15 +45,15 @@ def test_a_draining_decode_server_finishes_its_stream_and_the_router_goes_elsewh
             assert _running(first_address) == 1
             first.send_signal(signal.SIGTERM)
             time.sleep(0.5)
-            served_meanwhile.append(_complete(url))
+            served_meanwhile.append(complete(url))
 
-        chunks, error, finish = _stream(url, 120, drain_and_ask)
+        chunks, error, finish = stream_long(url, 120, drain_and_ask)
         assert error is None and finish == "length" and chunks >= 100
         (reply,) = served_meanwhile
         assert reply.status_code == 200, reply.text
         assert counter(metrics_url(second_address), "tandem_decode_tokens_generated_total") >= 8
         assert first.wait(timeout=30) == 0
-        assert _complete(url).status_code == 200  # the second one serves from now on
+        assert complete(url).status_code == 200  # the second one serves from now on
     finally:
         for proc in procs:
             proc.terminate()
@@ -98,7 +74,7 @@ def test_a_stream_longer_than_the_grace_is_cut_and_the_server_exits_0():
             decode.send_signal(signal.SIGTERM)
             signalled.append(time.monotonic())
 
-        _, error, _ = _stream(url, 1500, drain)
+        _, error, _ = stream_long(url, 1500, drain)
         assert error is not None and error["code"] == 503, error
         assert time.monotonic() - signalled[0] < 15
         assert decode.wait(timeout=30) == 0
@@ -117,7 +93,7 @@ def test_a_decode_server_restarted_on_its_address_serves_at_once(backend):
         procs += [decode, prefill]
         router, url = start_router([prefill_url], [address])
         procs.append(router)
-        first = _complete(url)
+        first = complete(url)
         assert first.status_code == 200, first.text
         decode.terminate()
         assert decode.wait(timeout=30) == 0
@@ -126,7 +102,7 @@ def test_a_decode_server_restarted_on_its_address_serves_at_once(backend):
         procs.append(decode)
         assert again == address
         for _ in range(3):
-            reply = _complete(url)
+            reply = complete(url)
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
     finally:

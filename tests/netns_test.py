@@ -12,18 +12,16 @@ The namespaces go at the end, and their links with them.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from rpc import keepalive
-from tests.servers import COMMON, MODEL, running_backends, start_router
+from tests.servers import COMMON, MODEL, complete, running_backends, start_router, stream_long
 from tools.launch import start
 
 TAG = f"td{os.getpid() % 10000}"
@@ -136,13 +134,8 @@ def _decode_metrics(host: str) -> dict[str, float]:
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Count to ten:", "Once upon a"]
 
 
-def _complete(url: str, prompt: str = PROMPTS[0]) -> httpx.Response:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-
-
 def _texts(url: str) -> list[str]:
-    replies = [_complete(url, prompt) for prompt in PROMPTS]
+    replies = [complete(url, prompt) for prompt in PROMPTS]
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
     return [r.json()["choices"][0]["text"] for r in replies]
 
@@ -178,30 +171,20 @@ def _serving() -> str:
 
 def test_a_cut_link_ends_the_stream_with_an_error_and_frees_the_blocks(stack):
     stack, _ = stack
-    body = {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 2000,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
-    chunks, error = 0, None
-    with httpx.stream("POST", f"{stack}/v1/completions", json=body, timeout=120) as reply:
-        assert reply.status_code == 200
-        lines = reply.iter_lines()
-        for line in lines:
-            if line.startswith("data: {"):
-                chunks += 1
-            if chunks == 5:
-                break
-        assert chunks == 5
-        cut = _serving()
-        _cut(cut, down=True)
-        cut_at = time.monotonic()
-        for line in lines:
-            if line.startswith("data: {") and "error" in (event := json.loads(line[6:])):
-                error = event["error"]
-                break
-        waited = time.monotonic() - cut_at
+    cuts = []  # the decode host whose link was cut, and when
+
+    def cut_the_serving_host():
+        host = _serving()
+        _cut(host, down=True)
+        cuts.append((host, time.monotonic()))
+
+    _, error, _ = stream_long(stack, 2000, cut_the_serving_host)
+    assert cuts, "the stream ended before its fifth chunk"
+    cut, waited = cuts[0][0], time.monotonic() - cuts[0][1]
     assert error is not None and error["code"] == 503, error
     assert waited < keepalive.KEEPALIVE_S + keepalive.KEEPALIVE_TIMEOUT_S + 5, waited
     # The other decode host serves meanwhile.
-    assert _complete(stack).status_code == 200
+    assert complete(stack).status_code == 200
     # The cut one cannot deliver to the router any more: its own keepalive ends the call, the
     # request is aborted and its blocks freed, while the link is still down.
     deadline = time.monotonic() + keepalive.KEEPALIVE_S + keepalive.KEEPALIVE_TIMEOUT_S + 10
@@ -219,5 +202,5 @@ def test_a_cut_link_ends_the_stream_with_an_error_and_frees_the_blocks(stack):
     with ThreadPoolExecutor(2) as pool:
         while _decode_metrics(cut)["tandem_decode_tokens_generated_total"] == served:
             assert time.monotonic() < deadline, "the router never routed to the restored host"
-            replies = list(pool.map(_complete, [stack, stack]))
+            replies = list(pool.map(complete, [stack, stack]))
             assert all(r.status_code == 200 for r in replies), [r.text for r in replies]

@@ -9,13 +9,12 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
 import transport
-from decode.server import DecodeServer, DecodeServerConfig
+from decode.server import DecodeServerConfig
 from engine.llm_engine import EngineConfig
 from prefill.kv_sender import DEADLINE_PASSED, KvSender
 from prefill.kv_writes import BlockLayout, LayerKV, layer_ops
@@ -24,7 +23,8 @@ from prefill.ticket import KvTransfer, transfer_params
 from prefill.vllm_config import TandemConnectorConfig
 from prefill.vllm_metadata import SendPlan, TandemMetadata
 from prefill.vllm_worker_side import WorkerFacts, WorkerSide
-from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
+from proto.tandem.v1 import decode_pb2
+from tests.servers import serving_decode
 from transport.config import KvTransportConfig
 
 ENGINE = dict(model="random:tiny", dtype="float32", block_size=16, kv_cache_gb=0.01)
@@ -34,12 +34,8 @@ PROMPT = list(range(1, 41))
 
 @pytest.fixture(scope="module")
 def decode():
-    server = DecodeServer(DecodeServerConfig(EngineConfig(**ENGINE)))
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    yield server, decode_pb2_grpc.DecodeServiceStub(channel)
-    channel.close()
-    server.stop()
+    with serving_decode(DecodeServerConfig(EngineConfig(**ENGINE))) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

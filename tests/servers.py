@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import subprocess
 import threading
@@ -90,6 +91,51 @@ def running_router(prefill_urls: list[str], decode_addresses: list[str], *extra:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def serving_decode(config):
+    """A decode server in this process (decode.server.DecodeServer of `config`) and a gRPC stub
+    of it: (server, stub); stopped at the end."""
+    from decode.server import DecodeServer  # the engine: only for the tests that want it here
+
+    server = DecodeServer(config)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        yield server, decode_pb2_grpc.DecodeServiceStub(channel)
+    finally:
+        channel.close()
+        server.stop()
+
+
+def complete(url: str, prompt: str = "The capital of France is") -> httpx.Response:
+    """A greedy completion of 8 tokens through the router at `url`."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def stream_long(url: str, max_tokens: int, on_fifth_chunk) -> tuple[int, dict | None, str | None]:
+    """Streams a long greedy completion (ignore_eos) through the router at `url`, calling
+    on_fifth_chunk() once when its fifth chunk came: (text chunks, the error event if one came,
+    the finish reason)."""
+    body = {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    chunks, error, finish = 0, None, None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]
+                break
+            chunks += 1
+            finish = event["choices"][0]["finish_reason"] or finish
+            if chunks == 5:
+                on_fifth_chunk()
+    return chunks, error, finish
 
 
 def decode_pool_free(address: str, within: float = 5.0) -> decode_pb2.StatsResponse | None:

@@ -24,8 +24,8 @@ from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 from prefill.kv_writes import BlockLayout, LayerKV, layer_ops, valid_bytes
 from prefill.ticket import PREFILL_LAYOUT, layout_descriptor
-from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
-from tests.servers import PeakRunning
+from proto.tandem.v1 import decode_pb2
+from tests.servers import PeakRunning, serving_decode
 from transport.config import KvTransportConfig
 
 MODEL = "tools/smollm2-135m-instruct"  # Bazel data: //tools:smollm2
@@ -136,16 +136,11 @@ def stack(request):
     config = DecodeServerConfig(
         engine=EngineConfig(**ENGINE), kv=KvTransportConfig(request.param), metrics_port=0
     )
-    server = DecodeServer(config)
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    stub = decode_pb2_grpc.DecodeServiceStub(channel)
-    sender = Sender(stub, request.param)
-    sender.hello()
-    yield server, stub, sender
-    sender.agent.close()
-    channel.close()
-    server.stop()
+    with serving_decode(config) as (server, stub):
+        sender = Sender(stub, request.param)
+        sender.hello()
+        yield server, stub, sender
+        sender.agent.close()
 
 
 @pytest.fixture(scope="module")
@@ -284,56 +279,56 @@ def test_an_engine_failure_ends_every_stream_and_refuses_new_work():
     """A step that raises (a CUDA error, say) loses the engine's state: the open stream ends
     UNAVAILABLE naming the error instead of waiting forever, and the instance refuses work (so
     the router marks it down) until it is restarted."""
-    server = DecodeServer(DecodeServerConfig(engine=EngineConfig(**ENGINE), metrics_port=0))
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    stub = decode_pb2_grpc.DecodeServiceStub(channel)
-    sender = Sender(stub, "tcp")
-    try:
-        sender.hello()
-        ready = {}  # request id -> (ticket with its KV committed, first token)
-        for request_id, prompt in [("live", PROMPTS[3]), ("ready", PROMPTS[0])]:
-            ticket = sender.reserve(request_id, prompt)
-            ready[request_id] = ticket, sender.prefill_and_write(ticket, prompt)
-            sender.commit(ticket)
+    config = DecodeServerConfig(engine=EngineConfig(**ENGINE), metrics_port=0)
+    with serving_decode(config) as (server, stub):
+        sender = Sender(stub, "tcp")
+        try:
+            sender.hello()
+            ready = {}  # request id -> (ticket with its KV committed, first token)
+            for request_id, prompt in [("live", PROMPTS[3]), ("ready", PROMPTS[0])]:
+                ticket = sender.reserve(request_id, prompt)
+                ready[request_id] = ticket, sender.prefill_and_write(ticket, prompt)
+                sender.commit(ticket)
 
-        real_step, steps = server.engine.step, []
+            real_step, steps = server.engine.step, []
 
-        def failing_step(*args, **kwargs):
-            steps.append(1)
-            if len(steps) > 3:
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            return real_step(*args, **kwargs)
+            def failing_step(*args, **kwargs):
+                steps.append(1)
+                if len(steps) > 3:
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+                return real_step(*args, **kwargs)
 
-        server.engine.step = failing_step
-        tokens = []
-        with pytest.raises(grpc.RpcError) as err:
-            for message in sender.generate(*ready["live"]):
-                tokens += message.token_ids
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "RuntimeError: CUDA error: an illegal memory access" in err.value.details()
-        assert "restart the decode server" in err.value.details()
-        assert len(tokens) == 4  # the first token, then one a step until the failing one
-
-        refused = [
-            lambda: stub.Stats(decode_pb2.StatsRequest(), timeout=10),
-            lambda: sender.reserve("after", PROMPTS[1]),
-            lambda: list(sender.generate(*ready["ready"])),
-        ]
-        for call in refused:
+            server.engine.step = failing_step
+            tokens = []
             with pytest.raises(grpc.RpcError) as err:
-                call()
+                for message in sender.generate(*ready["live"]):
+                    tokens += message.token_ids
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "RuntimeError: CUDA error" in err.value.details()
-        # A submit that raced the failure past the RPC's check still ends at once.
-        late = server.engine.new_sequence("late", PROMPTS[1], SamplingParams(), StopConditions(2))
-        with ThreadPoolExecutor(1) as pool:
-            stream = server.loop.submit("late", [Choice(late, 7)], [])
-            items = pool.submit(list, stream).result(timeout=10)
-        assert items == [EngineFailed(server.loop.failure)]
-        scrape = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read()
-        assert b"tandem_decode_engine_up 0.0" in scrape
-    finally:
-        sender.agent.close()
-        channel.close()
-        server.stop()
+            assert "RuntimeError: CUDA error: an illegal memory access" in err.value.details()
+            assert "restart the decode server" in err.value.details()
+            assert len(tokens) == 4  # the first token, then one a step until the failing one
+
+            refused = [
+                lambda: stub.Stats(decode_pb2.StatsRequest(), timeout=10),
+                lambda: sender.reserve("after", PROMPTS[1]),
+                lambda: list(sender.generate(*ready["ready"])),
+            ]
+            for call in refused:
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "RuntimeError: CUDA error" in err.value.details()
+            # A submit that raced the failure past the RPC's check still ends at once.
+            late = server.engine.new_sequence(
+                "late", PROMPTS[1], SamplingParams(), StopConditions(2)
+            )
+            with ThreadPoolExecutor(1) as pool:
+                stream = server.loop.submit("late", [Choice(late, 7)], [])
+                items = pool.submit(list, stream).result(timeout=10)
+            assert items == [EngineFailed(server.loop.failure)]
+            scrape = urllib.request.urlopen(
+                f"http://127.0.0.1:{server.metrics_port}/metrics"
+            ).read()
+            assert b"tandem_decode_engine_up 0.0" in scrape
+        finally:
+            sender.agent.close()
