@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.scheduler import SchedulerConfig
+from engine.speculative import SpeculativeConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # KV cache element types besides "auto" (the model's dtype), by vLLM's names: e4m3 with one
@@ -49,7 +50,13 @@ class EngineConfig:
     a token (EOS, a stop id) then costs one more row, thrown away, in the step already launched;
     the rest of the batch goes on. Steps run one at a time while a sequence samples with
     penalties or under a grammar (both need the last token). None: on with CUDA graphs, where
-    it overlaps; off elsewhere (CPU runs each step before returning)."""
+    it overlaps; off elsewhere (CPU runs each step before returning). Off with speculative
+    decoding (a step's drafts follow from the tokens of the step before)."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (engine/speculative.py): None, or its method and depth."""
+    benchmark_mode: bool = False
+    """Allows what only a benchmark may do: simulated draft acceptance (output tokens are then
+    not the model's)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -66,11 +73,27 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: {self.max_model_len} must be at least 2")
         SchedulerConfig(self.block_size, self.max_num_seqs, self.max_num_batched_tokens)
+        spec = self.speculative_config
+        if spec is not None and self.async_scheduling:
+            raise ValueError(
+                "async_scheduling: not with speculative_config (drafts follow from the last "
+                "step's tokens); leave it unset"
+            )
+        if spec is not None and spec.acceptance_curve is not None and not self.benchmark_mode:
+            raise ValueError(
+                "speculative_config.acceptance_curve: simulated acceptance returns tokens that "
+                "are not the model's; it runs only in benchmark mode (--benchmark-mode)"
+            )
 
     @property
     def kv_dtype(self) -> torch.dtype:
         """The KV cache's torch dtype."""
         return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or DTYPES[self.dtype]
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +139,20 @@ class EngineConfig:
             action=argparse.BooleanOptionalAction,
             default=None,
             help="launch each decode step before reading the last one's tokens "
-            "(default: on with CUDA graphs)",
+            "(default: on with CUDA graphs, off with speculative decoding)",
+        )
+        parser.add_argument(
+            "--speculative-config",
+            type=_speculative_config,
+            default=None,
+            help='speculative decoding, as vLLM\'s: JSON, e.g. {"method": "ngram", '
+            '"num_speculative_tokens": 3} or {"method": "draft_model", "model": PATH, '
+            '"num_speculative_tokens": 3}',
+        )
+        parser.add_argument(
+            "--benchmark-mode",
+            action="store_true",
+            help="allow simulated draft acceptance (speculative_config.acceptance_curve)",
         )
 
     @classmethod
@@ -134,4 +170,13 @@ class EngineConfig:
             seed=args.seed,
             enforce_eager=args.enforce_eager,
             async_scheduling=args.async_scheduling,
+            speculative_config=args.speculative_config,
+            benchmark_mode=args.benchmark_mode,
         )
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

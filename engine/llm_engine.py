@@ -30,6 +30,8 @@ from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence, StopConditions
+from engine.spec_build import acceptance_curve, build_proposer, load_draft_model
+from engine.speculative import Proposer, SpecStats
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class LLMEngine:
     async_scheduling: bool
     grammars: GrammarCompiler
     """Compiles structured outputs' grammars for this model's tokenizer (built at first use)."""
+    proposer: Proposer | None = None
+    """Speculative decoding's: proposes drafts for the sequences a step decodes."""
+    spec_stats: SpecStats = field(default_factory=SpecStats)
     sequences: dict[str, Sequence] = field(default_factory=dict)
     _in_flight: LaunchedStep | None = None
     """A step planned ahead and launched, whose tokens the next `step` returns."""
@@ -68,7 +73,11 @@ class LLMEngine:
         writer (e.g. to act on each layer's freshly written KV)."""
         model_config, model = load_model(config, wrap_attention)
         dtype = DTYPES[config.dtype]
-        block_bytes = model_config.kv_bytes_per_token(config.kv_dtype) * config.block_size
+        draft = load_draft_model(config, model_config)
+        token_bytes = model_config.kv_bytes_per_token(config.kv_dtype)
+        if draft is not None:  # the draft's cache has as many blocks: they share block ids
+            token_bytes += draft[0].kv_bytes_per_token(config.kv_dtype)
+        block_bytes = token_bytes * config.block_size
         num_blocks = int(config.kv_cache_gb * 2**30) // block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -86,24 +95,36 @@ class LLMEngine:
         )
         pool = BlockPool(num_blocks)
         sched_config = SchedulerConfig(
-            config.block_size, config.max_num_seqs, config.max_num_batched_tokens
+            config.block_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.num_speculative_tokens,
         )
         graphs = None
         if config.device.startswith("cuda") and not config.enforce_eager:
             graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
         async_scheduling = config.async_scheduling
         if async_scheduling is None:
-            async_scheduling = graphs is not None
+            async_scheduling = graphs is not None and config.speculative_config is None
+        proposer = build_proposer(config, draft, num_blocks, max_model_len)
         return cls(
             config=config,
             model_config=model_config,
             kv_cache=kv_cache,
             pool=pool,
             scheduler=Scheduler(sched_config, pool),
-            runner=ModelRunner(model, kv_cache, Sampler(config.seed), config.max_num_seqs, graphs),
+            runner=ModelRunner(
+                model,
+                kv_cache,
+                Sampler(config.seed),
+                config.max_num_seqs,
+                graphs,
+                acceptance_curve(config),
+            ),
             max_model_len=max_model_len,
             async_scheduling=async_scheduling,
             grammars=GrammarCompiler(config.model, model_config.vocab_size),
+            proposer=proposer,
         )
 
     @property
@@ -233,24 +254,51 @@ class LLMEngine:
                 return []
             if before_run is not None:
                 before_run(plan)
-            launched = self.runner.launch(plan)
+            launched = self.runner.launch(self._with_drafts(plan))
         if self.async_scheduling and before_run is None:
             ahead = self.scheduler.schedule_ahead(launched.plan)
             if ahead is not None:
                 self._in_flight = self.runner.launch(ahead, feed=launched)
         sampled, logprobs = launched.result(), launched.logprobs()
-        finished = {seq.seq_id for seq in self.scheduler.update(launched.plan, sampled)}
+        accepted = launched.accepted()
+        before = {item.seq.seq_id: item.seq.num_tokens for item in launched.plan.scheduled}
+        finished = {s.seq_id for s in self.scheduler.update(launched.plan, sampled, accepted)}
+        self._count_drafts(launched.plan, accepted)
         outputs = []
-        for seq_id, token in sampled.items():
+        for seq_id in sampled:
             seq = self.sequences.get(seq_id)
             if seq is None:
                 continue  # aborted, or finished by the step before: the token is thrown away
             reason = seq.finish_reason if seq_id in finished else None
-            outputs.append(StepOutput(seq_id, token, reason, logprobs.get(seq_id)))
+            # Accepted drafts, then the sampled token (fewer when one of them finished it).
+            new = seq.token_ids[before[seq_id] :]
+            for i, token in enumerate(new):
+                last = i == len(new) - 1
+                outputs.append(
+                    StepOutput(seq_id, token, reason if last else None, logprobs.get(seq_id))
+                )
             if reason is not None:
                 del self.sequences[seq_id]
         self._settle_idle_step()
         return outputs
+
+    def _with_drafts(self, plan: StepPlan) -> StepPlan:
+        """The plan with the proposer's drafts for the sequences it leaves room for."""
+        items = [item for item in plan.scheduled if item.draft_room]
+        if self.proposer is None or not items:
+            return plan
+        drafts = self.proposer.propose([i.seq for i in items], [i.draft_room for i in items])
+        return plan.with_drafts(
+            {item.seq.seq_id: d for item, d in zip(items, drafts, strict=True) if d}
+        )
+
+    def _count_drafts(self, plan: StepPlan, accepted: dict[str, int]) -> None:
+        for item in plan.scheduled:
+            if item.draft:
+                kept = accepted[item.seq.seq_id]
+                item.seq.num_draft_tokens += len(item.draft)
+                item.seq.num_accepted_tokens += kept
+                self.spec_stats.record(len(item.draft), kept)
 
     def _settle_idle_step(self) -> None:
         """A step launched ahead whose sequences have all finished returns no token: it is

@@ -21,8 +21,17 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.grammar import apply_grammars
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.sampling import LogprobTensors, Sampler, TokenLogprobs, compute_logprobs
-from engine.scheduler import StepPlan
+from engine.sampling import (
+    LogprobTensors,
+    Sampler,
+    SamplingRow,
+    TokenLogprobs,
+    compute_logprobs,
+    to_pinned,
+)
+from engine.scheduler import ScheduledSeq, StepPlan
+from engine.spec_acceptance import AcceptanceCurve
+from engine.spec_verify import verify
 
 
 class LaunchedStep:
@@ -35,10 +44,13 @@ class LaunchedStep:
         tokens: torch.Tensor | None,
         host: torch.Tensor | None = None,
         logprobs: LogprobTensors | None = None,
+        accepted: torch.Tensor | None = None,
     ) -> None:
         self.plan = plan
         self.tokens = tokens
         """The sampled token of each sampling sequence, in plan order, on the device."""
+        self._accepted = accepted
+        """A step that fed drafts: how many of each sampling sequence's the target kept."""
         self.seq_ids = seq_ids
         """The sampling sequences' ids, in the order of `tokens`."""
         self._host = host
@@ -49,6 +61,8 @@ class LaunchedStep:
             host.copy_(tokens, non_blocking=True)
             if logprobs is not None:
                 self._logprobs = logprobs.to_host()
+            if accepted is not None:
+                self._accepted = to_pinned(accepted)
             self._copied = torch.cuda.Event()
             self._copied.record()
 
@@ -62,6 +76,17 @@ class LaunchedStep:
         else:
             values = self.tokens.tolist()
         return dict(zip(self.seq_ids, values, strict=True))
+
+    def accepted(self) -> dict[str, int]:
+        """{seq_id: drafts the target accepted} for the sequences that fed drafts; waits for
+        the device."""
+        if self._accepted is None:
+            return {}
+        if self._copied is not None:
+            self._copied.synchronize()
+        counts = dict(zip(self.seq_ids, self._accepted.tolist(), strict=True))
+        drafted = [item.seq.seq_id for item in self.plan.scheduled if item.draft]
+        return {seq_id: counts[seq_id] for seq_id in drafted}
 
     def logprobs(self) -> dict[str, TokenLogprobs]:
         """{seq_id: its sampled token's log-probabilities}, for the sequences that asked (by
@@ -83,8 +108,11 @@ class ModelRunner:
         sampler: Sampler,
         max_num_seqs: int,
         graphs: DecodeGraphs | None = None,
+        acceptance: AcceptanceCurve | None = None,
     ) -> None:
         self.model = model
+        self.acceptance = acceptance
+        """Benchmarks: drafts are accepted as this curve draws, not by comparison."""
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.graphs = graphs
@@ -113,12 +141,14 @@ class ModelRunner:
                 )
                 logits, greedy = logits[sampling_rows], greedy[sampling_rows]
         else:
-            hidden, last_rows = self._forward_eager(plan, fed)
+            hidden, sample_rows = self._forward_eager(plan, fed)
             if not sampling:
                 return LaunchedStep(plan, [], None)
-            hidden = hidden[torch.tensor(last_rows, device=self.device)]
+            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
             logits = self.model.compute_logits(hidden)
         rows = [item.seq.sampling_row() for item in sampling]
+        if any(item.draft for item in sampling):
+            return self._verify(plan, sampling, logits, rows)
         if any(item.seq.grammar is not None for item in sampling):  # on the host: no sync
             # A mask follows from the token before it: no step planned ahead has one.
             assert feed is None, "a constrained sequence in a step planned ahead"
@@ -133,12 +163,34 @@ class ModelRunner:
         # From the logits before the sampler's penalties (which leave its input as it is), after
         # any grammar mask.
         logprobs = compute_logprobs(logits, tokens, rows)
-        host = None
-        if self._host_tokens:
-            self._launches += 1
-            host = self._host_tokens[self._launches % 2][: len(sampling)]
+        host = self._next_host(len(sampling))
         seq_ids = [item.seq.seq_id for item in sampling]
         return LaunchedStep(plan, seq_ids, tokens, host, logprobs)
+
+    def _verify(
+        self,
+        plan: StepPlan,
+        sampling: list[ScheduledSeq],
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+    ) -> LaunchedStep:
+        """The step's tokens when some sequence fed drafts: logits has one row per fed token
+        of those, one per sequence otherwise (engine/spec_verify.py). Sequences that speculate
+        ask for no log-probabilities."""
+        drafts = [item.draft for item in sampling]
+        simulated = None
+        if self.acceptance is not None:
+            simulated = [self.acceptance.draw(len(d)) if d else 0 for d in drafts]
+        tokens, accepted = verify(logits, drafts, rows, self.sampler, simulated)
+        host = self._next_host(len(sampling))
+        seq_ids = [item.seq.seq_id for item in sampling]
+        return LaunchedStep(plan, seq_ids, tokens, host, None, accepted)
+
+    def _next_host(self, n: int) -> torch.Tensor | None:
+        if not self._host_tokens:
+            return None
+        self._launches += 1
+        return self._host_tokens[self._launches % 2][:n]
 
     def _fed_ids(self, plan: StepPlan, feed: LaunchedStep) -> torch.Tensor:
         """The input ids of a step planned ahead: the tokens `feed` samples for its sequences
@@ -169,20 +221,23 @@ class ModelRunner:
     def _forward_eager(
         self, plan: StepPlan, fed: torch.Tensor | None
     ) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of every fed token, and the rows whose logits are sampled: each
+        sampling sequence's last, and before it one per draft it fed."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
-        last_rows: list[int] = []
+        sample_rows: list[int] = []
         for item in plan.scheduled:
             seq, start, n = item.seq, item.start, item.num_new_tokens
             if fed is None:
-                input_ids.extend(seq.token_ids[start : start + n])
+                input_ids.extend(seq.token_ids[start : start + n - len(item.draft)])
+                input_ids.extend(item.draft)
             positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_ids)
             if item.samples:
-                last_rows.append(len(positions) - 1)
+                sample_rows.extend(range(len(positions) - 1 - len(item.draft), len(positions)))
         meta = AttentionMetadata.build(
             query_lens, seq_lens, tables, self.kv_cache.block_size, self.device
         )
@@ -193,4 +248,4 @@ class ModelRunner:
             self.kv_cache.kv_caches,
             meta,
         )
-        return hidden, last_rows
+        return hidden, sample_rows

@@ -119,8 +119,16 @@ class Sampler:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Returns the sampled token ids, int64 [B], on logits' device."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        excluded: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Returns the sampled token ids, int64 [B], on logits' device. `excluded` [B]: a token
+        per row whose probability is zeroed after filtering, the rest renormalized (-1: none;
+        sampled rows only): speculative decoding's residual distribution after a rejected
+        one-hot draft (engine/spec_verify.py)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows)
         logits = logits.float()
         if any(r.params.penalized for r in rows):
@@ -129,11 +137,19 @@ class Sampler:
         if all(flags):  # decided on the host: no device round trip on the common path
             return logits.argmax(dim=-1)
         greedy = torch.tensor(flags, device=logits.device)
-        probs = self._filtered_probs(logits, rows)
+        probs = self.filtered_probs(logits, rows)
+        if excluded is not None:
+            keep = excluded >= 0
+            column = excluded.clamp(min=0)[:, None]
+            kept = torch.where(keep[:, None], 0.0, probs.gather(1, column))
+            probs = probs.scatter(1, column, kept)
         sampled = self._race(probs, rows)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
-    def _filtered_probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def filtered_probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """[B, vocab] float32 probabilities each row samples from: temperature, then top-k,
+        top-p and min-p (zeroed tokens; rows are not renormalized, the race does not need it).
+        Penalties are the caller's."""
         device = logits.device
         temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
@@ -156,12 +172,12 @@ class Sampler:
         """Samples via argmax(p / E), E ~ Exp(1) i.i.d.: one draw per row, no CDF search, and a
         per-request generator only touches its own row (so seeded rows are reproducible)."""
         noise = torch.empty_like(probs)
-        shared = self._shared_generator(probs.device)
+        shared = self.shared_generator(probs.device)
         for i, row in enumerate(rows):
             noise[i].exponential_(generator=row.generator or shared)
         return (probs / noise).argmax(dim=-1)
 
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
+    def shared_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._shared:
             gen = torch.Generator(device=device)
             gen.manual_seed(self._seed)
@@ -186,10 +202,7 @@ class LogprobTensors:
         """Copies queued into pinned host memory: valid once the device has got there (the
         caller records an event after them)."""
         return LogprobTensors(
-            *(
-                torch.empty_like(t, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
-                for t in (self.chosen, self.top_logprobs, self.top_token_ids)
-            )
+            *(to_pinned(t) for t in (self.chosen, self.top_logprobs, self.top_token_ids))
         )
 
     def rows(self, wanted: Sequence[int | None]) -> list[TokenLogprobs | None]:
@@ -201,6 +214,12 @@ class LogprobTensors:
             None if n is None else TokenLogprobs(lp, tuple(ids[:n]), tuple(values[:n]))
             for n, lp, ids, values in zip(wanted, chosen, top_ids, top_logprobs, strict=True)
         ]
+
+
+def to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of device tensor t queued into pinned host memory: valid once the device has got
+    there (the caller records an event after it)."""
+    return torch.empty_like(t, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
 
 
 def compute_logprobs(

@@ -20,7 +20,7 @@ still writes its KV, has been updated; the steps planned after leave it out.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.kv_cache import BlockPool
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -34,6 +34,9 @@ class SchedulerConfig:
     """Sequences in one forward at most."""
     max_num_batched_tokens: int = 2048
     """Tokens in one forward at most; longer prompts are prefilled in chunks of what is left."""
+    num_speculative_tokens: int = 0
+    """Draft tokens a decoding sequence may feed after its last one (speculative decoding):
+    its blocks and the step's budget make room for them (engine/speculative.py)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -55,6 +58,12 @@ class ScheduledSeq:
     """Tokens fed this step, at positions [start, start + num_new_tokens)."""
     samples: bool
     """True when this step reaches the sequence's last token, so a new token is sampled."""
+    draft_room: int = 0
+    """Draft tokens this sequence may feed after its last one (its blocks hold them)."""
+    draft: tuple[int, ...] = ()
+    """Draft tokens fed after its last one, at positions start + 1 ..; num_new_tokens counts
+    them. The target verifies them (engine/spec_verify.py); `Scheduler.update` keeps those it
+    accepted."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,18 @@ class StepPlan:
     @property
     def is_decode_only(self) -> bool:
         return all(s.num_new_tokens == 1 for s in self.scheduled)
+
+    def with_drafts(self, drafts: dict[str, list[int]]) -> StepPlan:
+        """This plan with draft tokens fed after the last token of the sequences in `drafts`
+        (each at most its draft_room)."""
+        items = []
+        for item in self.scheduled:
+            draft = drafts.get(item.seq.seq_id)
+            if draft:
+                assert item.num_new_tokens == 1 and len(draft) <= item.draft_room
+                item = replace(item, num_new_tokens=1 + len(draft), draft=tuple(draft))
+            items.append(item)
+        return StepPlan(tuple(items), self.preempted)
 
 
 class Scheduler:
@@ -127,15 +148,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
-            while not self._grow(seq, seq.num_computed + n):
+            room = self._draft_room(seq, budget)
+            while not self._grow(seq, seq.num_computed + n + room):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                scheduled.append(_scheduled(seq, n))
-                budget -= n
+                scheduled.append(_scheduled(seq, n, room))
+                budget -= n + room
                 i += 1
         # After a preemption the pool is exhausted: admitting more would only thrash.
         while (
@@ -146,13 +168,14 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             n = min(seq.num_uncomputed, budget)
-            if not self._grow(seq, seq.num_computed + n):
+            room = self._draft_room(seq, budget)
+            if not self._grow(seq, seq.num_computed + n + room):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(_scheduled(seq, n))
-            budget -= n
+            scheduled.append(_scheduled(seq, n, room))
+            budget -= n + room
         if not scheduled:
             return None
         for item in scheduled:
@@ -197,16 +220,28 @@ class Scheduler:
         """Whether the last step planned ahead is pending and every sequence in it has finished."""
         return bool(self._ahead) and all(i.seq.finished for i in self._ahead[-1][0].scheduled)
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Sequence]:
+    def update(
+        self,
+        plan: StepPlan,
+        sampled: dict[str, int],
+        accepted: dict[str, int] | None = None,
+    ) -> list[Sequence]:
         """Records a finished forward: `sampled` maps seq_id to the token sampled for every
         scheduled sequence that samples (sequences that finished since the plan was made are
-        passed over). Returns the sequences that finished."""
+        passed over); `accepted`, for those that fed drafts, how many of them the target kept
+        (they come before the sampled token; their KV stays, the rest is never read). Returns
+        the sequences that finished."""
         finished = []
         for item in plan.scheduled:
             seq = item.seq
             if not item.samples or seq.finished:
                 continue
-            reason = seq.append(sampled[seq.seq_id])
+            kept = accepted[seq.seq_id] if item.draft else 0
+            for token in (*item.draft[:kept], sampled[seq.seq_id]):
+                reason = seq.append(token)
+                if reason is not None:
+                    break
+            seq.num_computed += kept
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
@@ -217,6 +252,16 @@ class Scheduler:
                 self.pool.free(held)
                 break
         return finished
+
+    def _draft_room(self, seq: Sequence, budget: int) -> int:
+        """Draft tokens seq may feed after its last token this step: none unless it decodes
+        (one token left to feed) and speculates; never past its length limits or the budget."""
+        k = self.config.num_speculative_tokens
+        if not k or seq.num_uncomputed != 1 or not seq.speculates:
+            return 0
+        # Accepted drafts and the target's token are all appended: stay within both limits.
+        limit = min(seq.max_model_len - seq.num_tokens, seq.stop.max_tokens - seq.num_output_tokens)
+        return max(0, min(k, limit - 1, budget - 1))
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Makes seq's blocks hold num_tokens tokens; False if the pool cannot."""
@@ -234,6 +279,7 @@ class Scheduler:
         self.pool.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed = 0
+        seq.num_draft_computed = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -252,5 +298,5 @@ class Scheduler:
         seq.finish(reason)
 
 
-def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
-    return ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
+def _scheduled(seq: Sequence, n: int, room: int = 0) -> ScheduledSeq:
+    return ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens, room)

@@ -100,6 +100,13 @@ class Sequence:
         """Tokens whose KV is in the cache; the next forward starts at this position."""
         self.generator: torch.Generator | None = None
         """Seeded requests' own random stream, on the engine's device (set by the engine)."""
+        self.num_draft_computed = 0
+        """Tokens whose KV a draft model (engine/draft_proposer.py) has in its own cache; reset
+        with num_computed when the sequence is preempted."""
+        self.num_draft_tokens = 0
+        """Draft tokens proposed for it so far (speculative decoding)."""
+        self.num_accepted_tokens = 0
+        """Of those, the ones the target accepted."""
         self.grammar: Any = None
         """A constrained sequence's xgrammar.GrammarMatcher (set by the engine): it has accepted
         every output token, and masks the logits of the next one (engine/grammar.py)."""
@@ -128,6 +135,13 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def speculates(self) -> bool:
+        """Whether drafts may be proposed for it: not while it samples with penalties, under a
+        grammar or with log-probabilities (each needs the tokens one at a time)."""
+        params = self.sampling
+        return not (params.penalized or self.grammar is not None or params.logprobs is not None)
 
     def sampling_row(self) -> SamplingRow:
         if not self.sampling.penalized:  # only penalties look at the history

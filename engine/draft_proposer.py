@@ -1,0 +1,121 @@
+"""The draft-model proposer: a smaller model of the target's vocabulary guesses the next tokens.
+
+The draft has a paged KV cache of its own with as many blocks as the target's, addressed by the
+same block ids: a sequence's blocks hold its draft KV at the same slots as its target KV, so the
+scheduler's allocation (draft room included) serves both, and preemption or completion frees
+both. `Sequence.num_draft_computed` counts the tokens whose draft KV is in place.
+
+A proposal for sequences of N tokens: one forward feeds each sequence's tokens the draft has not
+seen (the whole prompt the first time, in chunks; after a step, its accepted drafts and the
+target's token) and takes the argmax after the last; then k - 1 one-token forwards each feed the
+previous guess (replayed CUDA graphs on the GPU). The draft KV of the guesses is not kept: what
+was accepted is fed again with the next catch-up, inside a forward that runs anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
+from engine.kv_cache import KVCache
+from engine.model import CausalLM
+from engine.sequence import Sequence
+
+
+class DraftModelProposer:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        max_chunk: int,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.max_chunk = max_chunk
+        """Tokens one sequence feeds in one catch-up forward at most (the engine's
+        max_num_batched_tokens)."""
+        self.graphs = graphs
+        self.device = kv_cache.storage.device
+
+    def propose(self, seqs: Seq[Sequence], rooms: Seq[int]) -> list[list[int]]:
+        active = [(seq, room) for seq, room in zip(seqs, rooms, strict=True) if room > 0]
+        if not active:
+            return [[] for _ in seqs]
+        self._catch_up([seq for seq, _ in active])
+        fed = [(seq, seq.num_tokens - seq.num_draft_computed) for seq, _ in active]
+        guesses = self._forward(fed).argmax(dim=-1)
+        for seq, _ in active:
+            seq.num_draft_computed = seq.num_tokens
+        depth = max(room for _, room in active)
+        table = torch.full((len(active), depth), -1, dtype=torch.long, device=self.device)
+        table[:, 0] = guesses
+        for j in range(1, depth):
+            # Only sequences with room for guess j: its KV lands at position N - 1 + j, which
+            # their blocks hold (a shorter room's blocks may end before it).
+            rows = [i for i, (_, room) in enumerate(active) if room > j]
+            index = torch.tensor(rows, device=self.device)
+            riding = [active[i][0] for i in rows]
+            positions = [seq.num_tokens - 1 + j for seq in riding]
+            table[index, j] = self._step(table[index, j - 1], positions, riding)
+        by_seq = {
+            seq.seq_id: row[:room] for (seq, room), row in zip(active, table.tolist(), strict=True)
+        }
+        return [by_seq.get(seq.seq_id, []) for seq in seqs]
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Feeds, in chunks of max_chunk, all but the last max_chunk unseen tokens of each."""
+        while True:
+            behind = [
+                (seq, self.max_chunk)
+                for seq in seqs
+                if seq.num_tokens - seq.num_draft_computed > self.max_chunk
+            ]
+            if not behind:
+                return
+            self._forward(behind, logits=False)
+            for seq, n in behind:
+                seq.num_draft_computed += n
+
+    def _forward(self, fed: list[tuple[Sequence, int]], logits: bool = True) -> torch.Tensor:
+        """Feeds each sequence's next n unseen tokens; logits after each one's last."""
+        ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
+        for seq, n in fed:
+            start = seq.num_draft_computed
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(seq.block_ids)
+        meta = AttentionMetadata.build(
+            query_lens, seq_lens, tables, self.kv_cache.block_size, self.device
+        )
+        hidden = self.model(
+            torch.tensor(ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.kv_cache.kv_caches,
+            meta,
+        )
+        if not logits:
+            return hidden
+        last = torch.tensor(meta.host_query_start_loc[1:], device=self.device) - 1
+        return self.model.compute_logits(hidden[last])
+
+    def _step(
+        self, tokens: torch.Tensor, positions: list[int], seqs: list[Sequence]
+    ) -> torch.Tensor:
+        """Greedy guesses after feeding `tokens` [B] (on the device) at `positions`."""
+        tables = [seq.block_ids for seq in seqs]
+        if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+            return self.graphs.run(None, positions, tables, fed_ids=tokens)[1]
+        lens = [p + 1 for p in positions]
+        meta = AttentionMetadata.build(
+            [1] * len(seqs), lens, tables, self.kv_cache.block_size, self.device
+        )
+        hidden = self.model(
+            tokens, torch.tensor(positions, device=self.device), self.kv_cache.kv_caches, meta
+        )
+        return self.model.compute_logits(hidden).argmax(dim=-1)

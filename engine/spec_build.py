@@ -1,0 +1,65 @@
+"""Building speculative decoding's parts for an engine: the draft model, the proposer and the
+simulated acceptance curve, from its EngineConfig (engine/speculative.py says what they do)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs
+from engine.draft_proposer import DraftModelProposer
+from engine.engine_config import DTYPES, EngineConfig
+from engine.kv_cache import KVCache
+from engine.model import CausalLM
+from engine.model_loader import load_model
+from engine.spec_acceptance import AcceptanceCurve
+from engine.speculative import NgramProposer, Proposer
+
+Draft = tuple[ModelConfig, CausalLM]
+
+
+def load_draft_model(config: EngineConfig, target: ModelConfig) -> Draft | None:
+    """A draft_model config's draft, on the engine's device and dtype; None for other methods.
+    Its vocabulary must be the target's: drafts are token ids the target verifies."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft_config = replace(config, model=spec.model, speculative_config=None)
+    model_config, model = load_model(draft_config)
+    if model_config.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config.model: {spec.model} has a vocabulary of "
+            f"{model_config.vocab_size} tokens, the target {config.model} has "
+            f"{target.vocab_size}; a draft model must share the target's tokenizer"
+        )
+    if model_config.mla is not None:
+        raise ValueError(
+            f"speculative_config.model: {spec.model} is of the MLA family; a draft model is of "
+            "the Llama family so far"
+        )
+    return model_config, model
+
+
+def build_proposer(
+    config: EngineConfig, draft: Draft | None, num_blocks: int, max_model_len: int
+) -> Proposer | None:
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(spec)
+    assert draft is not None
+    model_config, model = draft
+    model.model.rotary_emb.cache(max_model_len, DTYPES[config.dtype])
+    kv_cache = KVCache(model_config, num_blocks, config.block_size, config.kv_dtype, config.device)
+    graphs = None
+    if config.device.startswith("cuda") and not config.enforce_eager:
+        graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
+    return DraftModelProposer(model, kv_cache, config.max_num_batched_tokens, graphs)
+
+
+def acceptance_curve(config: EngineConfig) -> AcceptanceCurve | None:
+    spec = config.speculative_config
+    if spec is None or spec.acceptance_curve is None:
+        return None
+    return AcceptanceCurve.load(spec.acceptance_curve, spec.num_speculative_tokens, config.seed)

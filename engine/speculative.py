@@ -1,0 +1,156 @@
+"""Speculative decoding: its configuration and the proposers that guess the next tokens.
+
+A decode step of a speculating sequence feeds its last token and up to k proposed ("draft")
+tokens; the target model scores all k + 1 positions in one forward, and engine.spec_verify keeps
+the longest prefix of the drafts the target agrees with, plus one token of the target's own.
+Proposals are deterministic token guesses (the n-gram's lookup, a draft model's argmax), so the
+verifier's rejection sampling treats the proposal distribution as one-hot at each guess, and the
+output distribution is exactly the target's.
+
+Configured as vLLM's `--speculative-config`, a JSON object:
+
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}
+    {"method": "draft_model", "model": "path/or/random:preset", "num_speculative_tokens": 3}
+
+Sequences that sample with penalties, under a grammar or with log-probabilities do not speculate
+(they decode one token a step, as without speculation).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field, fields
+from typing import Protocol
+
+import numpy as np
+
+from engine.sequence import Sequence
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    """"ngram" (prompt lookup) or "draft_model" (a smaller model of the same vocabulary)."""
+    num_speculative_tokens: int
+    """Draft tokens proposed per step and sequence at most (k)."""
+    prompt_lookup_max: int = 5
+    """ngram: the longest suffix of the sequence looked up in its earlier tokens."""
+    prompt_lookup_min: int = 2
+    """ngram: the shortest suffix looked up; no proposal when none of [min, max] is found."""
+    model: str | None = None
+    """draft_model: a Hugging Face folder or random:<preset>, of the target's vocabulary."""
+    acceptance_curve: str | None = None
+    """Benchmarks only: a curve name in engine/acceptance_curves.json; the verifier then
+    accepts as many drafts as the curve draws instead of comparing them (output tokens are
+    not the target's). Refused unless the engine is built in benchmark mode."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative_config.method: {self.method!r} is not one of {', '.join(METHODS)}"
+            )
+        if type(self.num_speculative_tokens) is not int or self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens: {self.num_speculative_tokens!r} "
+                "must be an integer of at least 1"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) and "
+                f"prompt_lookup_max ({self.prompt_lookup_max}) must satisfy 1 <= min <= max"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config.model: a draft model is given with method draft_model, "
+                f"and only then (method {self.method!r}, model {self.model!r})"
+            )
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """From vLLM's --speculative-config JSON; unknown keys are refused by name."""
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config: not JSON ({e})") from None
+        if not isinstance(values, dict):
+            raise ValueError("speculative_config: must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}")
+        missing = sorted({"method", "num_speculative_tokens"} - set(values))
+        if missing:
+            raise ValueError(f"speculative_config: missing {', '.join(missing)}")
+        try:
+            return cls(**values)
+        except TypeError as e:  # a value of the wrong type met a comparison
+            raise ValueError(f"speculative_config: {e}") from None
+
+    def to_json(self) -> str:
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: Seq[Sequence], rooms: Seq[int]) -> list[list[int]]:
+        """Up to rooms[i] draft tokens to follow each sequence's tokens (all of them, the last
+        one included, which has no KV yet). The blocks of every sequence already hold
+        num_tokens + rooms[i] positions."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: find the sequence's last n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min) earlier in its prompt and output, and propose what followed the most
+    recent such occurrence."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, seqs: Seq[Sequence], rooms: Seq[int]) -> list[list[int]]:
+        return [
+            self.lookup(seq.token_ids, room) if room > 0 else []
+            for seq, room in zip(seqs, rooms, strict=True)
+        ]
+
+    def lookup(self, token_ids: Seq[int], room: int) -> list[int]:
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        total = len(tokens)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            suffix = tokens[total - n :]
+            # Windows starting at 0 .. total - n - 1: every occurrence but the suffix itself.
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[: total - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if len(hits):
+                follow = int(hits[-1]) + n
+                return tokens[follow : follow + room].tolist()
+        return []
+
+
+@dataclass
+class SpecStats:
+    """An engine's speculation counters since start (vLLM's spec_decode metrics)."""
+
+    num_drafts: int = 0
+    """Verified proposals: sequence-steps that fed at least one draft token."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    """[j]: proposals whose draft j was accepted."""
+
+    def record(self, num_drafts: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position.extend([0] * (num_drafts - len(self.accepted_per_position)))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verified proposal yields on average: accepted drafts + the target's one."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
