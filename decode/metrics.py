@@ -6,12 +6,21 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.speculative import SpecStats
 
 
 class DecodeMetrics:
-    def __init__(self, gauges: dict[str, Callable[[], float]]) -> None:
-        """`gauges`: name suffix -> a function read at scrape time (pool and queue sizes)."""
+    def __init__(
+        self, gauges: dict[str, Callable[[], float]], spec_stats: SpecStats | None = None
+    ) -> None:
+        """`gauges`: name suffix -> a function read at scrape time (pool and queue sizes);
+        `spec_stats`: the engine's speculation counters, when it speculates."""
         self.registry = CollectorRegistry()
+        if spec_stats is not None:
+            self.registry.register(_SpecCollector(spec_stats))
         help_text = {
             "kv_blocks_total": "KV blocks in the pool",
             "kv_blocks_free": "KV blocks free",
@@ -41,3 +50,28 @@ class DecodeMetrics:
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
             registry=self.registry,
         )
+
+
+class _SpecCollector(Collector):
+    """Speculative decoding's counters, read from the engine's SpecStats at scrape time (vLLM's
+    spec_decode metrics, under tandem_decode_spec_)."""
+
+    def __init__(self, stats: SpecStats) -> None:
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats
+        for name, doc, value in (
+            ("drafts", "verified proposals (sequence-steps that fed drafts)", stats.num_drafts),
+            ("draft_tokens", "draft tokens proposed and verified", stats.num_draft_tokens),
+            ("accepted_tokens", "draft tokens the target accepted", stats.num_accepted_tokens),
+        ):
+            yield CounterMetricFamily(f"tandem_decode_spec_{name}", doc, value=value)
+        per_position = CounterMetricFamily(
+            "tandem_decode_spec_accepted_tokens_per_pos",
+            "proposals whose draft at this position was accepted",
+            labels=["position"],
+        )
+        for position, count in enumerate(list(stats.accepted_per_position)):
+            per_position.add_metric([str(position)], count)
+        yield per_position

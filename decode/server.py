@@ -28,6 +28,7 @@ from decode.service import DecodeServicer
 from engine.config import ModelConfig
 from engine.engine_config import KV_SCALE
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.spec_build import speculative_kv
 from prefill.ticket import DECODE_LAYOUT, kv_dtype_fields, layout_descriptor
 from proto.tandem.v1 import decode_pb2_grpc, layout_pb2
 from rpc import keepalive
@@ -112,7 +113,8 @@ class DecodeServer:
                 "waiting": lambda: self.loop.snapshot.waiting,
                 "reserved": lambda: self.admission.num_reserved,
                 "engine_up": lambda: float(self.loop.failure is None),
-            }
+            },
+            self.engine.spec_stats if config.engine.speculative_config else None,
         )
         self.servicer = DecodeServicer(
             self.admission, self.loop, self.engine.kv_cache, layout, endpoint, self.metrics
@@ -183,6 +185,7 @@ def _layout(config: DecodeServerConfig, model: ModelConfig) -> layout_pb2.Layout
         layout=DECODE_LAYOUT,
         transport=config.kv.backend,
         kv_format=model.kv_format,
+        speculative_kv=speculative_kv(config.engine),
     )
 
 

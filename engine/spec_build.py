@@ -11,7 +11,7 @@ from engine.draft_proposer import DraftModelProposer
 from engine.engine_config import DTYPES, EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.model_loader import load_model
+from engine.model_loader import load_model, read_model_config
 from engine.spec_acceptance import AcceptanceCurve
 from engine.speculative import NgramProposer, Proposer
 
@@ -63,3 +63,16 @@ def acceptance_curve(config: EngineConfig) -> AcceptanceCurve | None:
     if spec is None or spec.acceptance_curve is None:
         return None
     return AcceptanceCurve.load(spec.acceptance_curve, spec.num_speculative_tokens, config.seed)
+
+
+def speculative_kv(config: EngineConfig) -> str:
+    """What the proposer needs of a prompt besides the model's KV, as a layout descriptor names
+    it (LayoutDescriptor.speculative_kv): "" for none (n-gram), or the draft model's KV shape
+    and dtype."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return ""
+    draft = read_model_config(replace(config, model=spec.model, speculative_config=None))
+    _, heads, channels = draft.kv_planes
+    dtype = str(config.kv_dtype).removeprefix("torch.")
+    return f"draft_model:{draft.num_layers}x{heads}x{channels}:{dtype}"

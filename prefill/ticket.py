@@ -154,6 +154,7 @@ def layout_descriptor(
     kv_scale: float = 0.0,
     tp_size: int = 1,
     layout_version: int = LAYOUT_VERSION,
+    speculative_kv: str = "",
 ) -> layout_pb2.LayoutDescriptor:
     """An engine's KV layout, its heads split evenly over `tp_size` ranks. For
     KV_FORMAT_MLA_LATENT, num_kv_heads is 1 and head_dim the latent width (engine's
@@ -177,6 +178,7 @@ def layout_descriptor(
             for heads in (rank_heads(num_kv_heads, tp_size, r) for r in range(tp_size))
         ],
         transport=transport,
+        speculative_kv=speculative_kv,
     )
 
 
@@ -194,6 +196,12 @@ def mismatch(ours: layout_pb2.LayoutDescriptor, theirs: layout_pb2.LayoutDescrip
     if ours.transport != theirs.transport:
         problems.append(
             f"transport: decode uses {ours.transport!r}, sender uses {theirs.transport!r}"
+        )
+    if ours.speculative_kv != theirs.speculative_kv:
+        problems.append(
+            f"speculative_kv: decode's proposer needs {ours.speculative_kv or 'none'!r}, sender "
+            f"writes {theirs.speculative_kv or 'none'!r} (the prompt KV of a draft model comes "
+            "from the prefill; or decode with an n-gram proposer, which needs none)"
         )
     covered = sorted((r.start, r.end) for r in theirs.head_ranges)
     heads = theirs.model.num_kv_heads

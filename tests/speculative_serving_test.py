@@ -1,0 +1,142 @@
+"""Speculative decoding through the served stack, with real processes (the bundled SmolLM2 on the
+CPU, over tcp):
+- a decode server speculating with n-gram lookup behind tandem's prefill and the router answers
+  greedy completions with the tokens of one engine without speculation, its drafts counted and
+  accepted in /metrics;
+- a decode server speculating with a draft model (SmolLM2 drafting for itself) is refused by a
+  prefill that does not send the draft's prompt KV: Hello fails naming what is missing, and the
+  client's request fails with that message instead of decoding with a recomputed prompt;
+- the same decode server behind an aggregated router (it prefills itself, the draft too) answers
+  with the same tokens, every proposal accepted.
+Afterwards no KV block stays allocated on either decode server.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling import SamplingParams
+from engine.sequence import StopConditions
+from prefill.ticket import kv_dtype_fields, layout_descriptor
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
+from tests.servers import (
+    MODEL,
+    counter,
+    decode_pool_free,
+    metrics_url,
+    start_decode,
+    start_prefill,
+    start_router,
+)
+
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+PROMPTS = ["Repeat this code exactly:\n" + CODE + "Again:\n" + CODE[:12], "1, 2, 3, 4, 5,"]
+MAX_TOKENS = 20
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+SELF_DRAFT = json.dumps({"method": "draft_model", "model": MODEL, "num_speculative_tokens": 3})
+DRAFT_KV = "draft_model:30x3x64:float32"  # SmolLM2's layers x KV heads x head dim, its dtype
+
+
+def _stop(*procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """An n-gram decode server behind a prefill and a router; a draft-model decode server
+    behind a router to the same prefill, and behind an aggregated router."""
+    ngram, ngram_address = start_decode("tcp", "float32", "--speculative-config", NGRAM)
+    draft, draft_address = start_decode("tcp", "float32", "--speculative-config", SELF_DRAFT)
+    prefill, prefill_url = start_prefill("tcp")
+    router, url = start_router([prefill_url], [ngram_address])
+    refused, refused_url = start_router([prefill_url], [draft_address], "--no-decode-only-fallback")
+    aggregated, aggregated_url = start_router([], [draft_address], "--aggregated")
+    yield {
+        "ngram": (ngram_address, url),
+        "draft": (draft_address, refused_url, aggregated_url),
+        "prefill": prefill_url,
+    }
+    _stop(aggregated, refused, router, prefill, draft, ngram)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[str]:
+    """Greedy texts of one engine without speculation."""
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    engine = LLMEngine.build(EngineConfig(model=MODEL, dtype="float32", block_size=16))
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    outputs = engine.generate(prompts, SamplingParams(), StopConditions(max_tokens=MAX_TOKENS))
+    return [tokenizer.decode(out) for out in outputs]
+
+
+def _complete(url: str, prompt: str) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def test_ngram_decode_through_the_stack_equals_one_engine(stack, reference):
+    address, url = stack["ngram"]
+    texts = []
+    for prompt in PROMPTS:
+        reply = _complete(url, prompt)
+        assert reply.status_code == 200, reply.text
+        texts.append(reply.json()["choices"][0]["text"])
+    assert texts == reference
+    metrics = metrics_url(address)
+    drafted = counter(metrics, "tandem_decode_spec_draft_tokens_total")
+    accepted = counter(metrics, "tandem_decode_spec_accepted_tokens_total")
+    assert drafted > 0 and accepted > drafted / 3  # the repeated code is looked up
+    assert counter(metrics, "tandem_decode_spec_accepted_tokens_per_pos_total") == accepted
+    assert decode_pool_free(address) is not None
+
+
+def _sender_layout(speculative_kv: str = "") -> layout_pb2.LayoutDescriptor:
+    """A prefill of the bundled model in float32 writing over tcp, as prefill.server's."""
+    return layout_descriptor(
+        model_name=MODEL, num_layers=30, num_kv_heads=3, head_dim=64,
+        **kv_dtype_fields(torch.float32, 1.0), block_size=16, layout="tandem-hnd",
+        transport="tcp", speculative_kv=speculative_kv,
+    )  # fmt: skip
+
+
+def test_a_prefill_without_the_drafts_kv_is_refused_at_hello(stack):
+    address, refused_url, _ = stack["draft"]
+    with grpc.insecure_channel(address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Hello(decode_pb2.HelloRequest(sender_layout=_sender_layout()), timeout=5)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"needs '{DRAFT_KV}', sender writes 'none'" in e.value.details()
+        # A sender that writes the draft's KV is let in.
+        hello = decode_pb2.HelloRequest(sender_layout=_sender_layout(DRAFT_KV))
+        assert stub.Hello(hello, timeout=5).decode_layout.speculative_kv == DRAFT_KV
+    reply = _complete(refused_url, PROMPTS[1])
+    assert reply.status_code == 503, reply.text
+    message = reply.json()["error"]["message"]
+    assert "speculative_kv" in message and DRAFT_KV in message, message
+    assert decode_pool_free(address) is not None
+
+
+def test_draft_model_decode_prefilling_itself_accepts_every_proposal(stack, reference):
+    address, _, aggregated_url = stack["draft"]
+    texts = []
+    for prompt in PROMPTS:
+        reply = _complete(aggregated_url, prompt)
+        assert reply.status_code == 200, reply.text
+        texts.append(reply.json()["choices"][0]["text"])
+    assert texts == reference
+    metrics = metrics_url(address)
+    drafted = counter(metrics, "tandem_decode_spec_draft_tokens_total")
+    assert drafted > 0
+    assert counter(metrics, "tandem_decode_spec_accepted_tokens_total") == drafted
+    assert decode_pool_free(address) is not None
