@@ -47,6 +47,11 @@ class AttentionMetadata:
     # per layer (which stalls the GPU whenever another thread holds the GIL at that moment).
     host_query_start_loc: tuple[int, ...] | None = None
     host_seq_lens: tuple[int, ...] | None = None
+    # Decode rows (one new token each) that may be consecutive tokens of one sequence, each with
+    # its own seq_len and the sequence's block table (speculative verification, a draft model's
+    # catch-up, in CUDA graphs): every row's K/V is written before any row attends, where a
+    # decode kernel would otherwise attend each row's own K/V from registers.
+    new_kv_first: bool = False
 
     def __post_init__(self) -> None:
         # Shape and dtype only: checking values would cost a device sync every step.

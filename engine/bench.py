@@ -14,7 +14,14 @@ transformers `generate` on the very same weights in the same run. `--json-schema
 without it to get what the grammar masks cost a step (and the synchronous stepping they need).
 `--variant model=random:llama3-8b-fp8,kv_cache_dtype=fp8` (repeatable) runs the same cases on
 another engine in the same run, its configuration the base one with those fields replaced (one
-engine in memory at a time); its rows' system column is the variant.
+engine in memory at a time); its rows' system column is the variant, or its label
+(`--variant 'mtp-sim:speculative_config={...}'`). With speculative decoding a step yields up to
+k + 1 tokens a sequence: decode tok/s and TPOT count tokens, the roofline stays the one-token
+decode's (above 100% is speculation's gain), and `accept len` is the mean tokens per verified
+proposal; `--benchmark-mode` lets a variant simulate acceptance from a committed curve
+(engine/acceptance_curves.json) on random weights. `--prompt-file` (one JSON string per line)
+decodes real text instead of random tokens, e.g. n-gram lookup's real acceptance on code edits
+(the context column is then the prompts' mean length).
 
     python -m engine.bench --model random:llama3-8b --device cuda --batch-sizes 1,64 \
         --context-lens 1024 --peer hf --out bench.json
@@ -40,6 +47,7 @@ from engine.model import CausalLM
 from engine.model_loader import read_model_config
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
+from engine.speculative import SpecStats, SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,8 @@ class Result:
     roofline_ratio: float | None
     mbu: float | None  # (all parameter bytes + KV bytes) per step / measured bandwidth / step
     peak_memory_gb: float | None
+    tpot_ms: float | None = None  # decode seconds per token of one sequence
+    acceptance_length: float | None = None  # speculative decoding: tokens per verified proposal
 
 
 def read_bandwidth(device: str) -> float:
@@ -125,14 +135,18 @@ def bench_engine(
     grammar: Grammar | None = None,
     system: str = "tandem",
 ) -> Result:
-    """Prefills `batch` prompts, then times `decode_tokens` steps in which all of them decode
-    (each constrained to `grammar` when given). The same prefill runs once untimed first: the
-    first batches of a shape compile kernels."""
+    """Prefills `batch` prompts, then times decode steps in which all of them decode (each
+    constrained to `grammar` when given) until they have generated `decode_tokens` each on
+    average (one a step, or with speculative decoding up to k + 1). The same prefill runs once
+    untimed first: the first batches of a shape compile kernels. The roofline is the
+    one-token-a-step decode's: with speculation, more than 100% of it is its gain."""
     rng = random.Random(batch * 1_000_003 + context)
     vocab = engine.model_config.vocab_size
-    # Room for the decodes that run while later prompts are still prefilling, and the timed ones.
+    # Room for the decodes that run while later prompts are still prefilling, and the timed ones
+    # (up to k + 1 tokens a step with speculative decoding).
     prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
-    stop = StopConditions(max_tokens=prefill_steps + decode_tokens + 2, ignore_eos=True)
+    per_step = engine.config.num_speculative_tokens + 1
+    stop = StopConditions(max_tokens=prefill_steps + per_step * decode_tokens + 2, ignore_eos=True)
     prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
     _prefill(engine, prompts, stop, f"warm-up-b{batch}-c{context}", grammar)
     _abort_all(engine)
@@ -141,20 +155,25 @@ def bench_engine(
     # running, so the timing runs from one returned step to another, in that steady state.
     engine.step()
     kv_tokens = 0  # context tokens whose KV the timed steps read
-    generated = 0
+    generated = steps = 0
+    drafts_before = dataclasses.replace(engine.spec_stats)
     start = time.perf_counter()
-    for _ in range(decode_tokens):
+    while generated < batch * decode_tokens:
         kv_tokens += sum(seq.num_tokens for seq in engine.sequences.values())
         generated += len(engine.step())
+        steps += 1
+        left = "a sequence left the batch during timing"
+        if grammar is not None:
+            left += " (its grammar completed: give a schema with longer outputs)"
+        assert len(engine.sequences) == batch, left
     decode_s = time.perf_counter() - start
-    left = "a sequence left the batch during timing"
-    if grammar is not None:
-        left += " (its grammar completed: give a schema with longer outputs)"
-    assert generated == batch * decode_tokens, left
     _abort_all(engine)
-    kv_bytes = kv_tokens * engine.model_config.kv_bytes_per_token(engine.config.kv_dtype)
-    min_s = (weight_bytes_per_step(engine, batch) * decode_tokens + kv_bytes) / bandwidth
-    mbu_s = (parameter_bytes(engine) * decode_tokens + kv_bytes) / bandwidth
+    # One-token steps: as many as tokens per sequence, each reading the weights and the KV.
+    one_token_steps = generated / batch
+    kv_bytes = kv_tokens / steps * one_token_steps
+    kv_bytes *= engine.model_config.kv_bytes_per_token(engine.config.kv_dtype)
+    min_s = (weight_bytes_per_step(engine, batch) * one_token_steps + kv_bytes) / bandwidth
+    mbu_s = (parameter_bytes(engine) * one_token_steps + kv_bytes) / bandwidth
     decode_tok_s = generated / decode_s
     cuda = engine.config.device.startswith("cuda")
     return Result(
@@ -167,7 +186,19 @@ def bench_engine(
         roofline_ratio=min_s / decode_s if cuda else None,
         mbu=mbu_s / decode_s if cuda else None,
         peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        tpot_ms=decode_s / one_token_steps * 1e3,
+        acceptance_length=_acceptance_length(engine, drafts_before),
     )
+
+
+def _acceptance_length(engine: LLMEngine, before: SpecStats) -> float | None:
+    """Mean tokens per verified proposal over the timed steps; None without speculation."""
+    if engine.config.speculative_config is None:
+        return None
+    stats = engine.spec_stats
+    drafts = stats.num_drafts - before.num_drafts
+    accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+    return 1 + accepted / drafts if drafts else 1.0
 
 
 def bench_hf(engine: LLMEngine, batch: int, context: int, decode_tokens: int) -> Result:
@@ -211,35 +242,45 @@ def _table(results: list[Result], bandwidth: float) -> str:
         f"HBM read bandwidth (measured): {bandwidth / 1e12:.2f} TB/s",
         f"{'system':<{width}} {'batch':>5} {'context':>7} {'decode tok/s':>12} "
         f"{'prefill tok/s':>13} {'roofline tok/s':>14} {'of roofline':>11} {'MBU':>6} "
-        f"{'peak GiB':>8}",
+        f"{'peak GiB':>8} {'TPOT ms':>7} {'accept len':>10}",
     ]
     for r in results:
         lines.append(
             f"{r.system:<{width}} {r.batch:>5} {r.context:>7} {r.decode_tok_s:>12.1f} "
             f"{_fmt(r.prefill_tok_s, '.0f'):>13} {_fmt(r.roofline_tok_s, '.1f'):>14} "
             f"{_fmt(r.roofline_ratio, '.1%'):>11} {_fmt(r.mbu, '.1%'):>6} "
-            f"{_fmt(r.peak_memory_gb, '.1f'):>8}"
+            f"{_fmt(r.peak_memory_gb, '.1f'):>8} {_fmt(r.tpot_ms, '.2f'):>7} "
+            f"{_fmt(r.acceptance_length, '.2f'):>10}"
         )
     return "\n".join(lines)
 
 
-def variant_config(config: EngineConfig, spec: str) -> EngineConfig:
-    """config with the fields of spec ("field=value,field=value") replaced, each value parsed
-    as the field's current type; ValueError naming a field EngineConfig has not."""
+def variant_config(config: EngineConfig, spec: str) -> tuple[str, EngineConfig]:
+    """(label, config with the fields of spec replaced): spec is "[label:]field=value,..."
+    (label: the spec itself when not given), each value parsed as the field's current type;
+    speculative_config's value is JSON, the rest of the spec. ValueError naming a field
+    EngineConfig has not."""
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    label, colon, rest = spec.partition(":")
+    if not colon or "=" in label:
+        label, rest = spec, spec
     changes: dict[str, object] = {}
-    for item in spec.split(","):
-        name, equals, text = item.partition("=")
+    items = rest.split(",")
+    while items:
+        name, equals, text = items.pop(0).partition("=")
         if not equals or name not in fields:
             raise ValueError(f"--variant {spec!r}: {name!r} is not an EngineConfig field")
         current = getattr(config, name)
-        if isinstance(current, bool):
+        if name == "speculative_config":
+            changes[name] = SpeculativeConfig.from_json(",".join([text, *items]))
+            items = []
+        elif isinstance(current, bool):
             changes[name] = text.lower() in ("1", "true", "yes")
         elif isinstance(current, int | float):
             changes[name] = type(current)(text)
         else:
             changes[name] = text
-    return dataclasses.replace(config, **changes)
+    return label, dataclasses.replace(config, **changes)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -259,7 +300,8 @@ def main() -> None:
         action="append",
         default=[],
         help="another engine for the same cases, e.g. model=random:llama3-8b-fp8 or "
-        "kv_cache_dtype=fp8 (EngineConfig fields, comma-separated; repeatable)",
+        "kv_cache_dtype=fp8 (EngineConfig fields, comma-separated; repeatable), optionally "
+        'labelled: \'draft:speculative_config={"method": "draft_model", ...}\' (JSON, last)',
     )
     parser.add_argument(
         "--json-schema",
@@ -284,7 +326,7 @@ def main() -> None:
     contexts = [int(c) for c in args.context_lens.split(",")]
     config = EngineConfig.from_cli_args(args)
     try:
-        systems = [("tandem", config)] + [(v, variant_config(config, v)) for v in args.variant]
+        systems = [("tandem", config)] + [variant_config(config, v) for v in args.variant]
     except ValueError as e:
         parser.error(str(e))
     grammar = _grammar(args, config) if args.json_schema or args.grammar else None

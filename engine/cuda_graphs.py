@@ -102,10 +102,21 @@ class StepInputs:
 
 
 class DecodeGraphs:
+    """One graph per batch bucket of decode rows. With `new_kv_first`, rows may be consecutive
+    tokens of one sequence (speculative verification, a draft model's catch-up): each row is
+    given its own position and its sequence's block table, and every row's K/V is written
+    before any row attends (AttentionMetadata.new_kv_first)."""
+
     def __init__(
-        self, model: CausalLM, kv_cache: KVCache, max_batch: int, max_model_len: int
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        max_batch: int,
+        max_model_len: int,
+        new_kv_first: bool = False,
     ) -> None:
         self.model = model
+        self.new_kv_first = new_kv_first
         self.kv_cache = kv_cache
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
@@ -156,6 +167,7 @@ class DecodeGraphs:
                 block_tables=inputs.block_tables,
                 max_query_len=1,
                 max_seq_len=max_model_len,
+                new_kv_first=self.new_kv_first,
             )
             # Padded rows only until the first write: everything points at the padding block.
             args = (inputs.input_ids, inputs.positions, self.kv_cache.kv_caches, meta)

@@ -32,13 +32,17 @@ class DraftModelProposer:
         kv_cache: KVCache,
         max_chunk: int,
         graphs: DecodeGraphs | None = None,
+        catch_up_graphs: DecodeGraphs | None = None,
     ) -> None:
+        """`graphs`: one-token steps; `catch_up_graphs` (new_kv_first): catch-ups of up to its
+        max_batch tokens in all, a row per token (the prompt's first catch-up runs eagerly)."""
         self.model = model
         self.kv_cache = kv_cache
         self.max_chunk = max_chunk
         """Tokens one sequence feeds in one catch-up forward at most (the engine's
         max_num_batched_tokens)."""
         self.graphs = graphs
+        self.catch_up_graphs = catch_up_graphs
         self.device = kv_cache.storage.device
 
     def propose(self, seqs: Seq[Sequence], rooms: Seq[int]) -> list[list[int]]:
@@ -82,6 +86,9 @@ class DraftModelProposer:
 
     def _forward(self, fed: list[tuple[Sequence, int]], logits: bool = True) -> torch.Tensor:
         """Feeds each sequence's next n unseen tokens; logits after each one's last."""
+        graphs = self.catch_up_graphs
+        if logits and graphs is not None and sum(n for _, n in fed) <= graphs.max_batch:
+            return self._catch_up_in_graph(fed)
         ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
         for seq, n in fed:
             start = seq.num_draft_computed
@@ -103,6 +110,17 @@ class DraftModelProposer:
             return hidden
         last = torch.tensor(meta.host_query_start_loc[1:], device=self.device) - 1
         return self.model.compute_logits(hidden[last])
+
+    def _catch_up_in_graph(self, fed: list[tuple[Sequence, int]]) -> torch.Tensor:
+        ids, positions, tables, last_rows = [], [], [], []
+        for seq, n in fed:
+            start = seq.num_draft_computed
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            tables.extend([seq.block_ids] * n)
+            last_rows.append(len(ids) - 1)
+        logits, _ = self.catch_up_graphs.run(ids, positions, tables)
+        return logits[torch.tensor(last_rows, device=self.device)]
 
     def _step(
         self, tokens: torch.Tensor, positions: list[int], seqs: list[Sequence]

@@ -30,7 +30,12 @@ from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence, StopConditions
-from engine.spec_build import acceptance_curve, build_proposer, load_draft_model
+from engine.spec_build import (
+    acceptance_curve,
+    build_proposer,
+    load_draft_model,
+    verify_graphs,
+)
 from engine.speculative import Proposer, SpecStats
 
 
@@ -120,6 +125,7 @@ class LLMEngine:
                 config.max_num_seqs,
                 graphs,
                 acceptance_curve(config),
+                verify_graphs(config, model, kv_cache, max_model_len),
             ),
             max_model_len=max_model_len,
             async_scheduling=async_scheduling,

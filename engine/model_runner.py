@@ -109,8 +109,11 @@ class ModelRunner:
         max_num_seqs: int,
         graphs: DecodeGraphs | None = None,
         acceptance: AcceptanceCurve | None = None,
+        verify_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.verify_graphs = verify_graphs
+        """Decode steps that feed drafts, up to its max_batch rows (a row per fed token)."""
         self.acceptance = acceptance
         """Benchmarks: drafts are accepted as this curve draws, not by comparison."""
         self.kv_cache = kv_cache
@@ -140,6 +143,8 @@ class ModelRunner:
                     device=self.device,
                 )
                 logits, greedy = logits[sampling_rows], greedy[sampling_rows]
+        elif self._verifies_in_graph(plan):
+            logits = self._verify_with_graph(plan)
         else:
             hidden, sample_rows = self._forward_eager(plan, fed)
             if not sampling:
@@ -185,6 +190,32 @@ class ModelRunner:
         host = self._next_host(len(sampling))
         seq_ids = [item.seq.seq_id for item in sampling]
         return LaunchedStep(plan, seq_ids, tokens, host, None, accepted)
+
+    def _verifies_in_graph(self, plan: StepPlan) -> bool:
+        """A decode step that feeds drafts, whose rows fit the verification graphs."""
+        graphs = self.verify_graphs
+        return (
+            graphs is not None
+            and all(item.num_new_tokens == 1 + len(item.draft) for item in plan.scheduled)
+            and plan.num_tokens <= graphs.max_batch
+        )
+
+    def _verify_with_graph(self, plan: StepPlan) -> torch.Tensor:
+        """Logits of the sampling sequences' rows (each fed token of theirs): a graph replay
+        with a row per fed token, at its position, with its sequence's block table."""
+        ids, positions, tables, sample_rows = [], [], [], []
+        for item in plan.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            if item.samples:
+                sample_rows.extend(range(len(ids), len(ids) + n))
+            ids.append(seq.token_ids[item.start])
+            ids.extend(item.draft)
+            positions.extend(range(item.start, item.start + n))
+            tables.extend([seq.block_ids] * n)
+        logits, _ = self.verify_graphs.run(ids, positions, tables)
+        if len(sample_rows) < len(ids):  # a one-token prompt chunk rode along
+            logits = logits[torch.tensor(sample_rows, device=self.device)]
+        return logits
 
     def _next_host(self, n: int) -> torch.Tensor | None:
         if not self._host_tokens:

@@ -94,6 +94,25 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
+# Draft models for Llama-3-8B (speculative decoding; its vocabulary): meta-llama/Llama-3.2-1B's
+# shape, and one Llama-3-8B decoder layer with its lm_head, what an EAGLE-style head or an MTP
+# layer reads a step.
+PRESETS["llama3.2-1b"] = dataclasses.replace(
+    PRESETS["llama3-8b"],
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    head_dim=64,
+    tie_word_embeddings=True,
+    rope_scaling=Llama3RopeScaling(
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+)
+PRESETS["llama3-8b-1l"] = dataclasses.replace(PRESETS["llama3-8b"], num_layers=1)
+
 # FP8 checkpoints' scheme (DeepSeek-V3, Qwen3 FP8): e4m3 weights, a scale per 128x128 block, the
 # decoder's projections quantized from the random bf16 weights (engine.weights), lm_head not.
 # tiny-fp8's 48x48 blocks give every matrix a partial block, and fused parts that do not start

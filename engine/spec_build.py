@@ -17,6 +17,10 @@ from engine.speculative import NgramProposer, Proposer
 
 Draft = tuple[ModelConfig, CausalLM]
 
+MAX_GRAPH_ROWS = 256
+"""Rows (fed tokens) of the largest step with drafts captured in a CUDA graph: each bucket keeps
+its float32 logits, [rows, vocab], so buckets up to 256 rows cost ~0.7 GB at a 128k vocabulary."""
+
 
 def load_draft_model(config: EngineConfig, target: ModelConfig) -> Draft | None:
     """A draft_model config's draft, on the engine's device and dtype; None for other methods.
@@ -52,10 +56,12 @@ def build_proposer(
     model_config, model = draft
     model.model.rotary_emb.cache(max_model_len, DTYPES[config.dtype])
     kv_cache = KVCache(model_config, num_blocks, config.block_size, config.kv_dtype, config.device)
-    graphs = None
-    if config.device.startswith("cuda") and not config.enforce_eager:
+    graphs = catch_up = None
+    if _graphs_on(config):
         graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
-    return DraftModelProposer(model, kv_cache, config.max_num_batched_tokens, graphs)
+        rows = min(config.max_num_seqs * (spec.num_speculative_tokens + 1), MAX_GRAPH_ROWS)
+        catch_up = DecodeGraphs(model, kv_cache, rows, max_model_len, new_kv_first=True)
+    return DraftModelProposer(model, kv_cache, config.max_num_batched_tokens, graphs, catch_up)
 
 
 def acceptance_curve(config: EngineConfig) -> AcceptanceCurve | None:
@@ -76,3 +82,18 @@ def speculative_kv(config: EngineConfig) -> str:
     _, heads, channels = draft.kv_planes
     dtype = str(config.kv_dtype).removeprefix("torch.")
     return f"draft_model:{draft.num_layers}x{heads}x{channels}:{dtype}"
+
+
+def verify_graphs(
+    config: EngineConfig, model: CausalLM, kv_cache: KVCache, max_model_len: int
+) -> DecodeGraphs | None:
+    """CUDA graphs of decode steps that feed drafts: a row per fed token, up to
+    MAX_GRAPH_ROWS rows (larger steps run eagerly)."""
+    if config.speculative_config is None or not _graphs_on(config):
+        return None
+    rows = min(config.max_num_seqs * (config.num_speculative_tokens + 1), MAX_GRAPH_ROWS)
+    return DecodeGraphs(model, kv_cache, rows, max_model_len, new_kv_first=True)
+
+
+def _graphs_on(config: EngineConfig) -> bool:
+    return config.device.startswith("cuda") and not config.enforce_eager

@@ -102,7 +102,7 @@ def attention(
     """`write_kv` of the new tokens' k, v [T, num_kv_heads, head_dim], then `paged_attention` of
     q. Decode batches do both in the split kernel: it stores each sequence's new K/V and
     attends to them from registers, so no kernel of its own writes them."""
-    if meta.max_query_len != 1:
+    if meta.max_query_len != 1 or meta.new_kv_first:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta, scale)
     new_kv = (k, v, meta.slot_mapping)

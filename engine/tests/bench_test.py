@@ -27,6 +27,36 @@ def test_bench_writes_results_for_every_point_and_the_peer(tmp_path):
     assert "decode tok/s" in done.stdout
 
 
+def test_bench_runs_a_labelled_speculative_variant_at_its_simulated_acceptance(tmp_path):
+    out = tmp_path / "bench.json"
+    spec = '{"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 3, '
+    spec += '"acceptance_curve": "all-accepted-depth-4"}'
+    cmd = [sys.executable, "-m", "engine.bench", "--model", "random:tiny", "--dtype", "float32"]
+    cmd += ["--batch-sizes", "2", "--context-lens", "20", "--decode-tokens", "8"]
+    cmd += ["--benchmark-mode", "--variant", f"sim:speculative_config={spec}", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    plain, sim = json.loads(out.read_text())["results"]
+    assert (plain["system"], sim["system"]) == ("tandem", "sim")
+    assert plain["acceptance_length"] is None
+    assert sim["acceptance_length"] == 4.0  # every draft accepted: k + 1 tokens a step
+    assert sim["tpot_ms"] > 0 and plain["tpot_ms"] > 0
+
+
+def test_variant_labels_and_json_values():
+    base = EngineConfig(model="random:tiny", benchmark_mode=True)
+    label, config = bench.variant_config(base, "model=random:tiny-fp8,kv_cache_dtype=fp8")
+    assert label == "model=random:tiny-fp8,kv_cache_dtype=fp8"
+    assert (config.model, config.kv_cache_dtype) == ("random:tiny-fp8", "fp8")
+    label, config = bench.variant_config(
+        base, 'ngram:seed=3,speculative_config={"method": "ngram", "num_speculative_tokens": 2}'
+    )
+    assert label == "ngram" and config.seed == 3
+    assert config.speculative_config.num_speculative_tokens == 2
+    with pytest.raises(ValueError, match="'colour' is not an EngineConfig field"):
+        bench.variant_config(base, "x:colour=red")
+
+
 @pytest.mark.parametrize("preset", ["tiny", "smollm2-135m"])  # untied, tied
 def test_roofline_counts_the_bytes_of_the_model_and_of_a_step(preset):
     engine = LLMEngine.build(

@@ -15,6 +15,7 @@ tests that import triton first (HF models do) needs TRITON_INTERPRET=1 in the en
 without it every test here errors, saying so.
 """
 
+import dataclasses
 import itertools
 
 import pytest
@@ -251,6 +252,32 @@ def test_prefill_and_mixed_batches_match_the_torch_path():
 )
 def test_choose_num_splits(batch, num_kv_heads, max_tiles, sm_count, expected):
     assert triton_attention.choose_num_splits(batch, num_kv_heads, max_tiles, sm_count) == expected
+
+
+def test_rows_of_one_sequence_with_new_kv_first_match_a_chunk():
+    """Speculative verification's layout: a sequence's 4 new tokens as 4 decode rows (each its
+    own position, the sequence's block table), K/V all written before any row attends, give
+    the output of the same tokens fed as one chunk of 4."""
+    gen = torch.Generator().manual_seed(5)
+    tables = [[3, 0, 5], [1, 4]]
+    contexts = [(11, 4), (6, 2)]  # (context after the step, new tokens)
+    q = torch.randn(6, 4, 16, generator=gen).to(DEVICE)
+    k = torch.randn(6, 2, 16, generator=gen).to(DEVICE)
+    v = torch.randn(6, 2, 16, generator=gen).to(DEVICE)
+    outs = []
+    for rows in (False, True):
+        k_cache = torch.randn(6, 2, 4, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        v_cache = torch.randn(6, 2, 4, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+        if rows:
+            lens = [s - n + j + 1 for s, n in contexts for j in range(n)]
+            row_tables = [t for t, (_, n) in zip(tables, contexts, strict=True) for _ in range(n)]
+            meta = AttentionMetadata.build([1] * 6, lens, row_tables, 4, DEVICE)
+            meta = dataclasses.replace(meta, new_kv_first=True)
+        else:
+            meta = AttentionMetadata.build([n for _, n in contexts],
+                                           [s for s, _ in contexts], tables, 4, DEVICE)  # fmt: skip
+        outs.append(triton_attention.attention(q, k, v, k_cache, v_cache, meta, 0.25))
+    torch.testing.assert_close(outs[1], outs[0])
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 12])  # 12: more than _FEW_TILES_SPLITS
