@@ -134,6 +134,7 @@ def bench_engine(
     bandwidth: float,
     grammar: Grammar | None = None,
     system: str = "tandem",
+    texts: list[list[int]] | None = None,
 ) -> Result:
     """Prefills `batch` prompts, then times decode steps in which all of them decode (each
     constrained to `grammar` when given) until they have generated `decode_tokens` each on
@@ -144,10 +145,13 @@ def bench_engine(
     vocab = engine.model_config.vocab_size
     # Room for the decodes that run while later prompts are still prefilling, and the timed ones
     # (up to k + 1 tokens a step with speculative decoding).
+    prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
+    if texts:  # real prompts, in turn
+        prompts = [texts[i % len(texts)] for i in range(batch)]
+        context = sum(map(len, prompts)) // batch
     prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
     per_step = engine.config.num_speculative_tokens + 1
     stop = StopConditions(max_tokens=prefill_steps + per_step * decode_tokens + 2, ignore_eos=True)
-    prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
     _prefill(engine, prompts, stop, f"warm-up-b{batch}-c{context}", grammar)
     _abort_all(engine)
     prefill_s = _prefill(engine, prompts, stop, f"b{batch}-c{context}", grammar)
@@ -304,6 +308,12 @@ def main() -> None:
         'labelled: \'draft:speculative_config={"method": "draft_model", ...}\' (JSON, last)',
     )
     parser.add_argument(
+        "--prompt-file",
+        default=None,
+        help="decode these prompts (one JSON string per line, tokenized by --model's "
+        "tokenizer) instead of random tokens; --context-lens is then ignored",
+    )
+    parser.add_argument(
         "--json-schema",
         default=None,
         help="a JSON Schema file every sequence is constrained to (compact whitespace); its "
@@ -325,6 +335,9 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     contexts = [int(c) for c in args.context_lens.split(",")]
     config = EngineConfig.from_cli_args(args)
+    texts = _prompt_file(args.prompt_file, config.model) if args.prompt_file else None
+    if texts:
+        contexts = [0]  # each batch's prompts' mean length
     try:
         systems = [("tandem", config)] + [variant_config(config, v) for v in args.variant]
     except ValueError as e:
@@ -338,7 +351,14 @@ def main() -> None:
             for batch in batches:
                 results.append(
                     bench_engine(
-                        engine, batch, context, args.decode_tokens, bandwidth, grammar, system
+                        engine,
+                        batch,
+                        context,
+                        args.decode_tokens,
+                        bandwidth,
+                        grammar,
+                        system,
+                        texts,
                     )
                 )
                 print(_table(results[-1:], bandwidth).splitlines()[-1], flush=True)
@@ -358,11 +378,21 @@ def main() -> None:
         "torch": torch.__version__,
         "hbm_read_bytes_per_s": bandwidth,
         "json_schema": args.json_schema,
+        "prompt_file": args.prompt_file,
         "grammar": args.grammar,
         "results": [asdict(r) for r in results],
     }
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)
+
+
+def _prompt_file(path: str, model: str) -> list[list[int]]:
+    """The prompts of `path` (a JSON string per line), tokenized by `model`'s tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    lines = Path(path).read_text().splitlines()
+    return [tokenizer(json.loads(line))["input_ids"] for line in lines if line.strip()]
 
 
 def _grammar(args: argparse.Namespace, config: EngineConfig) -> Grammar:

@@ -97,6 +97,9 @@ class ModelConfig:
     mla: MlaConfig | None = None  # set exactly for MLA_ARCHITECTURES
     moe: MoeConfig | None = None  # set exactly for MLA_ARCHITECTURES
     fp8: Fp8Scheme | None = None  # the decoder's projections are fp8 (engine.fp8)
+    # Multi-token-prediction layers after the decoder's (DeepSeek-V3's num_nextn_predict_layers):
+    # a speculative-decoding proposer (engine.mtp); generation without it ignores them.
+    num_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -238,6 +241,7 @@ class ModelConfig:
             mla=mla,
             moe=moe_config(d, _required(d, "num_hidden_layers"), architecture) if mla else None,
             fp8=scheme_of(d.get("quantization_config")),
+            num_mtp_layers=int(d.get("num_nextn_predict_layers") or 0) if mla else 0,
         )
 
 

@@ -10,6 +10,7 @@ cache's padding block.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -101,6 +102,18 @@ class StepInputs:
         return self._hosts[self._turn]
 
 
+class GraphStep(NamedTuple):
+    """A replay's outputs for its n rows (views of the graph's buffers: valid until the next
+    replay of the same bucket)."""
+
+    logits: torch.Tensor
+    """[n, vocab] float32."""
+    greedy: torch.Tensor
+    """[n] int64: the logits' argmax, computed inside the graph."""
+    hidden: torch.Tensor
+    """[n, hidden_size]: the model's output (after its final norm), e.g. for an MTP layer."""
+
+
 class DecodeGraphs:
     """One graph per batch bucket of decode rows. With `new_kv_first`, rows may be consecutive
     tokens of one sequence (speculative verification, a draft model's catch-up): each row is
@@ -132,6 +145,7 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._greedy: dict[int, torch.Tensor] = {}
+        self._hidden: dict[int, torch.Tensor] = {}
         self._capture_all(max_model_len)
 
     def run(
@@ -140,10 +154,9 @@ class DecodeGraphs:
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         fed_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [n, vocab] (float32) of one decode token per sequence (n <= max_batch), and
-        their argmax [n] (int64): the greedy tokens, computed inside the graph. The input ids
-        are `input_ids` from the host, or `fed_ids` [n], already on the device."""
+    ) -> GraphStep:
+        """The outputs of one decode token per row (n <= max_batch rows). The input ids are
+        `input_ids` from the host, or `fed_ids` [n], already on the device."""
         n = len(positions)
         bucket = next(b for b in self.buckets if b >= n)
         inputs = self._inputs[bucket]
@@ -151,7 +164,8 @@ class DecodeGraphs:
         if fed_ids is not None:
             inputs.input_ids[:n].copy_(fed_ids)
         self._graphs[bucket].replay()
-        return self._logits[bucket][:n], self._greedy[bucket][:n]
+        logits, greedy, hidden = self._logits[bucket], self._greedy[bucket], self._hidden[bucket]
+        return GraphStep(logits[:n], greedy[:n], hidden[:n])
 
     def _capture_all(self, max_model_len: int) -> None:
         from engine.triton_ops import greedy_tokens  # Triton: imported on CUDA only
@@ -177,7 +191,8 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             # lm_head inside the graph: one replay per step, no GEMM and cast launched apart.
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[bucket] = self.model.compute_logits(self.model(*args))
+                self._hidden[bucket] = self.model(*args)
+                self._logits[bucket] = self.model.compute_logits(self._hidden[bucket])
                 self._greedy[bucket] = greedy_tokens(self._logits[bucket])
             self._graphs[bucket] = graph
         torch.cuda.synchronize()

@@ -119,7 +119,7 @@ class DraftModelProposer:
             positions.extend(range(start, start + n))
             tables.extend([seq.block_ids] * n)
             last_rows.append(len(ids) - 1)
-        logits, _ = self.catch_up_graphs.run(ids, positions, tables)
+        logits = self.catch_up_graphs.run(ids, positions, tables).logits
         return logits[torch.tensor(last_rows, device=self.device)]
 
     def _step(
@@ -128,7 +128,7 @@ class DraftModelProposer:
         """Greedy guesses after feeding `tokens` [B] (on the device) at `positions`."""
         tables = [seq.block_ids for seq in seqs]
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            return self.graphs.run(None, positions, tables, fed_ids=tokens)[1]
+            return self.graphs.run(None, positions, tables, fed_ids=tokens).greedy
         lens = [p + 1 for p in positions]
         meta = AttentionMetadata.build(
             [1] * len(seqs), lens, tables, self.kv_cache.block_size, self.device

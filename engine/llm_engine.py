@@ -33,6 +33,7 @@ from engine.sequence import FinishReason, Sequence, StopConditions
 from engine.spec_build import (
     acceptance_curve,
     build_proposer,
+    extra_kv_bytes_per_token,
     load_draft_model,
     verify_graphs,
 )
@@ -80,8 +81,7 @@ class LLMEngine:
         dtype = DTYPES[config.dtype]
         draft = load_draft_model(config, model_config)
         token_bytes = model_config.kv_bytes_per_token(config.kv_dtype)
-        if draft is not None:  # the draft's cache has as many blocks: they share block ids
-            token_bytes += draft[0].kv_bytes_per_token(config.kv_dtype)
+        token_bytes += extra_kv_bytes_per_token(config, model_config, draft)
         block_bytes = token_bytes * config.block_size
         num_blocks = int(config.kv_cache_gb * 2**30) // block_bytes
         if num_blocks < 1:
@@ -111,7 +111,7 @@ class LLMEngine:
         async_scheduling = config.async_scheduling
         if async_scheduling is None:
             async_scheduling = graphs is not None and config.speculative_config is None
-        proposer = build_proposer(config, draft, num_blocks, max_model_len)
+        proposer = build_proposer(config, (model_config, model), draft, num_blocks, max_model_len)
         return cls(
             config=config,
             model_config=model_config,
@@ -270,6 +270,9 @@ class LLMEngine:
         before = {item.seq.seq_id: item.seq.num_tokens for item in launched.plan.scheduled}
         finished = {s.seq_id for s in self.scheduler.update(launched.plan, sampled, accepted)}
         self._count_drafts(launched.plan, accepted)
+        record = getattr(self.proposer, "record", None)  # an MTP proposer's: hidden states
+        if record is not None:
+            record(launched.plan, launched.hidden, accepted)
         outputs = []
         for seq_id in sampled:
             seq = self.sequences.get(seq_id)

@@ -88,17 +88,33 @@ def _load_mla_model(
     """The MLA/MoE family: its latent rows written and attended by engine.mla (CPU) or
     engine.triton_mla (CUDA), through `wrap_attention`'s wrapper if given; experts routed and
     computed by moe.TORCH_KERNELS (CPU) or engine.triton_moe.KERNELS (CUDA)."""
-    latent: LatentBackend = mla
-    experts: MoeKernels = TORCH_KERNELS
-    if config.device.startswith("cuda"):
-        from engine import triton_mla, triton_moe  # Triton only on CUDA
-
-        latent, experts = triton_mla, triton_moe.KERNELS
+    latent, experts = mla_kernels(config)
     if wrap_attention is not None:
         latent = wrap_attention(latent)
     with torch.device("meta"):
         model = DeepseekForCausalLM(model_config, model_ops(config), latent, experts)
     return _fill(model, config)
+
+
+def mla_kernels(config: EngineConfig) -> tuple[LatentBackend, MoeKernels]:
+    """The MLA family's latent backend and experts kernels: Triton's on CUDA, torch's on CPU."""
+    if config.device.startswith("cuda"):
+        from engine import triton_mla, triton_moe  # Triton only on CUDA
+
+        return triton_mla, triton_moe.KERNELS
+    return mla, TORCH_KERNELS
+
+
+def fill(model: torch.nn.Module, config: EngineConfig, seed_offset: int = 0) -> None:
+    """Materializes a meta-built module of the model: random weights (the config's seed plus
+    seed_offset), or, for an MTP layer (engine.mtp), its checkpoint layer's."""
+    from engine.weights import load_mtp_weights
+
+    if config.model.startswith("random:"):
+        init_random_weights(model, config.seed + seed_offset, DTYPES[config.dtype], config.device)
+    else:
+        load_mtp_weights(model, config.model, DTYPES[config.dtype], config.device)
+    model.eval()
 
 
 def attention_backend(device: str) -> AttentionBackend:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, GraphStep
 from engine.grammar import apply_grammars
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
@@ -56,6 +56,10 @@ class LaunchedStep:
         self._host = host
         self._logprobs = logprobs
         """None when no sequence asked; on the host once `_copied` has happened."""
+        self.hidden: torch.Tensor | None = None
+        """The model's output for every fed row, in plan order (a sequence's rows together), set
+        by the runner: a multi-token-prediction proposer reads it (engine/mtp.py). A graph's
+        buffer: valid until the next step."""
         self._copied: torch.cuda.Event | None = None
         if host is not None:  # CUDA: the copy to pinned memory lands when the device gets there
             host.copy_(tokens, non_blocking=True)
@@ -136,7 +140,7 @@ class ModelRunner:
         fed = None if feed is None else self._fed_ids(plan, feed)
         greedy = None
         if self.graphs is not None and plan.is_decode_only:
-            logits, greedy = self._decode_with_graph(plan, fed)
+            logits, greedy, hidden = self._decode_with_graph(plan, fed)
             if len(sampling) < len(plan.scheduled):  # a one-token prompt chunk rode along
                 sampling_rows = torch.tensor(
                     [i for i, item in enumerate(plan.scheduled) if item.samples],
@@ -144,16 +148,33 @@ class ModelRunner:
                 )
                 logits, greedy = logits[sampling_rows], greedy[sampling_rows]
         elif self._verifies_in_graph(plan):
-            logits = self._verify_with_graph(plan)
+            logits, hidden = self._verify_with_graph(plan)
         else:
             hidden, sample_rows = self._forward_eager(plan, fed)
-            if not sampling:
-                return LaunchedStep(plan, [], None)
-            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
-            logits = self.model.compute_logits(hidden)
+            if not sampling:  # a prompt chunk: its hidden states only
+                step = LaunchedStep(plan, [], None)
+                step.hidden = hidden
+                return step
+            last = hidden[torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.compute_logits(last)
         rows = [item.seq.sampling_row() for item in sampling]
         if any(item.draft for item in sampling):
-            return self._verify(plan, sampling, logits, rows)
+            step = self._verify(plan, sampling, logits, rows)
+        else:
+            step = self._sample(plan, sampling, logits, greedy, rows, feed)
+        step.hidden = hidden
+        return step
+
+    def _sample(
+        self,
+        plan: StepPlan,
+        sampling: list[ScheduledSeq],
+        logits: torch.Tensor,
+        greedy: torch.Tensor | None,
+        rows: list[SamplingRow],
+        feed: LaunchedStep | None,
+    ) -> LaunchedStep:
+        """The step's tokens (one a sampling sequence), and log-probabilities where asked."""
         if any(item.seq.grammar is not None for item in sampling):  # on the host: no sync
             # A mask follows from the token before it: no step planned ahead has one.
             assert feed is None, "a constrained sequence in a step planned ahead"
@@ -200,9 +221,10 @@ class ModelRunner:
             and plan.num_tokens <= graphs.max_batch
         )
 
-    def _verify_with_graph(self, plan: StepPlan) -> torch.Tensor:
-        """Logits of the sampling sequences' rows (each fed token of theirs): a graph replay
-        with a row per fed token, at its position, with its sequence's block table."""
+    def _verify_with_graph(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of the sampling sequences' rows (each fed token of theirs), and every row's
+        hidden state: a graph replay with a row per fed token, at its position, with its
+        sequence's block table."""
         ids, positions, tables, sample_rows = [], [], [], []
         for item in plan.scheduled:
             seq, n = item.seq, item.num_new_tokens
@@ -212,10 +234,10 @@ class ModelRunner:
             ids.extend(item.draft)
             positions.extend(range(item.start, item.start + n))
             tables.extend([seq.block_ids] * n)
-        logits, _ = self.verify_graphs.run(ids, positions, tables)
+        logits, _, hidden = self.verify_graphs.run(ids, positions, tables)
         if len(sample_rows) < len(ids):  # a one-token prompt chunk rode along
             logits = logits[torch.tensor(sample_rows, device=self.device)]
-        return logits
+        return logits, hidden
 
     def _next_host(self, n: int) -> torch.Tensor | None:
         if not self._host_tokens:
@@ -235,10 +257,8 @@ class ModelRunner:
             rows = rows.pin_memory()
         return feed.tokens[rows.to(self.device, non_blocking=True)]
 
-    def _decode_with_graph(
-        self, plan: StepPlan, fed: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and greedy tokens of every scheduled sequence, one row each."""
+    def _decode_with_graph(self, plan: StepPlan, fed: torch.Tensor | None) -> GraphStep:
+        """Logits, greedy tokens and hidden states of every scheduled sequence, one row each."""
         seqs = [item.seq for item in plan.scheduled]
         # The graphs are captured up to the scheduler's max_num_seqs.
         assert len(seqs) <= self.graphs.max_batch

@@ -323,6 +323,13 @@ PRESETS["glm5-4l"] = _deepseek_shape(
     bos_token_id=0,
 )
 
+# DeepSeek-V3 and GLM-5 carry one multi-token-prediction layer (num_nextn_predict_layers); so do
+# the shapes above (and deepseek-tiny, for tests), and deepseek-v2-lite-mtp, V2-Lite's shape with
+# one added (V2-Lite has none).
+for _name in ("deepseek-tiny", "deepseek-v3-4l", "glm5-4l"):
+    PRESETS[_name] = dataclasses.replace(PRESETS[_name], num_mtp_layers=1)
+PRESETS["deepseek-v2-lite-mtp"] = dataclasses.replace(PRESETS["deepseek-v2-lite"], num_mtp_layers=1)
+
 # deepseek-tiny's projections and routed experts in fp8 (32x32 blocks: partial blocks in the
 # 40-row latent projection and the fused q_a + latent rows), for CPU tests.
 PRESETS["deepseek-tiny-fp8"] = dataclasses.replace(PRESETS["deepseek-tiny"], fp8=Fp8Scheme(32, 32))

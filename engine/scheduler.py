@@ -280,6 +280,7 @@ class Scheduler:
         seq.block_ids = []
         seq.num_computed = 0
         seq.num_draft_computed = 0
+        seq.draft_hidden = None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

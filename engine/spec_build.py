@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.draft_proposer import DraftModelProposer
 from engine.engine_config import DTYPES, EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.model_loader import load_model, read_model_config
+from engine.model_loader import fill, load_model, mla_kernels, model_ops, read_model_config
+from engine.mtp import MtpLayer, MtpProposer
 from engine.spec_acceptance import AcceptanceCurve
 from engine.speculative import NgramProposer, Proposer
 
@@ -44,14 +47,29 @@ def load_draft_model(config: EngineConfig, target: ModelConfig) -> Draft | None:
     return model_config, model
 
 
+def extra_kv_bytes_per_token(config: EngineConfig, target: ModelConfig, draft: Draft | None) -> int:
+    """KV bytes a token takes besides the target's: its draft model's or MTP layers' (their
+    caches have the target's block count: they share block ids)."""
+    if draft is not None:
+        return draft[0].kv_bytes_per_token(config.kv_dtype)
+    mtp = mtp_config(config, target)
+    return 0 if mtp is None else mtp.kv_bytes_per_token(config.kv_dtype)
+
+
 def build_proposer(
-    config: EngineConfig, draft: Draft | None, num_blocks: int, max_model_len: int
+    config: EngineConfig,
+    target: tuple[ModelConfig, CausalLM],
+    draft: Draft | None,
+    num_blocks: int,
+    max_model_len: int,
 ) -> Proposer | None:
     spec = config.speculative_config
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec)
+    if spec.method == "mtp":
+        return build_mtp(config, target[0], target[1], num_blocks)
     assert draft is not None
     model_config, model = draft
     model.model.rotary_emb.cache(max_model_len, DTYPES[config.dtype])
@@ -73,15 +91,19 @@ def acceptance_curve(config: EngineConfig) -> AcceptanceCurve | None:
 
 def speculative_kv(config: EngineConfig) -> str:
     """What the proposer needs of a prompt besides the model's KV, as a layout descriptor names
-    it (LayoutDescriptor.speculative_kv): "" for none (n-gram), or the draft model's KV shape
-    and dtype."""
+    it (LayoutDescriptor.speculative_kv): "" for none (n-gram), or the draft model's or MTP
+    layers' KV shape and dtype (MTP needs the prompt's last hidden state too: a prefill that
+    sends the MTP KV sends it)."""
     spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.method == "ngram":
         return ""
-    draft = read_model_config(replace(config, model=spec.model, speculative_config=None))
-    _, heads, channels = draft.kv_planes
+    if spec.method == "mtp":
+        extra = mtp_config(config, read_model_config(config))
+    else:
+        extra = read_model_config(replace(config, model=spec.model, speculative_config=None))
+    _, heads, channels = extra.kv_planes
     dtype = str(config.kv_dtype).removeprefix("torch.")
-    return f"draft_model:{draft.num_layers}x{heads}x{channels}:{dtype}"
+    return f"{spec.method}:{extra.num_layers}x{heads}x{channels}:{dtype}"
 
 
 def verify_graphs(
@@ -97,3 +119,35 @@ def verify_graphs(
 
 def _graphs_on(config: EngineConfig) -> bool:
     return config.device.startswith("cuda") and not config.enforce_eager
+
+
+def mtp_config(config: EngineConfig, target: ModelConfig) -> ModelConfig | None:
+    """An mtp config's layers as a model shape of their own (for their KV cache); None for
+    other methods. The model must carry MTP layers."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "mtp":
+        return None
+    if target.mla is None or target.num_mtp_layers < 1:
+        raise ValueError(
+            f"speculative_config.method mtp: model {config.model} has no multi-token-prediction "
+            "layers (num_nextn_predict_layers); use method ngram or draft_model"
+        )
+    return replace(target, num_layers=target.num_mtp_layers)
+
+
+def build_mtp(
+    config: EngineConfig, target: ModelConfig, model: CausalLM, num_blocks: int
+) -> MtpProposer:
+    """The MTP layers on the engine's device (random, or the checkpoint's), over a latent cache
+    of their own with the target's block count."""
+    latent, experts = mla_kernels(config)
+    ops = model_ops(config)
+    layers = []
+    for index in range(target.num_mtp_layers):
+        with torch.device("meta"):
+            layer = MtpLayer(target, index, ops, latent, experts)
+        fill(layer, config, seed_offset=1 + index)
+        layers.append(layer)
+    mtp = mtp_config(config, target)
+    kv_cache = KVCache(mtp, num_blocks, config.block_size, config.kv_dtype, config.device)
+    return MtpProposer(layers, model, kv_cache)

@@ -11,6 +11,7 @@ Configured as vLLM's `--speculative-config`, a JSON object:
 
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}
     {"method": "draft_model", "model": "path/or/random:preset", "num_speculative_tokens": 3}
+    {"method": "mtp", "num_speculative_tokens": 3}
 
 Sequences that sample with penalties, under a grammar or with log-probabilities do not speculate
 (they decode one token a step, as without speculation).
@@ -27,13 +28,14 @@ import numpy as np
 
 from engine.sequence import Sequence
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    """"ngram" (prompt lookup) or "draft_model" (a smaller model of the same vocabulary)."""
+    """"ngram" (prompt lookup), "draft_model" (a smaller model of the same vocabulary) or "mtp"
+    (the model's own multi-token-prediction layers, engine/mtp.py)."""
     num_speculative_tokens: int
     """Draft tokens proposed per step and sequence at most (k)."""
     prompt_lookup_max: int = 5

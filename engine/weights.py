@@ -49,6 +49,29 @@ def load_weights(
     _load(model, names, tensors(), dtype, device, source=f"checkpoint {folder}")
 
 
+def load_mtp_weights(
+    layer: nn.Module, folder: str | Path, dtype: torch.dtype, device: torch.device | str
+) -> None:
+    """Loads an MTP layer (engine.mtp.MtpLayer) from the checkpoint's tensors of its layer
+    (`model.layers.<num_layers + index>.`), with the checks of load_weights. Its copy of the
+    embedding is left out: the layer uses the target's."""
+    files = _checkpoint_files(Path(folder))
+    prefix = f"model.layers.{layer.layer_index}."
+    wanted = {
+        file: [n for n in names if n.startswith(prefix) and n != prefix + "embed_tokens.weight"]
+        for file, names in files.items()
+    }
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file, names in wanted.items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in names:
+                    yield name.removeprefix(prefix), f.get_tensor(name)
+
+    names = [name.removeprefix(prefix) for names in wanted.values() for name in names]
+    _load(layer, names, tensors(), dtype, device, source=f"checkpoint {folder} ({prefix}*)")
+
+
 def load_state_dict(
     model: CausalLM,
     state_dict: Mapping[str, torch.Tensor],

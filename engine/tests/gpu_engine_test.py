@@ -152,18 +152,19 @@ def test_fp8_kv_cache_in_cuda_graphs_equals_eager_steps():
 
 
 SPECULATIVE = [
-    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-    {"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 2},
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}, "random:tiny"),
+    ({"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 2}, "random:tiny"),
+    ({"method": "mtp", "num_speculative_tokens": 3}, "random:deepseek-tiny"),
 ]
 
 
-@pytest.mark.parametrize("spec", SPECULATIVE, ids=["ngram", "draft_model"])
-def test_speculative_decoding_in_graphs_equals_the_cpu_path(spec):
+@pytest.mark.parametrize(("spec", "model"), SPECULATIVE, ids=["ngram", "draft_model", "mtp"])
+def test_speculative_decoding_in_graphs_equals_the_cpu_path(spec, model):
     """Drafts verified in CUDA graphs (a row per fed token, K/V written before attending), a
-    draft model's catch-up and steps in graphs of its own: greedy tokens equal the CPU engine's
-    without speculation."""
+    draft model's catch-up and steps in graphs of its own, MTP layers on the MLA kernels:
+    greedy tokens equal the CPU engine's without speculation."""
     config = SpeculativeConfig.from_json(json.dumps(spec))
-    cpu, gpu = _engines(speculative_config=config)
+    cpu, gpu = _engines(model, speculative_config=config)
     replays = {"verify": 0, "catch_up": 0}
     graphs = {"verify": gpu.runner.verify_graphs}
     if config.method == "draft_model":

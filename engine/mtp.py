@@ -1,0 +1,196 @@
+"""Multi-token prediction (DeepSeek-V3, GLM-5): the model's own MTP layer proposes drafts.
+
+An MTP layer (checkpoint layer num_layers + i) predicts the token after next: at position j it
+takes the target's hidden state h_j (its output after the final norm) and the embedding of
+token j + 1 (zeroed at position 0), normalizes each (enorm, hnorm), projects their
+concatenation (eh_proj) to the model's width, runs one decoder layer of the model's kind (MLA
+attention over a latent cache of its own, and the MoE MLP), and gives its hidden state g_j
+(before the shared head's norm) and logits over the vocabulary (shared_head.norm, then
+shared_head.head). Deeper drafts chain the layer on itself: draft d + 1 comes from g of draft
+d's position and draft d's token, layer d mod num_mtp_layers. The embedding is the target's
+(DeepSeek-V3's checkpoints store an identical copy with the layer, not loaded).
+
+`MtpProposer` keeps, per sequence, the target's hidden states of the positions its MTP cache
+lacks (`Sequence.draft_hidden`, recorded after every target step: the prompt's, then the
+positions the target accepted) and `Sequence.num_draft_computed`; a proposal first feeds those
+positions (one forward), whose last row gives draft 1, then one row per further draft. The MTP
+cache's blocks are the target's, as a draft model's are (engine/draft_proposer.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine import mla as torch_mla
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
+from engine.kv_cache import KVCache
+from engine.mla import LatentBackend
+from engine.model import EAGER_OPS, Linear, ModelOps, RMSNorm
+from engine.moe import TORCH_KERNELS, MoeKernels
+from engine.scheduler import StepPlan
+from engine.sequence import Sequence
+
+
+class SharedHead(torch.nn.Module):
+    def __init__(self, config: ModelConfig, ops: ModelOps) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.head = Linear(config.hidden_size, config.vocab_size, False, ops)
+
+
+class MtpLayer(DeepseekDecoderLayer):
+    """One MTP layer: a decoder layer of the model (its parameters under the checkpoint's names,
+    relative to `model.layers.<num_layers + index>.`) with enorm, hnorm, eh_proj and
+    shared_head around it."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        index: int,
+        ops: ModelOps = EAGER_OPS,
+        latent: LatentBackend = torch_mla,
+        experts: MoeKernels = TORCH_KERNELS,
+    ) -> None:
+        super().__init__(config, config.num_layers + index, ops, latent, experts)
+        self.config = config
+        self.layer_index = config.num_layers + index
+        self.ops = ops
+        hidden = config.hidden_size
+        self.enorm = RMSNorm(hidden, config.rms_norm_eps, ops)
+        self.hnorm = RMSNorm(hidden, config.rms_norm_eps, ops)
+        self.eh_proj = Linear(2 * hidden, hidden, False, ops)
+        self.shared_head = SharedHead(config, ops)
+
+    def init_buffers(self) -> None:
+        """Nothing of its own: RoPE is the target's (engine.weights calls this after filling)."""
+
+    @torch.inference_mode()
+    def predict(
+        self,
+        target: DeepseekForCausalLM,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous: torch.Tensor,
+        kv_cache: tuple[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g [T, hidden], logits [T, vocab] float32) for tokens `input_ids` at `positions`,
+        each with the hidden state before it (the target's, or g of the draft before)."""
+        embedded = target.model.embed_tokens(input_ids)
+        embedded = torch.where((positions == 0)[:, None], 0.0, embedded).to(embedded.dtype)
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
+        cos, sin = target.model.rotary_emb(positions, x.dtype)
+        inp = self.forward(
+            self.input_layernorm.input_of(x), cos, sin, kv_cache, meta, self.shared_head.norm
+        )
+        normed, g = inp.compute(self.ops)
+        return g, self.ops.linear(normed, self.shared_head.head.matrix, None).float()
+
+
+class MtpProposer:
+    def __init__(
+        self, layers: list[MtpLayer], target: DeepseekForCausalLM, kv_cache: KVCache
+    ) -> None:
+        self.layers = layers
+        self.target = target
+        self.kv_cache = kv_cache
+        self.device = kv_cache.storage.device
+
+    def record(self, plan: StepPlan, hidden: torch.Tensor | None, accepted: dict[str, int]) -> None:
+        """Keeps the target's hidden states of the positions a finished step settled: every fed
+        one, or of a sequence that fed drafts its last token's and the accepted drafts'."""
+        if hidden is None:
+            return
+        row = 0
+        for item in plan.scheduled:
+            seq, fed = item.seq, item.num_new_tokens
+            keep = 1 + accepted[seq.seq_id] if item.draft else fed
+            pending = seq.draft_hidden
+            have = seq.num_draft_computed + (0 if pending is None else len(pending))
+            if not seq.finished and have == item.start:
+                rows = hidden[row : row + keep]
+                seq.draft_hidden = rows.clone() if pending is None else torch.cat([pending, rows])
+            row += fed
+
+    def propose(self, seqs: Seq[Sequence], rooms: Seq[int]) -> list[list[int]]:
+        """Drafts for the sequences whose hidden states reach their last token (one the target
+        did not prefill here, e.g. admitted with its KV, has none, and gets no draft)."""
+        active = [
+            (seq, room) for seq, room in zip(seqs, rooms, strict=True) if room > 0 and _covered(seq)
+        ]
+        if not active:
+            return [[] for _ in seqs]
+        g, guesses = self._catch_up([seq for seq, _ in active])
+        depth = max(room for _, room in active)
+        table = torch.full((len(active), depth), -1, dtype=torch.long, device=self.device)
+        table[:, 0] = guesses
+        for j in range(1, depth):
+            rows = [i for i, (_, room) in enumerate(active) if room > j]
+            index = torch.tensor(rows, device=self.device)
+            riding = [active[i][0] for i in rows]
+            g_rows, table[index, j] = self._step(j, table[index, j - 1], g[index], riding)
+            g = g.clone()
+            g[index] = g_rows
+        by_seq = {
+            seq.seq_id: row[:room] for (seq, room), row in zip(active, table.tolist(), strict=True)
+        }
+        return [by_seq.get(seq.seq_id, []) for seq in seqs]
+
+    def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feeds each sequence's pending positions (j with token j + 1, h_j): g and the greedy
+        draft 1 after each one's last."""
+        ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
+        for seq in seqs:
+            start, end = seq.num_draft_computed, seq.num_tokens - 1
+            ids.extend(seq.token_ids[start + 1 : end + 1])
+            positions.extend(range(start, end))
+            query_lens.append(end - start)
+            seq_lens.append(end)
+            tables.append(seq.block_ids)
+        previous = torch.cat([seq.draft_hidden for seq in seqs])
+        meta = AttentionMetadata.build(
+            query_lens, seq_lens, tables, self.kv_cache.block_size, self.device
+        )
+        g, logits = self._predict(0, ids, positions, previous, meta)
+        last = torch.tensor(meta.host_query_start_loc[1:], device=self.device) - 1
+        for seq in seqs:
+            seq.num_draft_computed = seq.num_tokens - 1
+            seq.draft_hidden = None
+        return g[last], logits[last].argmax(dim=-1)
+
+    def _step(
+        self, depth: int, tokens: torch.Tensor, previous: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft depth + 1 of each sequence: draft `depth` (tokens) at its position, after g."""
+        positions = [seq.num_tokens - 2 + depth for seq in seqs]
+        meta = AttentionMetadata.build(
+            [1] * len(seqs),
+            [p + 1 for p in positions],
+            [seq.block_ids for seq in seqs],
+            self.kv_cache.block_size,
+            self.device,
+        )
+        g, logits = self._predict(depth, tokens, positions, previous, meta)
+        return g, logits.argmax(dim=-1)
+
+    def _predict(self, depth, ids, positions, previous, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = depth % len(self.layers)
+        ids = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=self.device)
+        return self.layers[layer].predict(
+            self.target,
+            ids,
+            torch.tensor(positions, device=self.device),
+            previous,
+            self.kv_cache.kv_caches[layer],
+            meta,
+        )
+
+
+def _covered(seq: Sequence) -> bool:
+    """Whether the hidden states kept for seq reach its last token's position - 1."""
+    pending = 0 if seq.draft_hidden is None else len(seq.draft_hidden)
+    return seq.num_draft_computed + pending == seq.num_tokens - 1 and pending > 0

@@ -1,0 +1,147 @@
+"""Multi-token prediction on the CPU, deepseek-tiny (random, one MTP layer), float32:
+- greedy output with MTP speculation equals output without it, batched, with chunked prefill
+  and preemption, and the block pool is all free afterwards;
+- the incremental bookkeeping (hidden states recorded step by step, the MTP cache caught up
+  in pieces) proposes what one pass over the whole sequence predicts;
+- the layer loads from a checkpoint folder (its tensors under model.layers.<num_layers>.);
+- a model without MTP layers is refused, naming the alternatives."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.mtp import MtpLayer
+from engine.sampling import SamplingParams
+from engine.sequence import StopConditions
+from engine.speculative import SpeculativeConfig
+from engine.tests.tiny_hf import hf_deepseek
+from engine.weights import hf_state_dict, init_random_weights
+
+MTP = SpeculativeConfig("mtp", 3)
+# Token ids within every model's vocabulary here (the Hugging Face folder's is 96).
+PROMPTS = [[5, 17, 3, 9], list(range(1, 40)), [9] * 30, list(range(30, 90, 3))]
+
+
+def _engine(**overrides) -> LLMEngine:
+    config = dict(model="random:deepseek-tiny", dtype="float32", block_size=8, kv_cache_gb=0.01)
+    return LLMEngine.build(EngineConfig(**{**config, **overrides}))
+
+
+def _run(engine: LLMEngine) -> list[list[int]]:
+    seqs = [
+        engine.add_request(f"r{i}", p, SamplingParams(), StopConditions(max_tokens=20 - 2 * i))
+        for i, p in enumerate(PROMPTS)
+    ]
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.pool.num_free == engine.pool.num_total
+    return [s.output_ids for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    return _run(_engine())
+
+
+def test_mtp_greedy_equals_decoding_without_speculation(reference):
+    engine = _engine(speculative_config=MTP)
+    assert _run(engine) == reference
+    assert engine.spec_stats.num_drafts > 0
+
+
+def test_mtp_with_chunked_prefill_and_preemption(reference):
+    # 12 tokens per forward chunks the prompts; 10 blocks of 8 (target and MTP latents) cannot
+    # hold all four.
+    config = ModelConfig.preset("deepseek-tiny")
+    layers = dataclasses.replace(config, num_layers=config.num_layers + config.num_mtp_layers)
+    per_block = layers.kv_bytes_per_token(torch.float32) * 8
+    engine = _engine(
+        speculative_config=MTP,
+        max_num_batched_tokens=12,
+        max_num_seqs=4,
+        kv_cache_gb=10 * per_block / 2**30,
+    )
+    assert engine.pool.num_total == 10
+    assert _run(engine) == reference
+    assert engine.scheduler.num_preemptions > 0 and engine.spec_stats.num_drafts > 0
+
+
+def test_incremental_proposals_equal_one_pass_over_the_sequence():
+    """After prefill in chunks and a few speculative steps, draft 1 equals the MTP layer's
+    argmax over the whole sequence in one pass: target hidden states of every position (a
+    fresh prefill), then the layer over every (token j + 1, h_j)."""
+    engine = _engine(speculative_config=MTP, max_num_batched_tokens=16, max_num_seqs=4)
+    engine.add_request("r", PROMPTS[1], SamplingParams(), StopConditions(max_tokens=30))
+    proposals = []
+    original = engine.proposer.propose
+
+    def spy(seqs, rooms):
+        drafts = original(seqs, rooms)
+        proposals.append((list(seqs[0].token_ids), drafts[0]))
+        return drafts
+
+    engine.proposer.propose = spy
+    for _ in range(6):
+        engine.step()
+    assert len(proposals) >= 3
+    for tokens, drafts in proposals[-2:]:
+        assert drafts[0] == _one_pass_draft(engine, tokens)
+
+
+def _one_pass_draft(engine: LLMEngine, tokens: list[int]) -> int:
+    """The MTP layer's greedy token after `tokens`, from scratch, in blocks no one uses."""
+    n = len(tokens)
+    blocks = engine.pool.allocate(-(-n // engine.kv_cache.block_size))
+    try:
+        meta = AttentionMetadata.build([n - 1], [n - 1], [blocks], engine.kv_cache.block_size)
+        model = engine.runner.model
+        hidden = model(
+            torch.tensor(tokens[:-1]), torch.arange(n - 1), engine.kv_cache.kv_caches, meta
+        )
+        mtp = engine.proposer
+        _, logits = mtp.layers[0].predict(
+            model, torch.tensor(tokens[1:]), torch.arange(n - 1), hidden,
+            mtp.kv_cache.kv_caches[0], meta,
+        )  # fmt: skip
+        return int(logits[-1].argmax())
+    finally:
+        engine.pool.free(blocks)
+
+
+def test_mtp_layer_loads_from_a_checkpoint_folder(tmp_path):
+    """A Hugging Face DeepSeek-V3 folder with one MTP layer's tensors added under
+    model.layers.<num_layers>. (its copy of the embedding too, left out): the engine's layer
+    holds exactly those tensors, and decodes greedy as without speculation."""
+    hf_deepseek(q_lora_rank=24).save_pretrained(tmp_path)
+    config_path = tmp_path / "config.json"
+    hf_config = json.loads(config_path.read_text())
+    config = ModelConfig.from_hf_dict(hf_config)
+    with torch.device("meta"):
+        layer = MtpLayer(dataclasses.replace(config, num_mtp_layers=1), 0)
+    init_random_weights(layer, seed=5, dtype=torch.float32, device="cpu")
+    prefix = f"model.layers.{config.num_layers}."
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors |= {prefix + name: t.contiguous() for name, t in hf_state_dict(layer).items()}
+    tensors[prefix + "embed_tokens.weight"] = torch.zeros_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, tmp_path / "model.safetensors")
+    config_path.write_text(json.dumps({**hf_config, "num_nextn_predict_layers": 1}))
+    loaded = _engine(model=str(tmp_path), speculative_config=MTP)
+    ours = dict(loaded.proposer.layers[0].named_parameters())
+    for name, param in layer.named_parameters():
+        assert torch.equal(ours[name], param), name
+    plain = _engine(model=str(tmp_path))
+    assert _run(loaded) == _run(plain)
+    assert loaded.spec_stats.num_drafts > 0
+
+
+def test_a_model_without_mtp_layers_is_refused():
+    with pytest.raises(ValueError, match="has no multi-token-prediction layers"):
+        _engine(model="random:tiny", speculative_config=MTP)
