@@ -9,7 +9,7 @@ cache's padding block.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -102,6 +102,12 @@ class StepInputs:
         return self._hosts[self._turn]
 
 
+HiddenForward = Callable[
+    [torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
+"""(input ids, positions, meta, previous hidden states) -> (hidden states, float32 logits)."""
+
+
 class GraphStep(NamedTuple):
     """A replay's outputs for its n rows (views of the graph's buffers: valid until the next
     replay of the same bucket)."""
@@ -118,7 +124,11 @@ class DecodeGraphs:
     """One graph per batch bucket of decode rows. With `new_kv_first`, rows may be consecutive
     tokens of one sequence (speculative verification, a draft model's catch-up): each row is
     given its own position and its sequence's block table, and every row's K/V is written
-    before any row attends (AttentionMetadata.new_kv_first)."""
+    before any row attends (AttentionMetadata.new_kv_first).
+
+    `forward` replaces the model's forward and logits, for a module that also takes a hidden
+    state per row (an MTP layer, engine.mtp): (ids, positions, meta, previous [rows, width])
+    -> (hidden, logits); `run` copies its `previous` into a buffer of `previous_width`."""
 
     def __init__(
         self,
@@ -127,9 +137,12 @@ class DecodeGraphs:
         max_batch: int,
         max_model_len: int,
         new_kv_first: bool = False,
+        forward: HiddenForward | None = None,
+        previous_width: int = 0,
     ) -> None:
         self.model = model
         self.new_kv_first = new_kv_first
+        self._forward = forward
         self.kv_cache = kv_cache
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
@@ -142,6 +155,9 @@ class DecodeGraphs:
             for bucket in self.buckets
         }
         self._query_start = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
+        self._previous = torch.zeros(
+            self.max_batch, previous_width, dtype=kv_cache.storage.dtype, device=device
+        )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._greedy: dict[int, torch.Tensor] = {}
@@ -154,15 +170,19 @@ class DecodeGraphs:
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         fed_ids: torch.Tensor | None = None,
+        previous: torch.Tensor | None = None,
     ) -> GraphStep:
         """The outputs of one decode token per row (n <= max_batch rows). The input ids are
-        `input_ids` from the host, or `fed_ids` [n], already on the device."""
+        `input_ids` from the host, or `fed_ids` [n], already on the device; `previous` [n,
+        previous_width]: the rows' hidden inputs, for a `forward` that takes them."""
         n = len(positions)
         bucket = next(b for b in self.buckets if b >= n)
         inputs = self._inputs[bucket]
         inputs.device.copy_(inputs.write(input_ids, positions, block_tables), non_blocking=True)
         if fed_ids is not None:
             inputs.input_ids[:n].copy_(fed_ids)
+        if previous is not None:
+            self._previous[:n].copy_(previous)
         self._graphs[bucket].replay()
         logits, greedy, hidden = self._logits[bucket], self._greedy[bucket], self._hidden[bucket]
         return GraphStep(logits[:n], greedy[:n], hidden[:n])
@@ -184,15 +204,26 @@ class DecodeGraphs:
                 new_kv_first=self.new_kv_first,
             )
             # Padded rows only until the first write: everything points at the padding block.
-            args = (inputs.input_ids, inputs.positions, self.kv_cache.kv_caches, meta)
+            args = (inputs.input_ids, inputs.positions, meta, self._previous[:bucket])
             # Warm-up: compiles kernels, sets up cuBLAS, outside the capture.
-            greedy_tokens(self.model.compute_logits(self.model(*args)))
+            greedy_tokens(self._hidden_and_logits(*args)[1])
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             # lm_head inside the graph: one replay per step, no GEMM and cast launched apart.
             with torch.cuda.graph(graph, pool=pool):
-                self._hidden[bucket] = self.model(*args)
-                self._logits[bucket] = self.model.compute_logits(self._hidden[bucket])
+                self._hidden[bucket], self._logits[bucket] = self._hidden_and_logits(*args)
                 self._greedy[bucket] = greedy_tokens(self._logits[bucket])
             self._graphs[bucket] = graph
         torch.cuda.synchronize()
+
+    def _hidden_and_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        previous: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._forward is not None:
+            return self._forward(input_ids, positions, meta, previous)
+        hidden = self.model(input_ids, positions, self.kv_cache.kv_caches, meta)
+        return hidden, self.model.compute_logits(hidden)

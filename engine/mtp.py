@@ -13,12 +13,16 @@ d's position and draft d's token, layer d mod num_mtp_layers. The embedding is t
 `MtpProposer` keeps, per sequence, the target's hidden states of the positions its MTP cache
 lacks (`Sequence.draft_hidden`, recorded after every target step: the prompt's, then the
 positions the target accepted) and `Sequence.num_draft_computed`; a proposal first feeds those
-positions (one forward), whose last row gives draft 1, then one row per further draft. The MTP
-cache's blocks are the target's, as a draft model's are (engine/draft_proposer.py).
+positions (one forward), whose last row gives draft 1, then one row per further draft. Every
+forward lays its tokens out a row each, with its own position and its sequence's block table
+(AttentionMetadata.new_kv_first), so that steps of up to MAX_GRAPH_ROWS rows replay CUDA graphs
+(engine.cuda_graphs, the layer's `predict` captured). The MTP cache's blocks are the target's,
+as a draft model's are (engine/draft_proposer.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 
 import torch
@@ -26,6 +30,7 @@ import torch
 from engine import mla as torch_mla
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
 from engine.kv_cache import KVCache
 from engine.mla import LatentBackend
@@ -93,11 +98,18 @@ class MtpLayer(DeepseekDecoderLayer):
 
 class MtpProposer:
     def __init__(
-        self, layers: list[MtpLayer], target: DeepseekForCausalLM, kv_cache: KVCache
+        self,
+        layers: list[MtpLayer],
+        target: DeepseekForCausalLM,
+        kv_cache: KVCache,
+        graphs: list[DecodeGraphs] | None = None,
     ) -> None:
+        """`graphs`: one per layer (new_kv_first, its `forward` the layer's `predict`), for
+        steps of up to their max_batch rows; the rest runs eagerly."""
         self.layers = layers
         self.target = target
         self.kv_cache = kv_cache
+        self.graphs = graphs
         self.device = kv_cache.storage.device
 
     def record(self, plan: StepPlan, hidden: torch.Tensor | None, accepted: dict[str, int]) -> None:
@@ -129,11 +141,16 @@ class MtpProposer:
         table = torch.full((len(active), depth), -1, dtype=torch.long, device=self.device)
         table[:, 0] = guesses
         for j in range(1, depth):
+            # Draft j at position N - 2 + j after g of the position before; only sequences
+            # with room for draft j + 1 (their blocks hold that position).
             rows = [i for i, (_, room) in enumerate(active) if room > j]
             index = torch.tensor(rows, device=self.device)
             riding = [active[i][0] for i in rows]
-            g_rows, table[index, j] = self._step(j, table[index, j - 1], g[index], riding)
-            g = g.clone()
+            positions = [seq.num_tokens - 2 + j for seq in riding]
+            tables = [seq.block_ids for seq in riding]
+            fed = table[index, j - 1]
+            g_rows, table[index, j] = self._rows(j, fed, positions, tables, g[index])
+            g = g.clone()  # g_rows may be a graph's buffer, which the next replay overwrites
             g[index] = g_rows
         by_seq = {
             seq.seq_id: row[:room] for (seq, room), row in zip(active, table.tolist(), strict=True)
@@ -141,53 +158,54 @@ class MtpProposer:
         return [by_seq.get(seq.seq_id, []) for seq in seqs]
 
     def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feeds each sequence's pending positions (j with token j + 1, h_j): g and the greedy
-        draft 1 after each one's last."""
-        ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
+        """Feeds each sequence's pending positions (j with token j + 1, h_j), a row each: g
+        and the greedy draft 1 after each one's last."""
+        ids, positions, tables, last = [], [], [], []
         for seq in seqs:
             start, end = seq.num_draft_computed, seq.num_tokens - 1
             ids.extend(seq.token_ids[start + 1 : end + 1])
             positions.extend(range(start, end))
-            query_lens.append(end - start)
-            seq_lens.append(end)
-            tables.append(seq.block_ids)
+            tables.extend([seq.block_ids] * (end - start))
+            last.append(len(ids) - 1)
         previous = torch.cat([seq.draft_hidden for seq in seqs])
-        meta = AttentionMetadata.build(
-            query_lens, seq_lens, tables, self.kv_cache.block_size, self.device
-        )
-        g, logits = self._predict(0, ids, positions, previous, meta)
-        last = torch.tensor(meta.host_query_start_loc[1:], device=self.device) - 1
+        g, greedy = self._rows(0, ids, positions, tables, previous)
         for seq in seqs:
             seq.num_draft_computed = seq.num_tokens - 1
             seq.draft_hidden = None
-        return g[last], logits[last].argmax(dim=-1)
+        last_rows = torch.tensor(last, device=self.device)
+        return g[last_rows], greedy[last_rows]
 
-    def _step(
-        self, depth: int, tokens: torch.Tensor, previous: torch.Tensor, seqs: list[Sequence]
+    def _rows(
+        self,
+        depth: int,
+        ids: list[int] | torch.Tensor,
+        positions: list[int],
+        tables: list[list[int]],
+        previous: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft depth + 1 of each sequence: draft `depth` (tokens) at its position, after g."""
-        positions = [seq.num_tokens - 2 + depth for seq in seqs]
-        meta = AttentionMetadata.build(
-            [1] * len(seqs),
-            [p + 1 for p in positions],
-            [seq.block_ids for seq in seqs],
-            self.kv_cache.block_size,
-            self.device,
-        )
-        g, logits = self._predict(depth, tokens, positions, previous, meta)
-        return g, logits.argmax(dim=-1)
-
-    def _predict(self, depth, ids, positions, previous, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, greedy token) of each row: token ids[i] at positions[i] of the sequence with
+        block table tables[i], after hidden state previous[i]; every row's latent written
+        before any row attends. In a graph when one holds the rows."""
         layer = depth % len(self.layers)
-        ids = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=self.device)
-        return self.layers[layer].predict(
+        fed = ids if isinstance(ids, torch.Tensor) else None
+        graphs = None if self.graphs is None else self.graphs[layer]
+        if graphs is not None and len(positions) <= graphs.max_batch:
+            host_ids = None if fed is not None else ids
+            step = graphs.run(host_ids, positions, tables, fed_ids=fed, previous=previous)
+            return step.hidden, step.greedy
+        lens = [p + 1 for p in positions]
+        meta = AttentionMetadata.build(
+            [1] * len(positions), lens, tables, self.kv_cache.block_size, self.device
+        )
+        g, logits = self.layers[layer].predict(
             self.target,
-            ids,
+            fed if fed is not None else torch.tensor(ids, device=self.device),
             torch.tensor(positions, device=self.device),
             previous,
             self.kv_cache.kv_caches[layer],
-            meta,
+            dataclasses.replace(meta, new_kv_first=True),
         )
+        return g, logits.argmax(dim=-1)
 
 
 def _covered(seq: Sequence) -> bool:

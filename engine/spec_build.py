@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from engine.config import ModelConfig
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, HiddenForward
 from engine.draft_proposer import DraftModelProposer
 from engine.engine_config import DTYPES, EngineConfig
 from engine.kv_cache import KVCache
@@ -69,7 +69,7 @@ def build_proposer(
     if spec.method == "ngram":
         return NgramProposer(spec)
     if spec.method == "mtp":
-        return build_mtp(config, target[0], target[1], num_blocks)
+        return build_mtp(config, target[0], target[1], num_blocks, max_model_len)
     assert draft is not None
     model_config, model = draft
     model.model.rotary_emb.cache(max_model_len, DTYPES[config.dtype])
@@ -136,7 +136,11 @@ def mtp_config(config: EngineConfig, target: ModelConfig) -> ModelConfig | None:
 
 
 def build_mtp(
-    config: EngineConfig, target: ModelConfig, model: CausalLM, num_blocks: int
+    config: EngineConfig,
+    target: ModelConfig,
+    model: CausalLM,
+    num_blocks: int,
+    max_model_len: int,
 ) -> MtpProposer:
     """The MTP layers on the engine's device (random, or the checkpoint's), over a latent cache
     of their own with the target's block count."""
@@ -150,4 +154,26 @@ def build_mtp(
         layers.append(layer)
     mtp = mtp_config(config, target)
     kv_cache = KVCache(mtp, num_blocks, config.block_size, config.kv_dtype, config.device)
-    return MtpProposer(layers, model, kv_cache)
+    graphs = None
+    if _graphs_on(config):
+        rows = min(config.max_num_seqs * (config.num_speculative_tokens + 1), MAX_GRAPH_ROWS)
+        graphs = [
+            DecodeGraphs(
+                model,
+                kv_cache,
+                rows,
+                max_model_len,
+                new_kv_first=True,
+                forward=_mtp_forward(layer, model, kv_cache.kv_caches[i]),
+                previous_width=target.hidden_size,
+            )
+            for i, layer in enumerate(layers)
+        ]
+    return MtpProposer(layers, model, kv_cache, graphs)
+
+
+def _mtp_forward(layer: MtpLayer, target: CausalLM, cache: tuple[torch.Tensor]) -> HiddenForward:
+    def forward(ids, positions, meta, previous):
+        return layer.predict(target, ids, positions, previous, cache, meta)
+
+    return forward

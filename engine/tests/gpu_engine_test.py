@@ -182,4 +182,4 @@ def test_speculative_decoding_in_graphs_equals_the_cpu_path(spec, model):
     outputs, _, _ = _decode(gpu, stops)
     assert outputs == expected
     assert gpu.spec_stats.num_drafts > 0 and replays["verify"] > 0
-    assert replays["catch_up"] > 0 or config.method == "ngram"
+    assert replays["catch_up"] > 0 or config.method != "draft_model"
