@@ -169,6 +169,8 @@ def test_speculative_decoding_in_graphs_equals_the_cpu_path(spec, model):
     graphs = {"verify": gpu.runner.verify_graphs}
     if config.method == "draft_model":
         graphs["catch_up"] = gpu.proposer.catch_up_graphs
+    elif config.method == "mtp":  # every MTP forward, the catch-up's and each further draft's
+        graphs["catch_up"] = gpu.proposer.graphs[0]
     for name, graph in graphs.items():
         run = graph.run
 
@@ -182,4 +184,4 @@ def test_speculative_decoding_in_graphs_equals_the_cpu_path(spec, model):
     outputs, _, _ = _decode(gpu, stops)
     assert outputs == expected
     assert gpu.spec_stats.num_drafts > 0 and replays["verify"] > 0
-    assert replays["catch_up"] > 0 or config.method != "draft_model"
+    assert replays["catch_up"] > 0 or config.method == "ngram"
