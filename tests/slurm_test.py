@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,10 +46,11 @@ def _wait(condition, timeout: float, what: str):
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def slurm():
     """A one-node cluster: munged, slurmctld and slurmd on free ports; SLURM_CONF for the
-    clients. Stopped at the end."""
-    root = tmp_path_factory.mktemp("slurm")
+    clients. Stopped, and its folder removed, at the end. The folder is short-named under /tmp:
+    munge's socket path must fit 108 bytes, which a test's own temporary folder can exceed."""
+    root = Path(tempfile.mkdtemp(prefix="tandem-slurm-", dir="/tmp"))
     for sub in ("state", "spool", "log"):
         (root / sub).mkdir()
     key = root / "munge.key"
@@ -105,6 +107,9 @@ def slurm(tmp_path_factory):
             pid_file = root / f"{daemon}.pid"
             if pid_file.exists():
                 subprocess.run(["kill", pid_file.read_text().strip()], check=False)
+        _wait(lambda: not any((root / f"{d}.pid").exists() for d in ("slurmd", "slurmctld")),
+              30, "the daemons stopped")  # fmt: skip
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _out(command: list[str], env: dict) -> str:
