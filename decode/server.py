@@ -31,7 +31,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.spec_build import speculative_kv
 from prefill.ticket import DECODE_LAYOUT, kv_dtype_fields, layout_descriptor
 from proto.tandem.v1 import decode_pb2_grpc, layout_pb2
-from rpc import keepalive
+from rpc import health, keepalive
 from tools import preflight
 from transport.config import KvTransportConfig
 
@@ -125,6 +125,10 @@ class DecodeServer:
             options=[("grpc.so_reuseport", 0), *keepalive.SERVER_OPTIONS],
         )
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self._grpc)
+        # Kubernetes' gRPC probes: serving while the engine steps and no drain has begun.
+        self._grpc.add_generic_rpc_handlers(
+            (health.handler(self._serving, ("tandem.v1.DecodeService",)),)
+        )
         address = f"{config.kv.host}:{config.grpc_port}"
         try:
             self.port = self._grpc.add_insecure_port(address)
@@ -165,6 +169,9 @@ class DecodeServer:
         self.stop()
         return left
 
+    def _serving(self) -> bool:
+        return self.loop.failure is None and not self.servicer.draining
+
     def _expire_loop(self) -> None:
         """Frees quarantined blocks and fails overdue tickets even when no RPC arrives."""
         while not self._stop.wait(0.2):
@@ -189,11 +196,16 @@ def _layout(config: DecodeServerConfig, model: ModelConfig) -> layout_pb2.Layout
     )
 
 
-def main() -> None:
+def cli_parser() -> argparse.ArgumentParser:
+    """The decode server's command line (also what deploy/ manifests are checked against)."""
     parser = argparse.ArgumentParser(prog="python -m decode.server", description=__doc__)
     DecodeServerConfig.add_cli_args(parser)
     preflight.add_cli_args(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = cli_parser().parse_args()
     preflight.check_server(args, "decode.server")
     try:
         server = DecodeServer(DecodeServerConfig.from_cli_args(args))

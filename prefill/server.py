@@ -292,11 +292,16 @@ def _tokenizer(model: str):
     return AutoTokenizer.from_pretrained(model)
 
 
-def main() -> None:
+def cli_parser() -> argparse.ArgumentParser:
+    """The prefill server's command line (also what deploy/ manifests are checked against)."""
     parser = argparse.ArgumentParser(prog="python -m prefill.server", description=__doc__)
     PrefillServerConfig.add_cli_args(parser)
     preflight.add_cli_args(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = cli_parser().parse_args()
     preflight.check_server(args, "prefill.server")
     try:
         sock = socket.create_server((args.host, args.port))

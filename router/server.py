@@ -77,7 +77,8 @@ class RouterConfig:
             raise ValueError(f"max_queue: {self.max_queue} must be >= 0")
 
 
-def main() -> None:
+def cli_parser() -> argparse.ArgumentParser:
+    """The router's command line (also what deploy/ manifests are checked against)."""
     parser = argparse.ArgumentParser(prog="python -m router.server", description=__doc__)
     parser.add_argument("--model", required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -104,14 +105,22 @@ def main() -> None:
         default=None,
         help="vLLM's parser of reasoning in the output (qwen3, deepseek_r1, ...)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def config_of(args: argparse.Namespace) -> RouterConfig:
+    """The RouterConfig of parsed arguments; ValueError naming a bad value."""
+    return RouterConfig(args.model, tuple(args.prefill), tuple(args.decode), args.host,
+                        args.port, args.served_model_name, args.api_key, args.max_queue,
+                        args.aggregated, not args.no_decode_only_fallback,
+                        tuple(args.decode_service), tuple(args.prefill_service))  # fmt: skip
+
+
+def main() -> None:
+    args = cli_parser().parse_args()
     logging.basicConfig(format="router.server: %(message)s", level=logging.INFO)
     try:
-        config = RouterConfig(args.model, tuple(args.prefill), tuple(args.decode), args.host,
-                              args.port, args.served_model_name, args.api_key,
-                              args.max_queue, args.aggregated,
-                              not args.no_decode_only_fallback, tuple(args.decode_service),
-                              tuple(args.prefill_service))  # fmt: skip
+        config = config_of(args)
         sock = socket.create_server((config.host, config.port))
     except (ValueError, OSError) as e:
         sys.exit(f"router.server: cannot start: {e}")

@@ -25,6 +25,7 @@ from engine.sequence import StopConditions
 from prefill.kv_writes import BlockLayout, LayerKV, layer_ops, valid_bytes
 from prefill.ticket import PREFILL_LAYOUT, layout_descriptor
 from proto.tandem.v1 import decode_pb2
+from rpc import health
 from tests.servers import PeakRunning, serving_decode
 from transport.config import KvTransportConfig
 
@@ -275,6 +276,29 @@ def test_two_sender_ranks_each_write_their_heads(stack, reference):
     _assert_pool_free(server, stub)
 
 
+def _health(server: DecodeServer, service: str = "") -> int:
+    """grpc.health.v1.Health/Check's status, as a Kubernetes gRPC probe asks for it."""
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        check = channel.unary_unary(
+            f"/{health.SERVICE}/Check",
+            request_serializer=health.encode_request,
+            response_deserializer=health.decode_status,
+        )
+        return check(service, timeout=5)
+
+
+def test_grpc_health_says_serving_until_a_drain_begins(stack):
+    server, _, _ = stack
+    assert _health(server) == health.SERVING
+    assert _health(server, "tandem.v1.DecodeService") == health.SERVING
+    assert _health(server, "other.Service") == health.SERVICE_UNKNOWN
+    server.servicer.draining = True
+    try:
+        assert _health(server) == health.NOT_SERVING
+    finally:
+        server.servicer.draining = False
+
+
 def test_an_engine_failure_ends_every_stream_and_refuses_new_work():
     """A step that raises (a CUDA error, say) loses the engine's state: the open stream ends
     UNAVAILABLE naming the error instead of waiting forever, and the instance refuses work (so
@@ -330,5 +354,6 @@ def test_an_engine_failure_ends_every_stream_and_refuses_new_work():
                 f"http://127.0.0.1:{server.metrics_port}/metrics"
             ).read()
             assert b"tandem_decode_engine_up 0.0" in scrape
+            assert _health(server) == health.NOT_SERVING  # Kubernetes takes it out
         finally:
             sender.agent.close()
