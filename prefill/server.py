@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -69,6 +72,8 @@ class PrefillServerConfig:
     served_model_name: str = ""
     layerwise_kv: bool = True
     """Send each layer's KV as soon as it is computed (False: after the whole forward)."""
+    drain_grace_s: float = 30.0
+    """After SIGTERM: how long the requests already taken may take to finish."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -84,6 +89,10 @@ class PrefillServerConfig:
             "--kv-send", choices=["layerwise", "after-forward"], default="layerwise",
             help="send each layer as computed (default), or all after the forward (to compare)",
         )  # fmt: skip
+        parser.add_argument(
+            "--drain-grace-s", type=float, default=30.0,
+            help="after SIGTERM, seconds for the requests already taken to finish",
+        )  # fmt: skip
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> PrefillServerConfig:
@@ -93,6 +102,7 @@ class PrefillServerConfig:
             port=args.port,
             served_model_name=args.served_model_name,
             layerwise_kv=args.kv_send == "layerwise",
+            drain_grace_s=args.drain_grace_s,
         )
 
 
@@ -121,7 +131,24 @@ class PrefillServer:
         )  # fmt: skip
         self.worker = PrefillWorker(self.engine, publisher, self.sender, config.layerwise_kv)
         self.tokenizer = _tokenizer(config.engine.model)
+        self.draining = False
+        """Set by SIGTERM: /health and new requests answer 503 (the router goes elsewhere)."""
+        self._in_flight = 0
         self.app = self._routes()
+
+    def drain(self) -> int:
+        """Refuses new requests, waits up to drain_grace_s for those taken to finish; returns
+        how many had not."""
+        self.draining = True
+        deadline = time.monotonic() + self.config.drain_grace_s
+        while self._in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._in_flight
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise PrefillError(503, "draining: this prefill server is shutting down; send new "
+                               "requests to another")  # fmt: skip
 
     def _routes(self) -> FastAPI:
         app = FastAPI(title="tandem prefill")
@@ -134,6 +161,8 @@ class PrefillServer:
         async def health():
             if self.worker.failure is not None:
                 return _error(503, self.worker.failure)
+            if self.draining:
+                return _error(503, "draining")
             return {"status": "ok"}
 
         @app.get("/v1/models")
@@ -144,6 +173,7 @@ class PrefillServer:
 
         @app.post("/tokenize")
         async def tokenize(request: Request):
+            self._refuse_if_draining()
             body = await _json(request)
             if self.tokenizer is None:
                 return _error(400, "this model folder has no tokenizer")
@@ -163,20 +193,29 @@ class PrefillServer:
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            body = await _json(request)
-            jobs = self._jobs(body)
-            if body.get("structured_outputs") is not None:
-                # Off the event loop: compiling takes milliseconds (the first one seconds, as it
-                # loads xgrammar and the tokenizer).
-                grammar = await asyncio.to_thread(self._grammar, body["structured_outputs"])
-                for job in jobs:  # one compiled grammar; each sequence gets its own matcher
-                    job.grammar = grammar
-            # Any choice failing fails the request: the first failure is the answer.
-            futures = self.worker.submit(jobs)
-            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-            return self._reply(results, body.get("return_tokens_as_token_ids"))
+            self._refuse_if_draining()
+            self._in_flight += 1
+            try:
+                return await self._complete(request)
+            finally:
+                self._in_flight -= 1
 
         return app
+
+    async def _complete(self, request: Request) -> dict:
+        """POST /v1/completions."""
+        body = await _json(request)
+        jobs = self._jobs(body)
+        if body.get("structured_outputs") is not None:
+            # Off the event loop: compiling takes milliseconds (the first one seconds, as it
+            # loads xgrammar and the tokenizer).
+            grammar = await asyncio.to_thread(self._grammar, body["structured_outputs"])
+            for job in jobs:  # one compiled grammar; each sequence gets its own matcher
+                job.grammar = grammar
+        # Any choice failing fails the request: the first failure is the answer.
+        futures = self.worker.submit(jobs)
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        return self._reply(results, body.get("return_tokens_as_token_ids"))
 
     def _reply(self, results: list[Result], as_token_ids: bool | None) -> dict:
         """The completion: one choice per result, in order; the prompt is counted once, and the
@@ -313,9 +352,26 @@ def main() -> None:
         sys.exit(f"prefill.server: cannot start: {e}")
     port = sock.getsockname()[1]
     print(f"prefill.server: serving on http://{args.host}:{port}", flush=True)
-    config = uvicorn.Config(server.app, log_level="warning")
-    uvicorn.Server(config).run(sockets=[sock])
+    http = _HttpServer(uvicorn.Config(server.app, log_level="warning"))
+
+    def drain() -> None:
+        print("prefill.server: draining (SIGTERM): new requests refused", flush=True)
+        left = server.drain()
+        print(f"prefill.server: stopped, {left} request(s) cut at the end of the grace", flush=True)
+        http.should_exit = True
+
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=drain, daemon=True).start())
+    http.run(sockets=[sock])
     server.stop()
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn, its signal handling left to main(): on SIGTERM the server drains first (uvicorn's
+    own would stop at once and then re-raise the signal, exiting with -15)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
 
 
 if __name__ == "__main__":

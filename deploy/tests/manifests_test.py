@@ -110,9 +110,10 @@ def test_probes_ask_the_ports_the_servers_listen_on():
         for probe in ("readinessProbe", "livenessProbe"):
             assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
     # A drain must end before the kubelet's SIGKILL.
-    spec = _by_kind("Deployment")["tandem-decode"]["spec"]["template"]["spec"]
-    drain = decode_parser().parse_args(_args("tandem-decode")).drain_grace_s
-    assert spec["terminationGracePeriodSeconds"] > drain
+    for name, parser in (("tandem-decode", decode_parser), ("tandem-prefill", prefill_parser)):
+        spec = _by_kind("Deployment")[name]["spec"]["template"]["spec"]
+        drain = parser().parse_args(_args(name)).drain_grace_s
+        assert spec["terminationGracePeriodSeconds"] > drain, name
 
 
 def test_the_router_finds_the_decode_and_prefill_services():
