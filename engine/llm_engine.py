@@ -10,6 +10,8 @@ The decode server admits sequences whose prompt KV was written by a remote prefi
 built by `new_choices`) are admitted together with `add_prefilled_choices`: they share the
 prompt's full blocks, and each has its own copy of a partial last one. A request constrained to
 a grammar (structured output) passes one compiled by `engine.grammars` (engine/grammar.py).
+With speculative decoding (EngineConfig.speculative_config, engine/speculative.py) a step may
+return several tokens of one sequence, in order: its accepted drafts, then the target's token.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Continuous batching: which sequences run in the next forward, and with how many tokens.
 
 Each step is planned in this order, under a token budget (max_num_batched_tokens):
-  1. running sequences, oldest first: decodes take 1 token, a prompt being prefilled in chunks
+  1. running sequences, oldest first: decodes take 1 token (and, speculating, room for up to
+     num_speculative_tokens drafts: engine/speculative.py), a prompt being prefilled in chunks
      takes what the budget leaves; when a running sequence needs a block and none is free, the
      newest running sequence is preempted (blocks freed, KV recomputed later from its tokens);
   2. waiting sequences, oldest first, while the budget, max_num_seqs and free blocks allow.
