@@ -187,7 +187,13 @@ class GrpcDecodeClient:
         return await self._stub(address).Abort(request)
 
     async def stats(self, address: str) -> decode_pb2.StatsResponse:
-        return await self._stub(address).Stats(decode_pb2.StatsRequest(), timeout=_STATS_TIMEOUT_S)
+        # wait_for_ready: a channel whose server went away retries its connection with a
+        # growing backoff, and without it an RPC in that backoff fails at once, even when a
+        # server has come back on the address meanwhile (restarted): this waits (up to the
+        # timeout) for the connection instead.
+        return await self._stub(address).Stats(
+            decode_pb2.StatsRequest(), timeout=_STATS_TIMEOUT_S, wait_for_ready=True
+        )
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -12,7 +12,10 @@ instance whose RPC fails with UNAVAILABLE is marked down until a Stats probe ans
 is not draining (a decode server shutting down refuses new requests so); a Reserve that fails
 so is sent to another decode instance, nothing having been sent anywhere yet. A prefill
 instance that cannot be reached or answers 503 (its engine failed) is marked down until its
-health check answers 200.
+health check answers 200. Every PROBE_INTERVAL_S every instance is asked (Stats, the health
+check), so one that begins to drain leaves the rotation before a request must find it out, and
+one restarted on its address comes back; with no decode instance up, a request asks the down
+ones again before it is refused.
 
 Aggregated (every request), or while no prefill instance is healthy (the decode-only fallback,
 counted and logged: router/decode_only.py), a request skips Reserve and the prefill: its decode
@@ -105,7 +108,7 @@ class Orchestrator:
     async def _generate(
         self, request: GenerationRequest, request_id: str, placed: Generation
     ) -> AsyncIterator[Tokens | Finished]:
-        decode = self._pick_decode()
+        decode = await self._pick_decode()
         outstanding = request.max_tokens * request.n
         decode.outstanding_tokens += outstanding
         rid = f"{request_id}-{next(self._ids)}"
@@ -121,7 +124,7 @@ class Orchestrator:
                     if e.code() != grpc.StatusCode.UNAVAILABLE:
                         raise
                     decode.healthy = False
-                    other = self._pick_decode()
+                    other = await self._pick_decode()
                     decode.outstanding_tokens -= outstanding
                     other.outstanding_tokens += outstanding
                     decode = other
@@ -208,18 +211,29 @@ class Orchestrator:
                 prefill.in_flight -= 1
         raise BackendError(503, error)
 
-    async def probe(self, every_decode: bool = False) -> None:
-        """Brings instances marked down back once they answer (decode: Stats, prefill: its
-        health check), and learns the decode servers' context lengths."""
-        for decode in self.decodes:
-            if every_decode or not decode.healthy or not decode.max_model_len:
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    stats = await self.decode_client.stats(decode.address)
-                    decode.healthy = not stats.draining
-                    decode.max_model_len = stats.max_model_len
-        for prefill in self.prefills:
-            if not prefill.healthy:
-                prefill.healthy = await self.prefill_client.health(prefill.url)
+    async def probe(self) -> None:
+        """Asks every instance how it is, all at once (decode: Stats, prefill: its health
+        check): one that answers, and is not draining, is up; one that does not, or drains, is
+        down. So an instance marked down comes back once it answers, and one that begins to
+        drain leaves the rotation within PROBE_INTERVAL_S, before a request must find it out
+        (a request that does is retried elsewhere). Learns the decode servers' context
+        lengths."""
+        await asyncio.gather(
+            *(self._probe_decode(d) for d in self.decodes),
+            *(self._probe_prefill(p) for p in self.prefills),
+        )
+
+    async def _probe_decode(self, decode: DecodeInstance) -> None:
+        try:
+            stats = await self.decode_client.stats(decode.address)
+        except grpc.aio.AioRpcError:
+            decode.healthy = False
+            return
+        decode.healthy = not stats.draining
+        decode.max_model_len = stats.max_model_len
+
+    async def _probe_prefill(self, prefill: PrefillInstance) -> None:
+        prefill.healthy = await self.prefill_client.health(prefill.url)
 
     async def probe_forever(self) -> None:
         while True:
@@ -254,8 +268,13 @@ class Orchestrator:
         server said it decodes less."""
         return min((d.max_model_len for d in self.decodes if d.max_model_len), default=configured)
 
-    def _pick_decode(self) -> DecodeInstance:
+    async def _pick_decode(self) -> DecodeInstance:
+        """The least loaded decode instance that is up; with none up, the down ones are asked
+        again first (one may be back since the last probe, e.g. restarted on its address)."""
         healthy = [d for d in self.decodes if d.healthy]
+        if not healthy:
+            await asyncio.gather(*(self._probe_decode(d) for d in self.decodes))
+            healthy = [d for d in self.decodes if d.healthy]
         if not healthy:
             raise BackendError(503, "no decode instance is available")
         return min(healthy, key=lambda d: d.outstanding_tokens)

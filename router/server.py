@@ -151,7 +151,7 @@ def main() -> None:
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await found.refresh()
-        await orchestrator.probe(every_decode=True)  # their context lengths
+        await orchestrator.probe()  # their context lengths
         if orchestrator.prefills:  # aggregated: no prefill's tokenizer to compare with
             await prompts.check_parity()
         # The first structured-output request would otherwise wait seconds for this import.

@@ -20,7 +20,14 @@ _COMMON = [
     ("grpc.http2.max_pings_without_data", 0),  # a quiet stream is still pinged
 ]
 
-CHANNEL_OPTIONS = [*_COMMON, ("grpc.keepalive_permit_without_calls", 0)]
+CHANNEL_OPTIONS = [
+    *_COMMON,
+    ("grpc.keepalive_permit_without_calls", 0),
+    # A peer that went away and came back on its address (restarted, rescheduled) is reconnected
+    # within a second: gRPC's default backoff grows to two minutes between attempts.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 """For grpc.insecure_channel / grpc.aio.insecure_channel(address, options=...)."""
 
 SERVER_OPTIONS = [

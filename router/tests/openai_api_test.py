@@ -181,7 +181,7 @@ def test_models_health_and_metrics():
                 "root": MODEL, "parent": None, "max_model_len": 64}  # fmt: skip
         assert (await router.client.get("/v1/models")).json() == {"object": "list", "data": [card]}
         router.decode.max_model_len = 32  # the decode server decodes less than config.json says
-        await router.orchestrator.probe(every_decode=True)
+        await router.orchestrator.probe()
         assert (await router.client.get("/v1/models")).json()["data"][0]["max_model_len"] == 32
         reply = await router.post("/v1/completions", {**COMPLETION, "max_tokens": 30})
         assert "context length 32" in reply.json()["error"]["message"]

@@ -199,7 +199,7 @@ def test_the_context_is_the_smallest_a_decode_server_reports():
     orchestrator, _, decode = _stack(decodes=(D0, D1))
     assert orchestrator.max_model_len(8192) == 8192  # none has answered yet
     decode.max_model_len = 4096
-    asyncio.run(orchestrator.probe(every_decode=True))
+    asyncio.run(orchestrator.probe())
     assert orchestrator.max_model_len(8192) == 4096
 
 
@@ -292,6 +292,25 @@ def test_an_unavailable_decode_is_passed_over_until_stats_answers_not_draining()
     _assert_idle(orchestrator, decode)
 
 
+def test_a_probe_takes_out_an_instance_that_begins_to_drain_before_any_request_finds_it():
+    """Every instance is asked at each probe, the healthy ones too: a decode server whose Stats
+    says it drains, and a prefill whose health check fails (it drains, or its engine failed),
+    get no request from then on, not even one to be refused and retried."""
+    orchestrator, prefill, decode = _stack(decodes=(D0, D1))
+    decode.draining.add(D0)
+    prefill.up[P0] = False
+    asyncio.run(orchestrator.probe())
+    assert _health(orchestrator) == {P0: False, P1: True, D0: False, D1: True}
+    assert isinstance(asyncio.run(_generate(orchestrator))[-1], Finished)
+    assert [address for rpc, address, _ in decode.calls if rpc == "Reserve"] == [D1]
+    assert [url for call, url in prefill.calls if call == "complete"] == [P1]
+    decode.draining.clear()
+    prefill.up[P0] = True
+    asyncio.run(orchestrator.probe())
+    assert all(_health(orchestrator).values())
+    _assert_idle(orchestrator, decode)
+
+
 def test_a_reserve_refused_everywhere_is_a_503():
     orchestrator, prefill, decode = _stack(decodes=(D0, D1))
     decode.unavailable |= {D0, D1}
@@ -301,12 +320,16 @@ def test_a_reserve_refused_everywhere_is_a_503():
     _assert_idle(orchestrator, decode)
 
 
-def test_no_decode_available_is_a_503():
+def test_no_decode_available_is_a_503_after_asking_the_down_ones_again():
     orchestrator, prefill, decode = _stack()
     orchestrator.decodes[0].healthy = False
+    decode.unavailable.add(D0)
     (error,) = asyncio.run(_generate(orchestrator))
     assert error.status == 503 and "no decode instance" in str(error)
-    assert not decode.calls and not prefill.calls
+    assert [rpc for rpc, _, _ in decode.calls] == ["Stats"] and not prefill.calls
+    # Back (e.g. restarted on its address) before the next probe: the request finds it.
+    decode.unavailable.clear()
+    assert isinstance(asyncio.run(_generate(orchestrator))[-1], Finished)
     _assert_idle(orchestrator, decode)
 
 
