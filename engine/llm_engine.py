@@ -283,11 +283,10 @@ class LLMEngine:
             reason = seq.finish_reason if seq_id in finished else None
             # Accepted drafts, then the sampled token (fewer when one of them finished it).
             new = seq.token_ids[before[seq_id] :]
-            for i, token in enumerate(new):
+            token_logprobs = logprobs.get(seq_id) or [None] * len(new)
+            for i, (token, lp) in enumerate(zip(new, token_logprobs, strict=False)):
                 last = i == len(new) - 1
-                outputs.append(
-                    StepOutput(seq_id, token, reason if last else None, logprobs.get(seq_id))
-                )
+                outputs.append(StepOutput(seq_id, token, reason if last else None, lp))
             if reason is not None:
                 del self.sequences[seq_id]
         self._settle_idle_step()

@@ -45,12 +45,15 @@ class LaunchedStep:
         host: torch.Tensor | None = None,
         logprobs: LogprobTensors | None = None,
         accepted: torch.Tensor | None = None,
+        rows_per_seq: list[int] | None = None,
     ) -> None:
         self.plan = plan
         self.tokens = tokens
         """The sampled token of each sampling sequence, in plan order, on the device."""
         self._accepted = accepted
         """A step that fed drafts: how many of each sampling sequence's the target kept."""
+        self._rows_per_seq = rows_per_seq
+        """A step that fed drafts: each sampling sequence's rows of `logprobs` (drafts + 1)."""
         self.seq_ids = seq_ids
         """The sampling sequences' ids, in the order of `tokens`."""
         self._host = host
@@ -92,16 +95,25 @@ class LaunchedStep:
         drafted = [item.seq.seq_id for item in self.plan.scheduled if item.draft]
         return {seq_id: counts[seq_id] for seq_id in drafted}
 
-    def logprobs(self) -> dict[str, TokenLogprobs]:
-        """{seq_id: its sampled token's log-probabilities}, for the sequences that asked (by
-        SamplingParams.logprobs); waits for the device."""
+    def logprobs(self) -> dict[str, list[TokenLogprobs]]:
+        """{seq_id: the log-probabilities of each token the step gives it (its accepted drafts,
+        then the sampled one)}, for the sequences that asked (SamplingParams.logprobs); waits
+        for the device."""
         if self._logprobs is None:
             return {}
         if self._copied is not None:
             self._copied.synchronize()
         wanted = [item.seq.sampling.logprobs for item in self.plan.scheduled if item.samples]
-        rows = self._logprobs.rows(wanted)
-        return {s: lp for s, lp in zip(self.seq_ids, rows, strict=True) if lp is not None}
+        per_seq = self._rows_per_seq or [1] * len(wanted)
+        expanded = [n for n, count in zip(wanted, per_seq, strict=True) for _ in range(count)]
+        rows = self._logprobs.rows(expanded)
+        accepted = self.accepted()
+        out, start = {}, 0
+        for seq_id, n, count in zip(self.seq_ids, wanted, per_seq, strict=True):
+            if n is not None:
+                out[seq_id] = rows[start : start + accepted.get(seq_id, 0) + 1]
+            start += count
+        return out
 
 
 class ModelRunner:
@@ -201,16 +213,20 @@ class ModelRunner:
         rows: list[SamplingRow],
     ) -> LaunchedStep:
         """The step's tokens when some sequence fed drafts: logits has one row per fed token
-        of those, one per sequence otherwise (engine/spec_verify.py). Sequences that speculate
-        ask for no log-probabilities."""
+        of those, one per sequence otherwise (engine/spec_verify.py)."""
         drafts = [item.draft for item in sampling]
         simulated = None
         if self.acceptance is not None:
             simulated = [self.acceptance.draw(len(d)) if d else 0 for d in drafts]
-        tokens, accepted = verify(logits, drafts, rows, self.sampler, simulated)
+        tokens, accepted, row_tokens = verify(logits, drafts, rows, self.sampler, simulated)
+        # Each row's raw log-probabilities, of the token it gave (the rows past a sequence's
+        # accepted ones are computed and dropped).
+        per_seq = [len(d) + 1 for d in drafts]
+        expanded = [row for row, count in zip(rows, per_seq, strict=True) for _ in range(count)]
+        logprobs = compute_logprobs(logits, row_tokens, expanded)
         host = self._next_host(len(sampling))
         seq_ids = [item.seq.seq_id for item in sampling]
-        return LaunchedStep(plan, seq_ids, tokens, host, None, accepted)
+        return LaunchedStep(plan, seq_ids, tokens, host, logprobs, accepted, per_seq)
 
     def _verifies_in_graph(self, plan: StepPlan) -> bool:
         """A decode step that feeds drafts, whose rows fit the verification graphs."""

@@ -141,10 +141,9 @@ class Sequence:
 
     @property
     def speculates(self) -> bool:
-        """Whether drafts may be proposed for it: not while it samples with penalties, under a
-        grammar or with log-probabilities (each needs the tokens one at a time)."""
-        params = self.sampling
-        return not (params.penalized or self.grammar is not None or params.logprobs is not None)
+        """Whether drafts may be proposed for it: not while it samples with penalties or under a
+        grammar (each needs the tokens one at a time)."""
+        return not (self.sampling.penalized or self.grammar is not None)
 
     def sampling_row(self) -> SamplingRow:
         if not self.sampling.penalized:  # only penalties look at the history

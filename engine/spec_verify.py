@@ -32,11 +32,14 @@ def verify(
     rows: Sequence[SamplingRow],
     sampler: Sampler,
     simulated: Sequence[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B], accepted [B]), int64 on logits' device: each sequence's own token and its
-    number of accepted drafts. logits [sum(n_b + 1), vocab] float32. `simulated`: accepted
-    counts drawn by an acceptance curve (benchmarks), used instead of the comparison, clipped
-    at each sequence's drafts; the target's token is then drawn from row r_a unchanged."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [B], accepted [B], row_tokens [sum(n_b + 1)]), int64 on logits' device: each
+    sequence's own token, its number of accepted drafts, and the token each row's logits
+    produced (row r_j: draft j where accepted, the sequence's own token at r_a; rows past it
+    repeat that token, and nothing reads them). logits [sum(n_b + 1), vocab] float32.
+    `simulated`: accepted counts drawn by an acceptance curve (benchmarks), used instead of the
+    comparison, clipped at each sequence's drafts; the target's token is then drawn from row
+    r_a unchanged."""
     device = logits.device
     counts = [len(d) for d in drafts]
     width = max(counts)
@@ -54,7 +57,11 @@ def verify(
         excluded = torch.where(accepted < count_t, at, -1)
     final_logits = logits[starts + accepted]
     tokens = sampler(final_logits, rows, excluded)
-    return tokens, accepted
+    seq_of_row = torch.repeat_interleave(torch.arange(len(counts), device=device), count_t + 1)
+    offset = torch.arange(len(seq_of_row), device=device) - starts[seq_of_row]
+    drafted = padded[seq_of_row, offset.clamp(max=width - 1)]
+    row_tokens = torch.where(offset < accepted[seq_of_row], drafted, tokens[seq_of_row])
+    return tokens, accepted, row_tokens
 
 
 def _accepted(

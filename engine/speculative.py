@@ -13,8 +13,8 @@ Configured as vLLM's `--speculative-config`, a JSON object:
     {"method": "draft_model", "model": "path/or/random:preset", "num_speculative_tokens": 3}
     {"method": "mtp", "num_speculative_tokens": 3}
 
-Sequences that sample with penalties, under a grammar or with log-probabilities do not speculate
-(they decode one token a step, as without speculation).
+Sequences that sample with penalties or under a grammar do not speculate (they decode one token a
+step, as without speculation); log-probabilities are reported for every accepted token.
 """
 
 from __future__ import annotations

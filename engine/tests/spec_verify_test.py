@@ -25,9 +25,11 @@ def test_greedy_keeps_the_drafts_up_to_the_first_disagreement():
     # Sequence 1: no drafts, argmax 2. Sequence 2: draft 3 agrees, then the bonus argmax 1.
     eye = torch.eye(4).tolist()
     logits = _logits(eye[1], eye[2], eye[0], eye[3], eye[2], eye[3], eye[1])
-    tokens, accepted = verify(logits, [[1, 2, 3], [], [3]], [GREEDY] * 3, Sampler())
+    tokens, accepted, row_tokens = verify(logits, [[1, 2, 3], [], [3]], [GREEDY] * 3, Sampler())
     assert accepted.tolist() == [2, 0, 1]
     assert tokens.tolist() == [0, 2, 1]
+    # What each row gave: accepted drafts, then the target's token (repeated past it).
+    assert row_tokens.tolist() == [1, 2, 0, 0, 2, 3, 1]
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -50,7 +52,7 @@ def test_rejection_sampling_outputs_the_targets_distribution(draft):
     p1 = torch.tensor([0.4, 0.3, 0.2, 0.1])
     logits = torch.stack([p0.log(), p1.log()]).repeat(n, 1)
     row = SamplingRow(SamplingParams(temperature=1.0), None)
-    tokens, accepted = verify(logits, [[draft]] * n, [row] * n, Sampler(seed=7))
+    tokens, accepted, _ = verify(logits, [[draft]] * n, [row] * n, Sampler(seed=7))
     first = torch.where(accepted == 1, draft, tokens)
     assert _chi_square(torch.bincount(first, minlength=4).float(), p0) < CHI2_3DOF_P9999
     bonus = tokens[accepted == 1]
@@ -64,7 +66,7 @@ def test_rejection_sampling_respects_top_k_after_a_rejection():
     n = 5_000
     logits = torch.tensor([[0.0, 1.0, 3.0, 3.1], [0.0, 0.0, 0.0, 0.0]]).repeat(n, 1)
     row = SamplingRow(SamplingParams(temperature=1.0, top_k=2), None)
-    tokens, accepted = verify(logits, [[2]] * n, [row] * n, Sampler(seed=3))
+    tokens, accepted, _ = verify(logits, [[2]] * n, [row] * n, Sampler(seed=3))
     rejected = tokens[accepted == 0]
     assert len(rejected) > 0 and set(rejected.tolist()) == {3}
     # Accepted with probability p(2) within the top-2: e^3 / (e^3 + e^3.1) ~ 0.475.
@@ -73,7 +75,7 @@ def test_rejection_sampling_respects_top_k_after_a_rejection():
 
 def test_simulated_acceptance_replaces_the_comparison():
     logits = torch.zeros(8, 4)
-    tokens, accepted = verify(logits, [[1, 1, 1], [1, 1, 1]], [GREEDY] * 2, Sampler(), [3, 1])
+    tokens, accepted, _ = verify(logits, [[1, 1, 1], [1, 1, 1]], [GREEDY] * 2, Sampler(), [3, 1])
     assert accepted.tolist() == [3, 1]
     assert tokens.tolist() == [0, 0]  # the target's own token after them (all-zero logits)
 

@@ -107,6 +107,26 @@ def test_chunked_prefill_and_preemption_with_speculation(prompts, reference, spe
     assert engine.scheduler.num_preemptions > 0
 
 
+def test_logprobs_of_every_accepted_token_equal_decoding_without_speculation(prompts):
+    """A sequence asking for log-probabilities speculates too: each token it gets, accepted
+    draft or the target's own, carries the log-probabilities one-token decoding reports."""
+    asked = SamplingParams(logprobs=3)
+    runs = []
+    for spec in (None, NGRAM):
+        engine = _engine(speculative_config=spec)
+        engine.add_request("r", prompts[0], asked, StopConditions(max_tokens=NEW_TOKENS))
+        outs = []
+        while engine.has_unfinished:
+            outs += engine.step()
+        runs.append((engine, outs))
+    (_, plain), (engine, fast) = runs
+    assert engine.spec_stats.num_accepted_tokens > 0
+    assert [o.token_id for o in fast] == [o.token_id for o in plain]
+    for ours, ref in zip(fast, plain, strict=True):
+        assert ours.logprobs.top_token_ids == ref.logprobs.top_token_ids
+        assert ours.logprobs.logprob == pytest.approx(ref.logprobs.logprob, abs=1e-4)
+
+
 def test_aborts_mid_speculation_free_every_block(prompts):
     engine = _engine(speculative_config=SELF_DRAFT)
     for i, p in enumerate(prompts):
