@@ -23,6 +23,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sequence import Sequence
+from engine.speculative import chain_drafts
 
 
 class DraftModelProposer:
@@ -54,21 +55,13 @@ class DraftModelProposer:
         guesses = self._forward(fed).argmax(dim=-1)
         for seq, _ in active:
             seq.num_draft_computed = seq.num_tokens
-        depth = max(room for _, room in active)
-        table = torch.full((len(active), depth), -1, dtype=torch.long, device=self.device)
-        table[:, 0] = guesses
-        for j in range(1, depth):
-            # Only sequences with room for guess j: its KV lands at position N - 1 + j, which
-            # their blocks hold (a shorter room's blocks may end before it).
-            rows = [i for i, (_, room) in enumerate(active) if room > j]
-            index = torch.tensor(rows, device=self.device)
+
+        def step(j: int, rows: list[int], index: torch.Tensor, previous: torch.Tensor):
+            # Guess j's input, guess j - 1, at position N - 1 + j.
             riding = [active[i][0] for i in rows]
-            positions = [seq.num_tokens - 1 + j for seq in riding]
-            table[index, j] = self._step(table[index, j - 1], positions, riding)
-        by_seq = {
-            seq.seq_id: row[:room] for (seq, room), row in zip(active, table.tolist(), strict=True)
-        }
-        return [by_seq.get(seq.seq_id, []) for seq in seqs]
+            return self._step(previous, [seq.num_tokens - 1 + j for seq in riding], riding)
+
+        return chain_drafts(seqs, active, guesses, step)
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Feeds, in chunks of max_chunk, all but the last max_chunk unseen tokens of each."""

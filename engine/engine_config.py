@@ -91,6 +91,11 @@ class EngineConfig:
         return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or DTYPES[self.dtype]
 
     @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs: on CUDA, unless enforce_eager."""
+        return self.device.startswith("cuda") and not self.enforce_eager
+
+    @property
     def num_speculative_tokens(self) -> int:
         spec = self.speculative_config
         return 0 if spec is None else spec.num_speculative_tokens

@@ -108,7 +108,7 @@ class LLMEngine:
             config.num_speculative_tokens,
         )
         graphs = None
-        if config.device.startswith("cuda") and not config.enforce_eager:
+        if config.cuda_graphs:
             graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
         async_scheduling = config.async_scheduling
         if async_scheduling is None:

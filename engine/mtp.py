@@ -38,6 +38,7 @@ from engine.model import EAGER_OPS, Linear, ModelOps, RMSNorm
 from engine.moe import TORCH_KERNELS, MoeKernels
 from engine.scheduler import StepPlan
 from engine.sequence import Sequence
+from engine.speculative import chain_drafts
 
 
 class SharedHead(torch.nn.Module):
@@ -137,25 +138,19 @@ class MtpProposer:
         if not active:
             return [[] for _ in seqs]
         g, guesses = self._catch_up([seq for seq, _ in active])
-        depth = max(room for _, room in active)
-        table = torch.full((len(active), depth), -1, dtype=torch.long, device=self.device)
-        table[:, 0] = guesses
-        for j in range(1, depth):
-            # Draft j at position N - 2 + j after g of the position before; only sequences
-            # with room for draft j + 1 (their blocks hold that position).
-            rows = [i for i, (_, room) in enumerate(active) if room > j]
-            index = torch.tensor(rows, device=self.device)
+
+        def step(j: int, rows: list[int], index: torch.Tensor, previous: torch.Tensor):
+            # Draft j - 1 at position N - 2 + j, after g of the position before.
+            nonlocal g
             riding = [active[i][0] for i in rows]
             positions = [seq.num_tokens - 2 + j for seq in riding]
             tables = [seq.block_ids for seq in riding]
-            fed = table[index, j - 1]
-            g_rows, table[index, j] = self._rows(j, fed, positions, tables, g[index])
+            g_rows, guesses = self._rows(j, previous, positions, tables, g[index])
             g = g.clone()  # g_rows may be a graph's buffer, which the next replay overwrites
             g[index] = g_rows
-        by_seq = {
-            seq.seq_id: row[:room] for (seq, room), row in zip(active, table.tolist(), strict=True)
-        }
-        return [by_seq.get(seq.seq_id, []) for seq in seqs]
+            return guesses
+
+        return chain_drafts(seqs, active, guesses, step)
 
     def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feeds each sequence's pending positions (j with token j + 1, h_j), a row each: g

@@ -75,9 +75,9 @@ def build_proposer(
     model.model.rotary_emb.cache(max_model_len, DTYPES[config.dtype])
     kv_cache = KVCache(model_config, num_blocks, config.block_size, config.kv_dtype, config.device)
     graphs = catch_up = None
-    if _graphs_on(config):
+    if config.cuda_graphs:
         graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
-        rows = min(config.max_num_seqs * (spec.num_speculative_tokens + 1), MAX_GRAPH_ROWS)
+        rows = _graph_rows(config)
         catch_up = DecodeGraphs(model, kv_cache, rows, max_model_len, new_kv_first=True)
     return DraftModelProposer(model, kv_cache, config.max_num_batched_tokens, graphs, catch_up)
 
@@ -111,14 +111,15 @@ def verify_graphs(
 ) -> DecodeGraphs | None:
     """CUDA graphs of decode steps that feed drafts: a row per fed token, up to
     MAX_GRAPH_ROWS rows (larger steps run eagerly)."""
-    if config.speculative_config is None or not _graphs_on(config):
+    if config.speculative_config is None or not config.cuda_graphs:
         return None
-    rows = min(config.max_num_seqs * (config.num_speculative_tokens + 1), MAX_GRAPH_ROWS)
-    return DecodeGraphs(model, kv_cache, rows, max_model_len, new_kv_first=True)
+    return DecodeGraphs(model, kv_cache, _graph_rows(config), max_model_len, new_kv_first=True)
 
 
-def _graphs_on(config: EngineConfig) -> bool:
-    return config.device.startswith("cuda") and not config.enforce_eager
+def _graph_rows(config: EngineConfig) -> int:
+    """Rows of the largest step with drafts (or a catch-up) captured: a full batch's k + 1
+    tokens each, at most MAX_GRAPH_ROWS."""
+    return min(config.max_num_seqs * (config.num_speculative_tokens + 1), MAX_GRAPH_ROWS)
 
 
 def mtp_config(config: EngineConfig, target: ModelConfig) -> ModelConfig | None:
@@ -155,13 +156,12 @@ def build_mtp(
     mtp = mtp_config(config, target)
     kv_cache = KVCache(mtp, num_blocks, config.block_size, config.kv_dtype, config.device)
     graphs = None
-    if _graphs_on(config):
-        rows = min(config.max_num_seqs * (config.num_speculative_tokens + 1), MAX_GRAPH_ROWS)
+    if config.cuda_graphs:
         graphs = [
             DecodeGraphs(
                 model,
                 kv_cache,
-                rows,
+                _graph_rows(config),
                 max_model_len,
                 new_kv_first=True,
                 forward=_mtp_forward(layer, model, kv_cache.kv_caches[i]),

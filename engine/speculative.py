@@ -20,11 +20,13 @@ step, as without speculation); log-probabilities are reported for every accepted
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from engine.sequence import Sequence
 
@@ -101,6 +103,33 @@ class Proposer(Protocol):
         one included, which has no KV yet). The blocks of every sequence already hold
         num_tokens + rooms[i] positions."""
         ...
+
+
+DraftStep = Callable[[int, list[int], torch.Tensor, torch.Tensor], torch.Tensor]
+"""(j, rows, index, previous) -> draft j of the active sequences `rows` (`index`: the same
+positions on the device), after `previous`, their drafts j - 1."""
+
+
+def chain_drafts(
+    seqs: Seq[Sequence],
+    active: Seq[tuple[Sequence, int]],
+    first: torch.Tensor,
+    step: DraftStep,
+) -> list[list[int]]:
+    """Each of `seqs`' drafts, from the first of every active (sequence, room) and `step` for
+    each further one: only the sequences with room for draft j ride along in its step (their
+    blocks hold its position; a shorter room's may end before it). One device read for all."""
+    depth = max(room for _, room in active)
+    table = torch.full((len(active), depth), -1, dtype=torch.long, device=first.device)
+    table[:, 0] = first
+    for j in range(1, depth):
+        rows = [i for i, (_, room) in enumerate(active) if room > j]
+        index = torch.tensor(rows, device=first.device)
+        table[index, j] = step(j, rows, index, table[index, j - 1])
+    by_seq = {
+        seq.seq_id: row[:room] for (seq, room), row in zip(active, table.tolist(), strict=True)
+    }
+    return [by_seq.get(seq.seq_id, []) for seq in seqs]
 
 
 class NgramProposer:
