@@ -22,18 +22,12 @@ from tests.servers import (
     start_decode,
     start_prefill,
     start_router,
+    stop,
 )
 
 PROMPTS = ["Count to ten:", "The capital of France is", "def fibonacci(n):"]
 LOCAL = "tandem_decode_local_prefills_total"
 FALLBACK = "tandem_router_decode_only_fallback_total"
-
-
-def _stop(*procs) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +39,7 @@ def stack():
     aggregated, aggregated_url = start_router([], [address], "--aggregated")
     procs = {"prefill": prefill}
     yield address, prefill_url, url, aggregated_url, procs
-    _stop(aggregated, router, procs["prefill"], decode)
+    stop(aggregated, router, procs["prefill"], decode)
 
 
 def _texts(url: str) -> list[str]:
@@ -80,7 +74,7 @@ def test_with_the_prefill_stopped_the_decode_server_serves_until_it_is_back(stac
     decode_metrics = metrics_url(address)
     disaggregated = _texts(url)
     assert _mode(url) == "disaggregated"
-    _stop(procs["prefill"])
+    stop(procs["prefill"])
     local = counter(decode_metrics, LOCAL)
     assert _texts(url) == disaggregated
     assert counter(f"{url}/metrics", FALLBACK) == len(PROMPTS)

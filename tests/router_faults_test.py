@@ -17,16 +17,16 @@ import httpx
 import pytest
 
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
-from tests.servers import MODEL, decode_pool_free, start_decode, start_prefill, start_router
+from tests.servers import (
+    MODEL,
+    decode_pool_free,
+    start_decode,
+    start_prefill,
+    start_router,
+    stop,
+)
 
 REQUEST = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 6, "temperature": 0}
-
-
-def _stop(*procs) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=10)
 
 
 def _stats(address: str) -> decode_pb2.StatsResponse:
@@ -42,7 +42,7 @@ def two_decodes():
     prefill, prefill_url = start_prefill("tcp")
     router, url = start_router([prefill_url], [address for _, address in decodes])
     yield url, decodes
-    _stop(router, prefill, *(proc for proc, _ in decodes))
+    stop(router, prefill, *(proc for proc, _ in decodes))
 
 
 @pytest.fixture()
@@ -53,7 +53,7 @@ def two_prefills():
     router, url = start_router([prefill_url for _, prefill_url in prefills], [address],
                                "--no-decode-only-fallback")  # fmt: skip
     yield url, address, [proc for proc, _ in prefills]
-    _stop(router, decode, *(proc for proc, _ in prefills))
+    stop(router, decode, *(proc for proc, _ in prefills))
 
 
 def test_decode_killed_mid_stream_ends_the_stream_with_an_error_then_the_other_serves(two_decodes):
@@ -155,5 +155,5 @@ def test_a_prefill_answering_503_is_passed_over_until_its_health_is_back():
             time.sleep(0.2)
         assert decode_pool_free(address)
     finally:
-        _stop(router, prefill, decode)
+        stop(router, prefill, decode)
         failed.server.shutdown()

@@ -68,6 +68,14 @@ def start_router(prefill_urls: list[str], decode_addresses: list[str], *extra: s
     return proc, m.group(1)
 
 
+def stop(*procs: subprocess.Popen) -> None:
+    """Terminates each process still running (it drains, as on SIGTERM) and waits for it."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
 @contextlib.contextmanager
 def running_backends(backend: str = "tcp"):
     """A decode and a prefill server over `backend`: ([prefill URL], [decode address]); both

@@ -34,6 +34,7 @@ from tests.servers import (
     start_decode,
     start_prefill,
     start_router,
+    stop,
 )
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
@@ -42,13 +43,6 @@ MAX_TOKENS = 20
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
 SELF_DRAFT = json.dumps({"method": "draft_model", "model": MODEL, "num_speculative_tokens": 3})
 DRAFT_KV = "draft_model:30x3x64:float32"  # SmolLM2's layers x KV heads x head dim, its dtype
-
-
-def _stop(*procs) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +60,7 @@ def stack():
         "draft": (draft_address, refused_url, aggregated_url),
         "prefill": prefill_url,
     }
-    _stop(aggregated, refused, router, prefill, draft, ngram)
+    stop(aggregated, refused, router, prefill, draft, ngram)
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +78,19 @@ def _complete(url: str, prompt: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
-def test_ngram_decode_through_the_stack_equals_one_engine(stack, reference):
-    address, url = stack["ngram"]
+def _texts(url: str) -> list[str]:
+    """Every prompt's greedy completion through the router at `url`."""
     texts = []
     for prompt in PROMPTS:
         reply = _complete(url, prompt)
         assert reply.status_code == 200, reply.text
         texts.append(reply.json()["choices"][0]["text"])
-    assert texts == reference
+    return texts
+
+
+def test_ngram_decode_through_the_stack_equals_one_engine(stack, reference):
+    address, url = stack["ngram"]
+    assert _texts(url) == reference
     metrics = metrics_url(address)
     drafted = counter(metrics, "tandem_decode_spec_draft_tokens_total")
     accepted = counter(metrics, "tandem_decode_spec_accepted_tokens_total")
@@ -129,12 +128,7 @@ def test_a_prefill_without_the_drafts_kv_is_refused_at_hello(stack):
 
 def test_draft_model_decode_prefilling_itself_accepts_every_proposal(stack, reference):
     address, _, aggregated_url = stack["draft"]
-    texts = []
-    for prompt in PROMPTS:
-        reply = _complete(aggregated_url, prompt)
-        assert reply.status_code == 200, reply.text
-        texts.append(reply.json()["choices"][0]["text"])
-    assert texts == reference
+    assert _texts(aggregated_url) == reference
     metrics = metrics_url(address)
     drafted = counter(metrics, "tandem_decode_spec_draft_tokens_total")
     assert drafted > 0
