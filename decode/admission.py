@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode.failures import (
-    DEADLINE_MISSED,
     UNCLAIMED,
     UNCLAIMED_S,
     AdmissionError,
     Failure,
     FailureKind,
+    deadline_missed,
 )
 from engine.kv_cache import BlockPool
 
@@ -69,6 +69,8 @@ class Reservation:
     prompt_ids: list[int]
     block_ids: list[int]
     num_senders: int
+    """Sender ranks that must commit; 0 (reserved without a count) until the first commit
+    names its prefill's."""
     max_tokens: int
     deadline: float
     """time.monotonic() by which every sender must have committed."""
@@ -121,9 +123,10 @@ class Admission:
         max_tokens: int,
         timeout_s: float = 0.0,
     ) -> Reservation:
-        if num_senders < 1:
+        if num_senders < 0:
             raise AdmissionError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"num_senders: {num_senders} must be >= 1"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"num_senders: {num_senders} must be >= 1, or 0 (as the commits name)",
             )
         self._check_request(request_id, prompt_ids, max_tokens)
         with self._cond:
@@ -179,11 +182,13 @@ class Admission:
         nbytes: int,
         layers: int,
         error: str = "",
+        num_senders: int = 0,
     ) -> tuple[int, int]:
-        """Records one sender's commit; returns (committed senders, expected senders)."""
+        """Records one sender's commit; returns (committed senders, expected senders).
+        num_senders: the sender ranks of its prefill, as it says (0: as the ticket says)."""
         with self._cond:
             self._expire_locked()
-            self._release_quarantine_on_commit_locked(request_id, generation, rank)
+            self._release_quarantine_on_commit_locked(request_id, generation, rank, num_senders)
             res = self._find_locked(request_id, generation)
             done = (RequestState.READY, RequestState.RUNNING)
             if res.state in done and rank in res.committed:
@@ -193,6 +198,7 @@ class Admission:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"request {request_id!r} is {res.state.value}: no commit due",
                 )
+            self._settle_senders_locked(res, rank, num_senders)
             if not 0 <= rank < res.num_senders:
                 raise AdmissionError(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -224,7 +230,7 @@ class Admission:
             while res.state is RequestState.RESERVED:
                 left = res.deadline - self.clock()
                 if left <= 0:
-                    self._fail_locked(res, DEADLINE_MISSED)
+                    self._fail_locked(res, deadline_missed(res.num_senders, res.committed))
                     break
                 self._cond.wait(timeout=left)
             if res.state is RequestState.FAILED:
@@ -355,6 +361,20 @@ class Admission:
             )
         return res
 
+    def _settle_senders_locked(self, res: Reservation, rank: int, num_senders: int) -> None:
+        """A ticket reserved without a sender count takes the first commit's (one, if that
+        names none either); a commit naming another count than the ticket's fails it (the
+        prefill runs another TP size)."""
+        if res.num_senders == 0:
+            res.num_senders = num_senders or 1
+        elif num_senders and num_senders != res.num_senders:
+            problem = (
+                f"sender {rank} reports {num_senders} sender rank(s), the ticket expects "
+                f"{res.num_senders}"
+            )
+            self._fail_locked(res, Failure(FailureKind.BAD_COMMIT, problem))
+            raise AdmissionError(grpc.StatusCode.INVALID_ARGUMENT, problem, FailureKind.BAD_COMMIT)
+
     def _commit_problem_locked(self, res: Reservation, rank: int, layers: int) -> str | None:
         """Why the commit just recorded does not fit the ticket; None if it does."""
         if layers != self.num_layers:
@@ -368,15 +388,16 @@ class Admission:
         return None
 
     def _release_quarantine_on_commit_locked(
-        self, request_id: str, generation: int, rank: int
+        self, request_id: str, generation: int, rank: int, num_senders: int
     ) -> None:
         """A late commit of a failed ticket: that sender stopped writing. Once all have, its
         blocks are free at once; the sender learns that its request failed."""
         for res in self._quarantine:
             if res.request_id == request_id and res.generation == generation:
-                if 0 <= rank < res.num_senders:
+                expected = res.num_senders or num_senders or 1
+                if 0 <= rank < expected:
                     res.committed[rank] = 0
-                if len(res.committed) >= res.num_senders:
+                if len(res.committed) >= expected:
                     self._quarantine.remove(res)
                     self.pool.free(res.block_ids)
                 raise AdmissionError(
@@ -396,7 +417,8 @@ class Admission:
         res.failure = failure
         self._live.pop(res.request_id, None)
         _remember(self._failures, (res.request_id, res.generation), failure)
-        if writers_possible and was_reserved and len(res.committed) < res.num_senders:
+        # (A ticket whose sender count no commit has named yet may have any writer left.)
+        if writers_possible and was_reserved and len(res.committed) < max(res.num_senders, 1):
             # A sender that has not committed may still be writing into these blocks.
             res.quarantined_until = res.deadline + QUARANTINE_GRACE_S
             self._quarantine.append(res)
@@ -408,7 +430,7 @@ class Admission:
         now = self.clock()
         for res in list(self._live.values()):
             if res.state is RequestState.RESERVED and now >= res.deadline:
-                self._fail_locked(res, DEADLINE_MISSED)
+                self._fail_locked(res, deadline_missed(res.num_senders, res.committed))
             elif res.state is RequestState.READY and now >= res.claim_by:
                 self._fail_locked(res, UNCLAIMED)
         keep = []

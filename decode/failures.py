@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -37,7 +38,17 @@ class Failure:
     message: str
 
 
-DEADLINE_MISSED = Failure(FailureKind.DEADLINE_MISSED, "not every sender committed by the deadline")
+def deadline_missed(num_senders: int, committed: Iterable[int]) -> Failure:
+    """A ticket whose senders did not all commit by its deadline: which did, of how many."""
+    ranks = sorted(committed)
+    expected = num_senders or "an unknown number (no commit named it)"
+    return Failure(
+        FailureKind.DEADLINE_MISSED,
+        f"not every sender committed by the deadline: {len(ranks)} of {expected} "
+        f"(committed ranks: {ranks})",
+    )
+
+
 UNCLAIMED = Failure(
     FailureKind.UNCLAIMED, f"no Generate came within {UNCLAIMED_S:g} s of the commit"
 )

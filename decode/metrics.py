@@ -37,7 +37,11 @@ class DecodeMetrics:
             "tandem_decode_tokens_generated", "tokens generated", registry=self.registry
         )
         self.transfer_bytes = Counter(
-            "tandem_decode_transfer_bytes", "KV bytes committed by senders", registry=self.registry
+            "tandem_decode_transfer_bytes",
+            "KV bytes committed by senders, by the sender's rank (a tensor-parallel prefill "
+            "has one sender per rank)",
+            ["sender_rank"],
+            registry=self.registry,
         )
         self.local_prefills = Counter(
             "tandem_decode_local_prefills",

@@ -11,6 +11,7 @@ exits non-zero with one line saying what and how to fix it.
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 import threading
@@ -23,14 +24,16 @@ from prometheus_client import start_http_server
 
 from decode.admission import Admission
 from decode.engine_loop import EngineLoop
+from decode.kv_shards import kv_shard, register_cache, register_rank
 from decode.metrics import DecodeMetrics
 from decode.service import DecodeServicer
 from engine.config import ModelConfig
 from engine.engine_config import KV_SCALE
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model_loader import read_model_config
 from engine.spec_build import speculative_kv
-from prefill.ticket import DECODE_LAYOUT, kv_dtype_fields, layout_descriptor
-from proto.tandem.v1 import decode_pb2_grpc, layout_pb2
+from prefill.ticket import DECODE_LAYOUT, kv_dtype_fields, layout_descriptor, rank_heads
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 from rpc import health, keepalive
 from tools import preflight
 from transport.config import KvTransportConfig
@@ -85,24 +88,32 @@ class DecodeServer:
 
     def __init__(self, config: DecodeServerConfig) -> None:
         self.config = config
-        self.engine = LLMEngine.build(config.engine)
-        self.transport = config.kv.create()
-        device = str(self.engine.kv_cache.storage.device)
-        addr, nbytes = self.engine.kv_cache.region()
-        self.transport.register(addr, nbytes, "cpu" if device == "cpu" else device)
+        tp_size = config.engine.tensor_parallel_size
+        # The whole model's shape: the engine's model_config is rank 0's share of the heads.
+        model = read_model_config(config.engine)
+        num_kv_heads = model.kv_planes[1]
+        self.engine = LLMEngine.build(
+            config.engine,
+            rank_setup=functools.partial(register_rank, config.kv, num_kv_heads, tp_size),
+        )
+        self.transport = register_cache(config.kv, self.engine.kv_cache)
         self.admission = Admission(
             self.engine.pool,
             config.engine.block_size,
-            self.engine.model_config.num_layers,
-            self.engine.model_config.kv_bytes_per_token(config.engine.kv_dtype),
+            model.num_layers,
+            model.kv_bytes_per_token(config.engine.kv_dtype),
             self.engine.max_model_len,
             default_timeout_s=config.kv.transfer_timeout_s,
         )
         self.loop = EngineLoop(self.engine)
-        layout = _layout(config, self.engine.model_config)
+        layout = _layout(config, model)
         endpoint = layout_pb2.TransportEndpoint(
             transport=config.kv.backend, metadata=self.transport.endpoint()
         )
+        heads = rank_heads(num_kv_heads, tp_size, 0)
+        shards = [kv_shard(0, heads, endpoint, self.engine.kv_cache)]
+        if self.engine.tp_workers is not None:
+            shards += [decode_pb2.KvShard.FromString(i) for i in self.engine.tp_workers.infos]
         pool = self.engine.pool
         self.metrics = DecodeMetrics(
             {
@@ -117,7 +128,7 @@ class DecodeServer:
             self.engine.spec_stats if config.engine.speculative_config else None,
         )
         self.servicer = DecodeServicer(
-            self.admission, self.loop, self.engine.kv_cache, layout, endpoint, self.metrics
+            self.admission, self.loop, self.engine.kv_cache, layout, shards, self.metrics
         )
         # NOTE: without so_reuseport=0 a second server would silently share a taken port.
         self._grpc = grpc.server(
@@ -136,6 +147,7 @@ class DecodeServer:
             self.port = 0
         if self.port == 0:
             self.loop.stop()
+            self.engine.close()
             self.transport.close()
             raise OSError(f"cannot listen on {address}: port taken? pick another --grpc-port")
         self._stop = threading.Event()
@@ -155,6 +167,7 @@ class DecodeServer:
         self._stop.set()
         self._grpc.stop(grace=None).wait()
         self.loop.stop()
+        self.engine.close()
         self.transport.close()
 
     def drain(self) -> int:
@@ -180,13 +193,14 @@ class DecodeServer:
 
 def _layout(config: DecodeServerConfig, model: ModelConfig) -> layout_pb2.LayoutDescriptor:
     """This server's cache, as Hello and every ticket describe it: an MLA model's latent plane
-    as one head of the latent width."""
+    as one head of the latent width; the KV heads split over the tensor-parallel ranks."""
     _, heads, channels = model.kv_planes
     return layout_descriptor(
         model_name=config.model_name or config.engine.model,
         num_layers=model.num_layers,
         num_kv_heads=heads,
         head_dim=channels,
+        tp_size=config.engine.tensor_parallel_size,
         **kv_dtype_fields(config.engine.kv_dtype, KV_SCALE),
         block_size=config.engine.block_size,
         layout=DECODE_LAYOUT,

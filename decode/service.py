@@ -34,7 +34,7 @@ from decode.engine_loop import Choice, EngineFailed, EngineLoop, Tokens, TokenSt
 from decode.failures import AdmissionError, FailureKind
 from decode.metrics import DecodeMetrics
 from engine.grammar import Grammar, GrammarKind, GrammarSpec, allows
-from engine.kv_cache import KVCache, LayerRegion
+from engine.kv_cache import KVCache
 from engine.sampling import SAMPLING_FIELDS, SamplingParams, TokenLogprobs
 from engine.sequence import FinishReason, Sequence, StopConditions
 from prefill.ticket import mismatch
@@ -54,14 +54,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         loop: EngineLoop,
         kv_cache: KVCache,
         layout: layout_pb2.LayoutDescriptor,
-        endpoint: layout_pb2.TransportEndpoint,
+        shards: list[decode_pb2.KvShard],
         metrics: DecodeMetrics,
     ) -> None:
         self.admission = admission
         self.loop = loop
         self.kv_cache = kv_cache
         self.layout = layout
-        self.endpoint = endpoint
+        self.shards = shards
+        """Where each tensor-parallel rank's KV heads go (decode/kv_shards.py): every ticket's."""
         self.metrics = metrics
         self._tokens_generated = 0
         self.draining = False
@@ -77,7 +78,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"sender {request.sender_id or '?'} cannot write here: {problem}",
             )
-        return decode_pb2.HelloResponse(decode_layout=self.layout, endpoints=[self.endpoint])
+        endpoints = [shard.endpoint for shard in self.shards]
+        return decode_pb2.HelloResponse(decode_layout=self.layout, endpoints=endpoints)
 
     def Reserve(self, request, context):
         self._check_engine(context)
@@ -87,15 +89,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             self.admission.reserve,
             request.request_id,
             list(request.prompt_token_ids),
-            request.num_senders or 1,
+            request.num_senders,
             request.max_tokens,
             request.transfer_timeout_ms / 1000,
         )
         deadline_unix_ms = int((time.time() + res.deadline - self.admission.clock()) * 1000)
-        regions = [self._layer_regions(r) for r in self.kv_cache.layer_regions()]
-        shard = decode_pb2.KvShard(
-            rank=0, heads=self.layout.head_ranges[0], endpoint=self.endpoint, layers=regions
-        )
         return decode_pb2.ReserveResponse(
             ticket=decode_pb2.Ticket(
                 request_id=res.request_id,
@@ -104,7 +102,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 block_ids=res.block_ids,
                 block_stride_bytes=self.kv_cache.block_stride_bytes,
                 head_stride_bytes=self.kv_cache.head_stride_bytes,
-                shards=[shard],
+                shards=self.shards,
                 layout=self.layout,
                 num_senders=res.num_senders,
                 deadline_unix_ms=deadline_unix_ms,
@@ -121,8 +119,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             request.bytes_written,
             request.layers_written,
             request.error,
+            request.num_senders,
         )
-        self.metrics.transfer_bytes.inc(request.bytes_written)
+        self.metrics.transfer_bytes.labels(str(request.sender_rank)).inc(request.bytes_written)
         return decode_pb2.CommitResponse(committed_senders=committed, expected_senders=expected)
 
     def Generate(self, request, context):
@@ -310,19 +309,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             if running:
                 self.loop.abort(request_id, choices)
         return running
-
-    def _layer_regions(self, region: LayerRegion) -> layout_pb2.LayerRegions:
-        """K and V, or (an "mla-latent" cache) the latent as `k` and no `v`."""
-        device = self._device()
-        k = layout_pb2.KvRegion(addr=region.k_ptr, nbytes=region.nbytes, **device)
-        if region.v_ptr is None:
-            return layout_pb2.LayerRegions(k=k)
-        v = layout_pb2.KvRegion(addr=region.v_ptr, nbytes=region.nbytes, **device)
-        return layout_pb2.LayerRegions(k=k, v=v)
-
-    def _device(self) -> dict:
-        device = self.kv_cache.storage.device
-        return {"device_id": device.index or 0, "is_gpu": device.type == "cuda"}
 
     def _check_engine(self, context) -> None:
         if self.loop.failure is not None:

@@ -41,8 +41,9 @@ from pathlib import Path
 import torch
 
 from engine import hf_peer
+from engine.engine_config import DTYPES
 from engine.grammar import Grammar, GrammarCompiler, GrammarKind, GrammarSpec
-from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model import CausalLM
 from engine.model_loader import read_model_config
 from engine.sampling import SamplingParams

@@ -57,6 +57,9 @@ class EngineConfig:
     benchmark_mode: bool = False
     """Allows what only a benchmark may do: simulated draft acceptance (output tokens are then
     not the model's)."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (engine/tensor_parallel.py), one process each: this one is
+    rank 0; on CUDA rank r runs on the device r past `device`'s. kv_cache_gb is per rank."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,10 +82,29 @@ class EngineConfig:
                 "async_scheduling: not with speculative_config (drafts follow from the last "
                 "step's tokens); leave it unset"
             )
+        self._check_tensor_parallel()
         if spec is not None and spec.acceptance_curve is not None and not self.benchmark_mode:
             raise ValueError(
                 "speculative_config.acceptance_curve: simulated acceptance returns tokens that "
                 "are not the model's; it runs only in benchmark mode (--benchmark-mode)"
+            )
+
+    def _check_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if size < 1:
+            raise ValueError(f"tensor_parallel_size: {size} must be at least 1")
+        if size == 1:
+            return
+        spec = self.speculative_config
+        if spec is not None and spec.method != "ngram":
+            raise ValueError(
+                f"speculative_config: {spec.method} runs at tensor_parallel_size 1 only so far "
+                "(ngram runs at any)"
+            )
+        if self.async_scheduling:
+            raise ValueError(
+                "async_scheduling: not with tensor_parallel_size > 1 yet (every rank runs each "
+                "step as rank 0 sends it); leave it unset"
             )
 
     @property
@@ -155,6 +177,13 @@ class EngineConfig:
             '"num_speculative_tokens": 3}',
         )
         parser.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=1,
+            help="ranks (processes, one GPU each on CUDA) the model is split over",
+        )
+        parser.add_argument(
             "--benchmark-mode",
             action="store_true",
             help="allow simulated draft acceptance (speculative_config.acceptance_curve)",
@@ -177,6 +206,7 @@ class EngineConfig:
             async_scheduling=args.async_scheduling,
             speculative_config=args.speculative_config,
             benchmark_mode=args.benchmark_mode,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
 
 

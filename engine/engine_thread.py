@@ -71,6 +71,7 @@ class EngineThread:
                 for admitting in self._queued():
                     self._admit(admitting)
                 admitting = None
+                self.engine.check_ranks()  # a tensor-parallel rank gone fails the engine
                 if self.engine.has_unfinished:
                     self._step()
                 else:

@@ -11,6 +11,7 @@ import bisect
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -221,8 +222,17 @@ class BlockPool:
         self._run_at_end[start + length] = start
 
 
+class BlockCopier(Protocol):
+    """A cache's block size and block copies: a KVCache, or an engine's StepExecutor (which
+    copies on every tensor-parallel rank)."""
+
+    block_size: int
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None: ...
+
+
 def fork_blocks(
-    pool: BlockPool, cache: KVCache, block_ids: list[int], num_tokens: int, count: int
+    pool: BlockPool, cache: BlockCopier, block_ids: list[int], num_tokens: int, count: int
 ) -> list[list[int] | None]:
     """`count` block lists, each holding the KV of tokens [0, num_tokens) of `block_ids`: their
     full blocks shared (one more reference each), a partial last block copied into a block of

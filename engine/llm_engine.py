@@ -23,23 +23,18 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import ModelConfig
-from engine.cuda_graphs import DecodeGraphs
-from engine.engine_config import DTYPES, EngineConfig
+from engine.engine_config import EngineConfig
+from engine.engine_parts import build_parts
 from engine.grammar import Grammar, GrammarCompiler
 from engine.kv_cache import BlockPool, KVCache, fork_blocks
-from engine.model_loader import Backend, load_model
+from engine.model_loader import Backend
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence, StopConditions
-from engine.spec_build import (
-    acceptance_curve,
-    build_proposer,
-    extra_kv_bytes_per_token,
-    load_draft_model,
-    verify_graphs,
-)
+from engine.spec_build import acceptance_curve, build_proposer
 from engine.speculative import Proposer, SpecStats
+from engine.tp_workers import RankSetup, TpWorkers
 
 
 @dataclass(frozen=True)
@@ -66,6 +61,8 @@ class LLMEngine:
     """Compiles structured outputs' grammars for this model's tokenizer (built at first use)."""
     proposer: Proposer | None = None
     """Speculative decoding's: proposes drafts for the sequences a step decodes."""
+    tp_workers: TpWorkers | None = None
+    """Tensor-parallel ranks 1.. (engine/tp_workers.py), when the engine has them."""
     spec_stats: SpecStats = field(default_factory=SpecStats)
     sequences: dict[str, Sequence] = field(default_factory=dict)
     _in_flight: LaunchedStep | None = None
@@ -76,47 +73,50 @@ class LLMEngine:
         cls,
         config: EngineConfig,
         wrap_attention: Callable[[Backend], Backend] | None = None,
+        rank_setup: RankSetup | None = None,
     ) -> LLMEngine:
         """`wrap_attention` decorates the device's attention backend, or an MLA model's latent
-        writer (e.g. to act on each layer's freshly written KV)."""
-        model_config, model = load_model(config, wrap_attention)
-        dtype = DTYPES[config.dtype]
-        draft = load_draft_model(config, model_config)
-        token_bytes = model_config.kv_bytes_per_token(config.kv_dtype)
-        token_bytes += extra_kv_bytes_per_token(config, model_config, draft)
-        block_bytes = token_bytes * config.block_size
-        num_blocks = int(config.kv_cache_gb * 2**30) // block_bytes
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_gb: {config.kv_cache_gb} GiB holds no block of {block_bytes} bytes"
-            )
-        # A sequence must fit the whole cache alone, else it could wait for blocks forever.
-        max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            num_blocks * config.block_size,
-        )
-        # Every position a sequence can reach: its RoPE angles become one gather a step.
-        model.model.rotary_emb.cache(max_model_len, dtype)
-        kv_cache = KVCache(
-            model_config, num_blocks, config.block_size, config.kv_dtype, config.device
-        )
-        pool = BlockPool(num_blocks)
+        writer (e.g. to act on each layer's freshly written KV). With tensor_parallel_size > 1
+        the other ranks' processes start here, each running `rank_setup` once built
+        (engine/tp_workers.py); `close` stops them."""
+        workers = None
+        if config.tensor_parallel_size > 1:
+            # Refuses what does not split over the ranks, before starting any.
+            workers = TpWorkers.start(config, rank_setup)
+        try:
+            parts = build_parts(config, wrap_attention, None if workers is None else workers.tp)
+            executor = parts.executor
+            if workers is not None:
+                executor = workers.leader_executor(parts.executor)
+        except BaseException:
+            if workers is not None:
+                workers.stop()
+            raise
+        kv_cache, model = parts.kv_cache, parts.model
+        pool = BlockPool(kv_cache.num_blocks)
         sched_config = SchedulerConfig(
             config.block_size,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.num_speculative_tokens,
         )
-        graphs = None
-        if config.cuda_graphs:
-            graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
         async_scheduling = config.async_scheduling
         if async_scheduling is None:
-            async_scheduling = graphs is not None and config.speculative_config is None
-        proposer = build_proposer(config, (model_config, model), draft, num_blocks, max_model_len)
+            async_scheduling = (
+                executor.graphs is not None
+                and config.speculative_config is None
+                and workers is None
+            )
+        proposer = build_proposer(
+            config,
+            (parts.model_config, model),
+            parts.draft,
+            kv_cache.num_blocks,
+            parts.max_model_len,
+        )
         return cls(
             config=config,
-            model_config=model_config,
+            model_config=parts.model_config,
             kv_cache=kv_cache,
             pool=pool,
             scheduler=Scheduler(sched_config, pool),
@@ -125,15 +125,28 @@ class LLMEngine:
                 kv_cache,
                 Sampler(config.seed),
                 config.max_num_seqs,
-                graphs,
+                executor.graphs,
                 acceptance_curve(config),
-                verify_graphs(config, model, kv_cache, max_model_len),
+                executor.verify_graphs,
+                executor,
             ),
-            max_model_len=max_model_len,
+            max_model_len=parts.max_model_len,
             async_scheduling=async_scheduling,
-            grammars=GrammarCompiler(config.model, model_config.vocab_size),
+            grammars=GrammarCompiler(config.model, parts.model_config.vocab_size),
             proposer=proposer,
+            tp_workers=workers,
         )
+
+    def check_ranks(self) -> None:
+        """RuntimeError if a tensor-parallel rank has exited: the engine cannot step again."""
+        if self.tp_workers is not None:
+            self.tp_workers.check_alive()
+
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks, if any (the engine cannot step after)."""
+        if self.tp_workers is not None:
+            self.tp_workers.stop()
+            self.tp_workers = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -235,7 +248,7 @@ class LLMEngine:
         # Shared and copied before choice 0 is admitted: a first token that finishes it at
         # once frees its blocks.
         num_tokens = seqs[0].num_prompt_tokens
-        forks = fork_blocks(self.pool, self.kv_cache, block_ids, num_tokens, len(seqs) - 1)
+        forks = fork_blocks(self.pool, self.runner.executor, block_ids, num_tokens, len(seqs) - 1)
         owned = [list(block_ids), *(fork or [] for fork in forks)]  # []: recomputes its prompt
         starts = zip(seqs, owned, first_tokens, strict=True)
         return [self.add_prefilled(seq, ids, token) for seq, ids, token in starts]
@@ -255,6 +268,14 @@ class LLMEngine:
         With async scheduling, the decode step after this one is launched before this one's
         tokens are read: the call returns with it running, and the next call returns its
         tokens."""
+        try:
+            return self._step(before_run)
+        except RuntimeError as error:
+            if self.tp_workers is not None:  # a collective failed: a rank that exited says why
+                self.tp_workers.raise_if_one_exits(error)
+            raise
+
+    def _step(self, before_run: Callable[[StepPlan], None] | None) -> list[StepOutput]:
         launched, self._in_flight = self._in_flight, None
         if launched is None:
             plan = self.scheduler.schedule()

@@ -156,6 +156,9 @@ class ModelOps:
     qkv_rope: Callable[..., tuple[torch.Tensor, ...]]
     gate_up_silu: Callable[[NormInput, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     add_linear: Callable[..., NormInput]
+    # Logits of a shard of the vocabulary -> of all of it (tensor parallelism's lm_head,
+    # engine/tensor_parallel.py); the identity on one device.
+    gather_vocab: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
 
 
 EAGER_OPS = ModelOps(rms_norm, add_rms_norm, rope, linear, qkv_rope, gate_up_silu, add_linear)
@@ -433,7 +436,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size], float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, weight, None).float()
+        return self.ops.gather_vocab(self.ops.linear(hidden, weight, None)).float()
 
     def init_buffers(self) -> None:
         """Computes the buffers no checkpoint holds (RoPE frequencies, kept float32).

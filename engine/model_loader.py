@@ -18,7 +18,14 @@ from engine.engine_config import DTYPES, EngineConfig
 from engine.mla import LatentBackend
 from engine.model import EAGER_OPS, CausalLM, ModelOps
 from engine.moe import TORCH_KERNELS, MoeKernels
-from engine.weights import init_random_weights, load_weights
+from engine.tensor_parallel import TpRank, apply_tp, check_supported, tp_ops
+from engine.weights import (
+    checkpoint_tensors,
+    init_random_weights,
+    load_sharded,
+    load_weights,
+    random_checkpoint,
+)
 
 Backend = AttentionBackend | LatentBackend
 """What a model writes its KV through: per-head K/V (Llama family) or latent rows (MLA)."""
@@ -27,10 +34,14 @@ Backend = AttentionBackend | LatentBackend
 def load_model(
     config: EngineConfig,
     wrap_attention: Callable[[Backend], Backend] | None = None,
+    tp: TpRank | None = None,
 ) -> tuple[ModelConfig, CausalLM]:
     """Builds the model on the meta device and fills it: from a folder, or randomly.
-    `wrap_attention` decorates its backend: an AttentionBackend, or for MLA a LatentBackend."""
+    `wrap_attention` decorates its backend: an AttentionBackend, or for MLA a LatentBackend.
+    With `tp`, the model is that tensor-parallel rank's part (engine/tensor_parallel.py) and
+    the config returned is the rank's shape."""
     model_config = read_model_config(config)
+    check_supported(model_config, config.tensor_parallel_size)
     if model_config.fp8 is not None and model_config.mla and config.device.startswith("cuda"):
         raise ValueError(
             f"model {config.model}: fp8 weights of the MLA/MoE family run on the CPU only so far "
@@ -46,9 +57,32 @@ def load_model(
     backend = attention_backend(config.device)
     if wrap_attention is not None:
         backend = wrap_attention(backend)
+    if tp is not None:
+        return _load_tp_model(config, model_config, backend, tp)
     with torch.device("meta"):
         model = CausalLM(model_config, backend, model_ops(config))
     return model_config, _fill(model, config)
+
+
+def _load_tp_model(
+    config: EngineConfig, model_config: ModelConfig, backend: Backend, tp: TpRank
+) -> tuple[ModelConfig, CausalLM]:
+    """Rank tp.shape.rank's model, filled with its part of the checkpoint's (or of the random
+    model's) Hugging Face-named tensors."""
+    shape, dtype = tp.shape, DTYPES[config.dtype]
+    ops = tp_ops(model_ops(config), tp.group, model_config.vocab_size)
+    with torch.device("meta"):
+        model = apply_tp(CausalLM(shape.local_config, backend, ops), shape, tp.group)
+    if config.model.startswith("random:"):
+        with torch.device("meta"):
+            whole = CausalLM(model_config, backend, model_ops(config))
+        names, tensors = random_checkpoint(whole, config.seed, dtype, config.device)
+        source = f"random weights of {config.model}"
+    else:
+        names, tensors = checkpoint_tensors(config.model)
+        source = f"checkpoint {config.model}"
+    load_sharded(model, names, tensors, dtype, config.device, source, shape.shard)
+    return shape.local_config, model.eval()
 
 
 def model_ops(config: EngineConfig) -> ModelOps:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs, GraphStep
 from engine.grammar import apply_grammars
 from engine.kv_cache import KVCache
@@ -32,6 +31,7 @@ from engine.sampling import (
 from engine.scheduler import ScheduledSeq, StepPlan
 from engine.spec_acceptance import AcceptanceCurve
 from engine.spec_verify import verify
+from engine.step_executor import StepExecutor
 
 
 class LaunchedStep:
@@ -126,10 +126,13 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         acceptance: AcceptanceCurve | None = None,
         verify_graphs: DecodeGraphs | None = None,
+        executor: StepExecutor | None = None,
     ) -> None:
         self.model = model
         self.verify_graphs = verify_graphs
         """Decode steps that feed drafts, up to its max_batch rows (a row per fed token)."""
+        self.executor = executor or StepExecutor(model, kv_cache, graphs, verify_graphs)
+        """Runs the step's device work (every tensor-parallel rank's, when it is rank 0's)."""
         self.acceptance = acceptance
         """Benchmarks: drafts are accepted as this curve draws, not by comparison."""
         self.kv_cache = kv_cache
@@ -167,8 +170,7 @@ class ModelRunner:
                 step = LaunchedStep(plan, [], None)
                 step.hidden = hidden
                 return step
-            last = hidden[torch.tensor(sample_rows, device=self.device)]
-            logits = self.model.compute_logits(last)
+            logits = self.executor.logits(sample_rows)
         rows = [item.seq.sampling_row() for item in sampling]
         if any(item.draft for item in sampling):
             step = self._verify(plan, sampling, logits, rows)
@@ -250,7 +252,7 @@ class ModelRunner:
             ids.extend(item.draft)
             positions.extend(range(item.start, item.start + n))
             tables.extend([seq.block_ids] * n)
-        logits, _, hidden = self.verify_graphs.run(ids, positions, tables)
+        logits, _, hidden = self.executor.replay(True, ids, positions, tables)
         if len(sample_rows) < len(ids):  # a one-token prompt chunk rode along
             logits = logits[torch.tensor(sample_rows, device=self.device)]
         return logits, hidden
@@ -281,9 +283,9 @@ class ModelRunner:
         positions = [item.start for item in plan.scheduled]
         tables = [seq.block_ids for seq in seqs]
         if fed is not None:
-            return self.graphs.run(None, positions, tables, fed_ids=fed)
+            return self.executor.replay(False, None, positions, tables, fed_ids=fed)
         input_ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions, strict=True)]
-        return self.graphs.run(input_ids, positions, tables)
+        return self.executor.replay(False, input_ids, positions, tables)
 
     def _forward_eager(
         self, plan: StepPlan, fed: torch.Tensor | None
@@ -305,14 +307,6 @@ class ModelRunner:
             tables.append(seq.block_ids)
             if item.samples:
                 sample_rows.extend(range(len(positions) - 1 - len(item.draft), len(positions)))
-        meta = AttentionMetadata.build(
-            query_lens, seq_lens, tables, self.kv_cache.block_size, self.device
-        )
-        ids = fed if fed is not None else torch.tensor(input_ids, device=self.device)
-        hidden = self.model(
-            ids,
-            torch.tensor(positions, device=self.device),
-            self.kv_cache.kv_caches,
-            meta,
-        )
+        ids = fed if fed is not None else input_ids
+        hidden = self.executor.forward(ids, positions, query_lens, seq_lens, tables)
         return hidden, sample_rows

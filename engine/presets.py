@@ -113,6 +113,21 @@ PRESETS["llama3.2-1b"] = dataclasses.replace(
 )
 PRESETS["llama3-8b-1l"] = dataclasses.replace(PRESETS["llama3-8b"], num_layers=1)
 
+# Tensor-parallel tests: SmolLM2's vocabulary (its tokenizer), 4 KV heads of 8 query heads, so
+# that TP 2 and 4 split every dimension; an lm_head of its own (random tied embeddings mostly
+# repeat the last token).
+PRESETS["tiny-kv4"] = dataclasses.replace(
+    PRESETS["smollm2-135m"],
+    tie_word_embeddings=False,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+    max_position_embeddings=2048,
+)
+
 # FP8 checkpoints' scheme (DeepSeek-V3, Qwen3 FP8): e4m3 weights, a scale per 128x128 block, the
 # decoder's projections quantized from the random bf16 weights (engine.weights), lm_head not.
 # tiny-fp8's 48x48 blocks give every matrix a partial block, and fused parts that do not start

@@ -12,7 +12,7 @@ tensor by tensor, so peak memory is the model plus one checkpoint tensor.
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -37,6 +37,14 @@ def load_weights(
     Every checkpoint tensor must have a parameter to go to and every parameter a tensor, else
     ValueError naming them, raised before anything is allocated.
     """
+    names, tensors = checkpoint_tensors(folder)
+    _load(model, names, tensors, dtype, device, source=f"checkpoint {folder}")
+
+
+def checkpoint_tensors(
+    folder: str | Path,
+) -> tuple[list[str], Iterator[tuple[str, torch.Tensor]]]:
+    """The names of the folder's checkpoint tensors, and the tensors, read one at a time."""
     files = _checkpoint_files(Path(folder))
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -45,8 +53,7 @@ def load_weights(
                 for name in file_names:
                     yield name, f.get_tensor(name)
 
-    names = [name for file_names in files.values() for name in file_names]
-    _load(model, names, tensors(), dtype, device, source=f"checkpoint {folder}")
+    return [name for file_names in files.values() for name in file_names], tensors()
 
 
 def load_mtp_weights(
@@ -83,6 +90,21 @@ def load_state_dict(
     _load(model, list(state_dict), iter(state_dict.items()), dtype, device, source="state dict")
 
 
+def load_sharded(
+    model: CausalLM,
+    names: list[str],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    source: str,
+    shard: Callable[[str, torch.Tensor], torch.Tensor],
+) -> None:
+    """Loads Hugging Face-named tensors into a tensor-parallel rank's model, each cut to the
+    rank's part by `shard(name, tensor)` first (engine/tensor_parallel.py), with the checks of
+    load_weights."""
+    _load(model, names, tensors, dtype, device, source, shard)
+
+
 def _load(
     model: CausalLM,
     names: list[str],
@@ -90,6 +112,7 @@ def _load(
     dtype: torch.dtype,
     device: torch.device | str,
     source: str,
+    shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     _check_dtype(dtype)
     targets = _targets(model)
@@ -109,6 +132,8 @@ def _load(
                 continue
             param_name, rows = targets[name]
             dest = params[param_name][rows]
+            if shard is not None:
+                tensor = shard(name, tensor)
             if param_name.endswith(SCALE):  # row-wise in memory (engine.fp8)
                 tensor = model.config.fp8.expand_scale(tensor, dest.shape[0])
             if dest.shape != tensor.shape:
@@ -131,26 +156,69 @@ def init_random_weights(
     """
     _check_dtype(dtype)
     _materialize(model, dtype, device)
-    generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
     scales = {  # an fp8 matrix -> its scales
         id(getattr(m, name)): getattr(m, name + SCALE)
         for m in model.modules()
         if getattr(m, "fp8", None) is not None
         for name in m.fp8_parameters
     }
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            elif id(param) in scales:  # drawn in float32, then quantized as a checkpoint is
-                drawn = torch.empty(param.shape, device=param.device)
-                _quantize_into(drawn.normal_(0.0, 0.02, generator=generator), param,
-                               scales[id(param)], model.config.fp8)  # fmt: skip
-            elif not name.endswith(SCALE):
-                param.normal_(0.0, 0.02, generator=generator)
+        for name, drawn in _random_draws(model, seed, device):
+            param = params[name]
+            if id(param) in scales:  # drawn in float32, then quantized as a checkpoint is
+                _quantize_into(drawn, param, scales[id(param)], model.config.fp8)
+            else:
+                param.copy_(drawn)
     model.init_buffers()
+
+
+def random_checkpoint(
+    model: CausalLM, seed: int, dtype: torch.dtype, device: torch.device | str
+) -> tuple[list[str], Iterator[tuple[str, torch.Tensor]]]:
+    """The weights init_random_weights gives `model` (meta-built, left as it is), as Hugging
+    Face-named tensors drawn one parameter at a time: a tensor-parallel rank loads its part of
+    them (load_sharded) and so holds the same weights as one device would."""
+    parts: dict[str, list[tuple[str, Index]]] = {}
+    for hf_name, (param_name, rows) in _targets(model).items():
+        parts.setdefault(param_name, []).append((hf_name, rows))
+    names = [hf_name for param_parts in parts.values() for hf_name, _ in param_parts]
+    _set_dtypes(model, dtype)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for param_name, drawn in _random_draws(model, seed, device):
+            for hf_name, rows in parts[param_name]:
+                yield hf_name, drawn[rows]
+
+    return names, tensors()
+
+
+def _random_draws(
+    model: CausalLM, seed: int, device: torch.device | str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(parameter name, its random value) in parameter order: norms 1, biases 0, matrices
+    N(0, 0.02) drawn in the parameter's dtype from one generator (fp8 ones in float32, their
+    scales left out); the parameters may be on the meta device."""
+    generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    fp8 = {
+        id(getattr(m, name))
+        for m in model.modules()
+        if getattr(m, "fp8", None) is not None
+        for name in m.fp8_parameters
+    }
+    for name, param in model.named_parameters():
+        if name.endswith(SCALE):
+            continue
+        # An fp8 matrix is drawn in float32 and quantized by the caller.
+        drawn_dtype = torch.float32 if id(param) in fp8 else param.dtype
+        drawn = torch.empty(param.shape, dtype=drawn_dtype, device=device)
+        if name.endswith("norm.weight"):
+            drawn.fill_(1.0)
+        elif name.endswith(".bias"):
+            drawn.zero_()
+        else:
+            drawn.normal_(0.0, 0.02, generator=generator)
+        yield name, drawn
 
 
 def _quantize_into(
@@ -177,14 +245,19 @@ def _materialize(model: CausalLM, dtype: torch.dtype, device: torch.device | str
     materialized = [name for name, p in model.named_parameters() if not p.is_meta]
     if materialized:
         raise ValueError(f"model must be built on the meta device; {materialized[0]} is not")
-    model.to(dtype=dtype)  # free on meta; makes to_empty allocate in the final dtype
+    _set_dtypes(model, dtype)  # free on meta; makes to_empty allocate in the final dtypes
+    model.to_empty(device=device)
+    model.requires_grad_(False)  # serving never trains; no autograd bookkeeping on weights
+
+
+def _set_dtypes(model: CausalLM, dtype: torch.dtype) -> None:
+    """Every parameter in dtype, but those a module keeps in a dtype of its own."""
+    model.to(dtype=dtype)
     for module in model.modules():
         for name, kept in _kept_dtypes(module):
             param = getattr(module, name)
             if param is not None:
                 setattr(module, name, nn.Parameter(param.to(kept), requires_grad=False))
-    model.to_empty(device=device)
-    model.requires_grad_(False)  # serving never trains; no autograd bookkeeping on weights
 
 
 def _kept_dtypes(module: nn.Module) -> list[tuple[str, torch.dtype]]:

@@ -330,6 +330,7 @@ class KvSender:
             request = decode_pb2.CommitRequest(
                 request_id=ticket.request_id, generation=ticket.generation,
                 sender_rank=self.rank, bytes_written=nbytes, layers_written=layers, error=error,
+                num_senders=self.layout.tp_size,
             )  # fmt: skip
             with self._lock:
                 decode = self._decoders[session.transfer.decode_address]

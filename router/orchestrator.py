@@ -167,7 +167,8 @@ class Orchestrator:
             placed.placement = (decode, rid)
             return _generate_request(request, rid)
         reserved = await self.decode_client.reserve(decode.address, decode_pb2.ReserveRequest(
-            request_id=rid, prompt_token_ids=request.prompt_ids, num_senders=1,
+            # num_senders 0: as many as the prefill has (each sender's commit names them).
+            request_id=rid, prompt_token_ids=request.prompt_ids, num_senders=0,
             max_tokens=request.max_tokens))  # fmt: skip
         placed.placement = (decode, rid)
         try:

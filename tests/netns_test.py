@@ -127,7 +127,7 @@ def _decode_metrics(host: str) -> dict[str, float]:
     return {
         line.split()[0]: float(line.split()[1])
         for line in text.splitlines()
-        if line.startswith("tandem_decode_") and "{" not in line
+        if line.startswith("tandem_decode_")  # labelled ones keyed with their labels
     }
 
 
@@ -141,7 +141,12 @@ def _texts(url: str) -> list[str]:
 
 
 def _transferred() -> float:
-    return sum(_decode_metrics(h)["tandem_decode_transfer_bytes_total"] for h in DECODES)
+    return sum(
+        value
+        for h in DECODES
+        for name, value in _decode_metrics(h).items()
+        if name.startswith("tandem_decode_transfer_bytes_total")
+    )
 
 
 def test_completions_across_five_hosts_equal_the_one_host_stack(stack):

@@ -29,15 +29,19 @@ _RPC_DIR = tempfile.mkdtemp(prefix="tandem-vllm-", dir="/tmp")
 atexit.register(shutil.rmtree, _RPC_DIR, ignore_errors=True)
 
 
-def start_vllm(transport: str | None, *extra: str) -> tuple[subprocess.Popen, str]:
-    """vLLM serving the bundled model in float32 (the decode servers' dtype), with
+def start_vllm(
+    transport: str | None, *extra: str, model: str = MODEL
+) -> tuple[subprocess.Popen, str]:
+    """vLLM serving `model` (the bundled one) in float32 (the decode servers' dtype), with
     TandemConnector over `transport`, or without the connector (transport None); `extra`: more
     of vLLM's arguments."""
     os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_RPC_BASE_PATH=_RPC_DIR)
+    # With several ranks: vLLM's automatic binding wants a NUMA node per rank.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if "TEST_TMPDIR" in os.environ:  # vLLM caches under $HOME, read-only in Bazel's sandbox
         os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ["TEST_TMPDIR"], "vllm")
     port = free_port("127.0.0.1")
-    args = vllm_args(MODEL, "127.0.0.1", port, "float32", transport, *SMALL, *extra)
+    args = vllm_args(model, "127.0.0.1", port, "float32", transport, *SMALL, *extra)
     proc, _ = start(args, READY, timeout=300)
     return proc, f"http://127.0.0.1:{port}"
 

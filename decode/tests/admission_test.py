@@ -99,6 +99,35 @@ def test_wait_ready_wakes_when_the_last_sender_commits(admission):
     admission.finish(ready[0])
 
 
+def test_a_ticket_reserved_without_a_sender_count_takes_the_commits(admission, clock):
+    # A tensor-parallel prefill's senders each name their count (vLLM's TP size).
+    res = admission.reserve("a", list(range(40)), num_senders=0, max_tokens=8)
+    assert admission.commit("a", 1, 1, 1500, LAYERS, num_senders=2) == (1, 2)
+    assert res.state is RequestState.RESERVED
+    assert admission.commit("a", 1, 0, 2500, LAYERS, num_senders=2) == (2, 2)
+    admission.pool.free(admission.take(admission.wait_ready("a", 1)))
+    admission.finish(res)
+    # One of two never commits: the deadline names who did.
+    res = admission.reserve("b", [1] * 20, num_senders=0, max_tokens=1)
+    admission.commit("b", 1, 0, 1000, LAYERS, num_senders=2)
+    clock.now = res.deadline
+    assert _failure(lambda: admission.wait_ready("b", 1))[2] == (
+        "not every sender committed by the deadline: 1 of 2 (committed ranks: [0])"
+    )
+
+
+def test_a_commit_naming_another_sender_count_fails_the_ticket(admission):
+    admission.reserve("a", [1] * 20, num_senders=2, max_tokens=1)
+    problem = "sender 0 reports 1 sender rank(s), the ticket expects 2"
+    assert _failure(lambda: admission.commit("a", 1, 0, 2000, LAYERS, num_senders=1)) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        FailureKind.BAD_COMMIT,
+        problem,
+    )
+    assert _failure(lambda: admission.wait_ready("a", 1))[2] == problem
+    assert admission.num_quarantined_blocks == 2  # neither sender has said it stopped writing
+
+
 def test_missing_commit_fails_at_the_deadline_and_quarantines_until_grace(admission, clock):
     res = admission.reserve("a", [1] * 20, num_senders=2, max_tokens=1)
     admission.commit("a", 1, 0, 1000, LAYERS)
@@ -106,7 +135,7 @@ def test_missing_commit_fails_at_the_deadline_and_quarantines_until_grace(admiss
     assert _failure(lambda: admission.wait_ready("a", 1)) == (
         grpc.StatusCode.DEADLINE_EXCEEDED,
         FailureKind.DEADLINE_MISSED,
-        "not every sender committed by the deadline",
+        "not every sender committed by the deadline: 1 of 2 (committed ranks: [0])",
     )
     # Sender 1 may still be writing: its blocks stay out of the pool until the grace is over.
     assert admission.num_quarantined_blocks == 2 and admission.pool.num_free == 8

@@ -13,9 +13,11 @@ import torch
 
 from decode.admission import Admission
 from decode.engine_loop import EngineLoop
+from decode.kv_shards import kv_shard
 from decode.metrics import DecodeMetrics
 from decode.service import DecodeServicer
-from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+from engine.engine_config import DTYPES
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 from prefill.ticket import DECODE_LAYOUT, layout_descriptor
@@ -111,8 +113,9 @@ class Stack:
         )
         self.loop = EngineLoop(self.engine)
         endpoint = layout_pb2.TransportEndpoint(transport="tcp", metadata=b"127.0.0.1:1")
+        shards = [kv_shard(0, range(model.num_kv_heads), endpoint, self.engine.kv_cache)]
         self.servicer = DecodeServicer(
-            self.admission, self.loop, self.engine.kv_cache, layout(), endpoint, DecodeMetrics({})
+            self.admission, self.loop, self.engine.kv_cache, layout(), shards, DecodeMetrics({})
         )
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.server)

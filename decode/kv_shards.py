@@ -1,0 +1,60 @@
+"""Where a decode server's KV cache lives, as its tickets list it: one KvShard per
+tensor-parallel rank, with the rank's KV heads, the endpoint of the transport its cache is
+registered with, and each layer's regions. A sender writes each of its heads into the shard that
+holds it (prefill/kv_sender.py), whatever its own TP size.
+
+Rank 0's cache is registered by the server itself; every other rank registers its own, in its
+own process, with a transport of its own, and hands rank 0 its shard (`register_rank`, run by
+engine.tp_workers once the rank's parts are built)."""
+
+from __future__ import annotations
+
+from engine.kv_cache import KVCache, LayerRegion
+from engine.step_executor import StepExecutor
+from prefill.ticket import rank_heads
+from proto.tandem.v1 import decode_pb2, layout_pb2
+from transport.base import Transport
+from transport.config import KvTransportConfig
+
+
+def register_cache(kv: KvTransportConfig, kv_cache: KVCache) -> Transport:
+    """A transport of `kv`'s backend with the whole cache registered."""
+    transport = kv.create()
+    device = kv_cache.storage.device
+    addr, nbytes = kv_cache.region()
+    transport.register(addr, nbytes, "cpu" if device.type == "cpu" else str(device))
+    return transport
+
+
+def kv_shard(
+    rank: int, heads: range, endpoint: layout_pb2.TransportEndpoint, kv_cache: KVCache
+) -> decode_pb2.KvShard:
+    """Rank `rank`'s shard: its heads [start, stop) of the model's, its endpoint, its layers."""
+    device = kv_cache.storage.device
+    where = {"device_id": device.index or 0, "is_gpu": device.type == "cuda"}
+    return decode_pb2.KvShard(
+        rank=rank,
+        heads=layout_pb2.HeadRange(start=heads.start, end=heads.stop),
+        endpoint=endpoint,
+        layers=[_layer_regions(region, where) for region in kv_cache.layer_regions()],
+    )
+
+
+def register_rank(
+    kv: KvTransportConfig, num_kv_heads: int, tp_size: int, rank: int, executor: StepExecutor
+) -> tuple[bytes, Transport]:
+    """A rank > 0's cache registered with a transport of its own: (its KvShard, serialized for
+    rank 0; the transport, which the rank keeps open)."""
+    transport = register_cache(kv, executor.kv_cache)
+    endpoint = layout_pb2.TransportEndpoint(transport=kv.backend, metadata=transport.endpoint())
+    heads = rank_heads(num_kv_heads, tp_size, rank)
+    return kv_shard(rank, heads, endpoint, executor.kv_cache).SerializeToString(), transport
+
+
+def _layer_regions(region: LayerRegion, where: dict) -> layout_pb2.LayerRegions:
+    """K and V, or (an "mla-latent" cache) the latent as `k` and no `v`."""
+    k = layout_pb2.KvRegion(addr=region.k_ptr, nbytes=region.nbytes, **where)
+    if region.v_ptr is None:
+        return layout_pb2.LayerRegions(k=k)
+    v = layout_pb2.KvRegion(addr=region.v_ptr, nbytes=region.nbytes, **where)
+    return layout_pb2.LayerRegions(k=k, v=v)

@@ -1,0 +1,65 @@
+"""What an engine holds on its device, built from its EngineConfig: the model, the paged KV
+cache sized to `kv_cache_gb`, the CUDA graphs and the executor that runs a step's device work.
+Every tensor-parallel rank builds the same parts over its share of the model (`tp`): the same
+block count, the same graphs, captured in the same order, so that their collectives meet."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs
+from engine.engine_config import DTYPES, EngineConfig
+from engine.kv_cache import KVCache
+from engine.model import CausalLM
+from engine.model_loader import Backend, load_model
+from engine.spec_build import Draft, extra_kv_bytes_per_token, load_draft_model, verify_graphs
+from engine.step_executor import StepExecutor
+from engine.tensor_parallel import TpRank
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    model_config: ModelConfig
+    """The model's shape on this rank (its share of the heads under tensor parallelism)."""
+    model: CausalLM
+    draft: Draft | None
+    kv_cache: KVCache
+    max_model_len: int
+    executor: StepExecutor
+
+
+def build_parts(
+    config: EngineConfig,
+    wrap_attention: Callable[[Backend], Backend] | None = None,
+    tp: TpRank | None = None,
+) -> EngineParts:
+    """The parts of rank `tp` (of the one device without it); `wrap_attention` as
+    LLMEngine.build's."""
+    model_config, model = load_model(config, wrap_attention, tp)
+    dtype = DTYPES[config.dtype]
+    draft = load_draft_model(config, model_config)
+    token_bytes = model_config.kv_bytes_per_token(config.kv_dtype)
+    token_bytes += extra_kv_bytes_per_token(config, model_config, draft)
+    block_bytes = token_bytes * config.block_size
+    num_blocks = int(config.kv_cache_gb * 2**30) // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_gb: {config.kv_cache_gb} GiB holds no block of {block_bytes} bytes"
+        )
+    # A sequence must fit the whole cache alone, else it could wait for blocks forever.
+    max_model_len = min(
+        config.max_model_len or model_config.max_position_embeddings,
+        num_blocks * config.block_size,
+    )
+    # Every position a sequence can reach: its RoPE angles become one gather a step.
+    model.model.rotary_emb.cache(max_model_len, dtype)
+    kv_cache = KVCache(model_config, num_blocks, config.block_size, config.kv_dtype, config.device)
+    graphs = None
+    if config.cuda_graphs:
+        graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
+    executor = StepExecutor(
+        model, kv_cache, graphs, verify_graphs(config, model, kv_cache, max_model_len)
+    )
+    return EngineParts(model_config, model, draft, kv_cache, max_model_len, executor)

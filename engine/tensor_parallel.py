@@ -1,0 +1,158 @@
+"""Tensor parallelism applied from outside the plain model: one rank's model is the Llama-family
+model of a narrower shape (its share of the attention heads, KV heads and MLP channels), plus
+what ties the ranks together.
+
+- Column-parallel q/k/v and gate/up: each rank holds its heads' and channels' rows.
+- Row-parallel o_proj and down_proj: each rank's partial product is summed over the ranks (one
+  all-reduce) before the residual add, in `ModelOps.add_linear`.
+- Vocabulary-parallel embedding and lm_head: each rank holds ceil(vocab / size) rows (the last
+  rank's padded with zeros); a lookup sums the ranks' masked rows, the logits are gathered.
+
+Every rank computes the same hidden states (an all-reduce hands every rank the same sum), so
+rank 0 alone samples. Weights come from the same Hugging Face-named tensors as on one device,
+each cut to the rank's part by `TpShape.shard` (a checkpoint's, or random ones drawn whole:
+engine.weights.random_checkpoint), so TP N holds exactly the weights of TP 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model import CausalLM, Linear, ModelOps, NormInput
+
+# Hugging Face projections whose output rows are split over the ranks (column-parallel), and
+# those whose input columns are (row-parallel).
+_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_COLUMN_SPLIT = ("o_proj", "down_proj")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def check_supported(model_config: ModelConfig, size: int) -> None:
+    """ValueError naming what does not split over `size` ranks, or is not built for TP yet."""
+    if size == 1:
+        return
+    what = f"tensor_parallel_size {size}"
+    if model_config.mla is not None:
+        raise ValueError(
+            f"{what}: the MLA/MoE family ({model_config.architecture}) runs at "
+            "tensor_parallel_size 1 only so far"
+        )
+    if model_config.fp8 is not None:
+        raise ValueError(f"{what}: fp8 weights run at tensor_parallel_size 1 only so far")
+    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
+        value = getattr(model_config, field)
+        if value % size:
+            hint = (
+                " (KV heads replicated over ranks are not supported yet)"
+                if field == "num_kv_heads"
+                else ""
+            )
+            raise ValueError(f"{what} does not divide the model's {field} ({value}){hint}")
+
+
+@dataclass(frozen=True)
+class TpShape:
+    """Rank `rank` of `size`: its part of the model's shape, and of each checkpoint tensor."""
+
+    model_config: ModelConfig
+    """The whole model's."""
+    rank: int
+    size: int
+
+    @property
+    def local_config(self) -> ModelConfig:
+        """The shape of this rank's model: heads, KV heads and MLP channels divided."""
+        c = self.model_config
+        return dataclasses.replace(
+            c,
+            num_heads=c.num_heads // self.size,
+            num_kv_heads=c.num_kv_heads // self.size,
+            intermediate_size=c.intermediate_size // self.size,
+        )
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding and lm_head each rank holds."""
+        return -(-self.model_config.vocab_size // self.size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_rows
+
+    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the Hugging Face-named checkpoint tensor `name` (the whole
+        tensor for what every rank holds: norms)."""
+        if name in _VOCAB:
+            rows = tensor[self.vocab_start : self.vocab_start + self.vocab_rows]
+            padding = self.vocab_rows - rows.shape[0]
+            return F.pad(rows, (0, 0, 0, padding)) if padding else rows
+        module = name.rsplit(".", 2)[-2]
+        if module in _ROW_SPLIT:
+            return tensor.chunk(self.size, dim=0)[self.rank]
+        if module in _COLUMN_SPLIT:
+            return tensor.chunk(self.size, dim=-1)[self.rank]
+        return tensor
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding rows [start, start + rows) of the vocabulary; a lookup sums every rank's
+    part (ids outside a rank's rows give zeros there)."""
+
+    def __init__(self, rows: int, dim: int, start: int, group: dist.ProcessGroup) -> None:
+        super().__init__(rows, dim)
+        self.start = start
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        x = x * mine.unsqueeze(-1).to(x.dtype)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+def tp_ops(ops: ModelOps, group: dist.ProcessGroup, vocab_size: int) -> ModelOps:
+    """`ops` with the ranks' partial products of o_proj and down_proj summed before the
+    residual add (the fused GEMV + residual + norm of one device becomes GEMV, all-reduce, and
+    the norm in the op after), and the vocabulary's logits gathered."""
+
+    def add_linear(x, weight, residual, norm_weight, eps) -> NormInput:
+        out = ops.linear(x, weight, None)
+        dist.all_reduce(out, group=group)
+        return NormInput(out, residual, norm_weight, eps)
+
+    def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, logits.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)[..., :vocab_size]
+
+    return dataclasses.replace(ops, add_linear=add_linear, gather_vocab=gather_vocab)
+
+
+def apply_tp(model: CausalLM, shape: TpShape, group: dist.ProcessGroup) -> CausalLM:
+    """A meta-built rank model (of `shape.local_config`, with `tp_ops`) given the vocabulary's
+    parallel embedding and lm_head."""
+    config = shape.model_config
+    decoder = model.model
+    decoder.embed_tokens = VocabParallelEmbedding(
+        shape.vocab_rows, config.hidden_size, shape.vocab_start, group
+    )
+    if model.lm_head is not None:
+        model.lm_head = Linear(config.hidden_size, shape.vocab_rows, False, model.ops)
+    return model
+
+
+@dataclass(frozen=True)
+class TpRank:
+    """What a rank's model is built with: its shape and the group its collectives run in."""
+
+    shape: TpShape
+    group: dist.ProcessGroup

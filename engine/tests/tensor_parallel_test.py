@@ -1,0 +1,109 @@
+"""Tensor parallelism on the CPU (gloo): rank processes started by the engine, TP N == TP 1."""
+
+import time
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from engine.sequence import StopConditions
+from engine.speculative import SpeculativeConfig
+from engine.tensor_parallel import TpShape
+from engine.tests.tiny_hf import hf_model
+
+GREEDY = SamplingParams(temperature=0.0)
+# Staggered lengths, one longer than a prefill chunk: chunked prefill, mixed and decode steps.
+PROMPTS = [[1, 5, 9, 200, 3000], list(range(100, 160)), [11, 12, 13], [42] * 17]
+
+
+def _config(model: str = "random:tiny-kv4", tp: int = 1, **kw) -> EngineConfig:
+    return EngineConfig(
+        model=model,
+        dtype="float32",
+        kv_cache_gb=0.01,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        tensor_parallel_size=tp,
+        **kw,
+    )
+
+
+def _generate(config: EngineConfig, prompts=PROMPTS, max_tokens: int = 24) -> list[list[int]]:
+    engine = LLMEngine.build(config)
+    try:
+        stop = StopConditions(max_tokens=max_tokens, ignore_eos=True)
+        out = engine.generate(prompts, GREEDY, stop)
+        assert engine.pool.num_free == engine.kv_cache.num_blocks  # every block back
+        return out
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def tp1_output() -> list[list[int]]:
+    return _generate(_config())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_output_equals_tp1_batched(tp, tp1_output):
+    assert _generate(_config(tp=tp)) == tp1_output
+    assert len({t for out in tp1_output for t in out}) > 10  # not one token repeated
+
+
+def test_tp2_from_a_checkpoint_equals_tp1(tmp_path):
+    # Qwen2: biases on q/k/v (split with their heads), a vocabulary of 96 split in two.
+    hf_model("qwen2").save_pretrained(tmp_path)
+    prompts = [[3, 7, 11, 50], [9] * 20]
+    one = _generate(_config(str(tmp_path)), prompts)
+    assert _generate(_config(str(tmp_path), tp=2), prompts) == one
+
+
+def test_tp2_ngram_speculation_equals_tp1():
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3)
+    prompts = [[5, 6, 7, 8] * 6, [1, 2, 3]]
+    one = _generate(_config(speculative_config=spec), prompts)
+    assert _generate(_config(tp=2, speculative_config=spec), prompts) == one
+
+
+def test_a_rank_that_dies_fails_the_engine_naming_it():
+    engine = LLMEngine.build(_config(tp=2))
+    try:
+        stop = StopConditions(max_tokens=10**6, ignore_eos=True)
+        engine.add_request("r", [1, 2, 3], GREEDY, stop)
+        engine.step()
+        engine.tp_workers._procs[0].kill()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+            while True:
+                engine.step()
+        assert time.monotonic() - started < 5
+        with pytest.raises(RuntimeError, match="rank 1 exited"):
+            engine.check_ranks()  # as the engine's thread finds it between steps
+    finally:
+        engine.close()
+
+
+def test_configurations_that_do_not_split_are_refused_before_starting():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide .*num_heads"):
+        LLMEngine.build(_config(tp=3))
+    with pytest.raises(ValueError, match="MLA/MoE family"):
+        LLMEngine.build(_config("random:deepseek-tiny", tp=2))
+    spec = SpeculativeConfig("draft_model", 2, model="random:tiny-kv4")
+    with pytest.raises(ValueError, match="draft_model runs at tensor_parallel_size 1"):
+        _config(tp=2, speculative_config=spec)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        _config(tp=2, async_scheduling=True)
+
+
+def test_vocabulary_rows_are_split_with_the_last_rank_padded():
+    config = ModelConfig.preset("tiny")  # vocabulary 256
+    weight = torch.arange(255 * 3, dtype=torch.float32).view(255, 3)
+    config = config.__class__(**{**config.__dict__, "vocab_size": 255})
+    first, last = (TpShape(config, r, 2).shard("lm_head.weight", weight) for r in (0, 1))
+    assert first.shape == last.shape == (128, 3)
+    assert torch.equal(torch.cat([first, last[:127]]), weight)
+    assert not last[127].any()  # the padding row: its logit is cut before sampling

@@ -1,0 +1,270 @@
+"""Tensor-parallel ranks 1..N-1 of an engine as processes, driven by rank 0.
+
+Rank 0 (the engine's own process) starts one process per other rank; the ranks meet in a
+torch.distributed group (NCCL on CUDA, gloo on CPU) for the model's collectives, plus a gloo
+group on which rank 0 sends every device call of a step (engine/step_executor.py) before making
+it itself. Each rank builds the engine's parts over its share of the model (the same block
+count, the same graphs) and then only runs what rank 0 sends: the scheduler, the sampler and
+every sequence live on rank 0.
+
+A rank that exits fails the engine: rank 0's collectives with it raise (its sockets close), and
+`check_alive`, called by the engine's thread between steps, raises when no step is running. A
+rank whose rank 0 exits exits too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.cuda_graphs import GraphStep
+from engine.engine_config import EngineConfig
+from engine.model_loader import read_model_config
+from engine.step_executor import StepExecutor
+from engine.tensor_parallel import TpRank, TpShape, check_supported
+
+STARTUP_TIMEOUT_S = 300.0
+"""How long rank 0 waits for a rank to join, then to build its parts (load its weights)."""
+# Collectives wait this long for a peer: effectively forever. An idle server's ranks wait for
+# rank 0's next call for as long as it is idle; a rank that dies is noticed by its closed
+# sockets and by its process's exit, not by a timeout.
+_COLLECTIVE_TIMEOUT = timedelta(days=365)
+
+RankSetup = Callable[[int, StepExecutor], tuple[Any, Any]]
+"""Run by each rank > 0 with its rank and executor once its parts are built (picklable: a
+module-level function or a partial of one). It returns (info, kept): info reaches rank 0 in
+`TpWorkers.infos` (e.g. where the rank's KV cache is registered with a transport), kept stays
+referenced in the rank until it exits (e.g. that transport)."""
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank `rank`'s device: the rank-th CUDA device from `device`'s, or the CPU."""
+    if device == "cpu":
+        return device
+    base = int(device.partition(":")[2] or 0)
+    return f"cuda:{base + rank}"
+
+
+def _init_group(
+    config: EngineConfig, rank: int, store: dist.Store
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(the model's group, the control group) of this process as `rank`."""
+    cuda = config.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank_device(config.device, rank))
+    size = config.tensor_parallel_size
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=size, timeout=_COLLECTIVE_TIMEOUT
+    )
+    world = dist.group.WORLD
+    control = dist.new_group(backend="gloo", timeout=_COLLECTIVE_TIMEOUT) if cuda else world
+    return world, control
+
+
+class TpWorkers:
+    """Rank 0's handle on the other ranks."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        procs: list[subprocess.Popen],
+        store: dist.TCPStore,
+        tp: TpRank,
+        control: dist.ProcessGroup,
+    ) -> None:
+        self.config = config
+        self.tp = tp
+        """Rank 0's shape and model group."""
+        self._procs = procs
+        self._store = store
+        self._control = control
+        self.infos: list[Any] = []
+        """What each rank > 0's RankSetup returned, in rank order (after `leader_executor`)."""
+
+    @classmethod
+    def start(cls, config: EngineConfig, rank_setup: RankSetup | None = None) -> TpWorkers:
+        """Spawns ranks 1..N-1 and joins them into the groups as rank 0. ValueError when the
+        model does not split over the ranks (before anything starts)."""
+        model_config = read_model_config(config)
+        size = config.tensor_parallel_size
+        check_supported(model_config, size)
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
+        # A process of its own, not multiprocessing's spawn: that re-imports the caller's main
+        # module, which a script without a __main__ guard would run again in every rank.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        procs = []
+        for rank in range(1, size):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.tp_workers"], stdin=subprocess.PIPE, env=env
+            )
+            proc.stdin.write(pickle.dumps((config, rank, store.port, rank_setup, os.getpid())))
+            proc.stdin.close()
+            procs.append(proc)
+        try:
+            _wait_for(store, procs, "joined", "before joining")
+            group, control = _init_group(config, 0, store)
+        except BaseException:
+            _kill(procs)
+            raise
+        tp = TpRank(TpShape(model_config, 0, size), group)
+        return cls(config, procs, store, tp, control)
+
+    def leader_executor(self, local: StepExecutor) -> LeaderExecutor:
+        """Rank 0's executor over its own parts, once every other rank has built its parts
+        (RuntimeError naming the first that could not)."""
+        _wait_for(self._store, self._procs, "ready", "before building its part of the model")
+        for rank in range(1, len(self._procs) + 1):
+            kind, value = pickle.loads(self._store.get(f"ready/{rank}"))
+            if kind == "error":
+                raise RuntimeError(f"tensor-parallel rank {rank} could not start: {value}")
+            self.infos.append(value)
+        return LeaderExecutor(local, self)
+
+    def send(self, op: str, args: tuple) -> None:
+        """Has every other rank call its executor's `op(*args)`."""
+        dist.broadcast_object_list([(op, args)], src=0, group=self._control)
+
+    def check_alive(self) -> None:
+        """RuntimeError naming a rank that has exited."""
+        for rank, proc in enumerate(self._procs, 1):
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} {_ended(proc)}: the engine's state is lost"
+                )
+
+    def raise_if_one_exits(self, error: Exception, wait_s: float = 2.0) -> None:
+        """Raises check_alive's error, from `error`, if a rank has exited or does within
+        wait_s (a collective fails as soon as a rank's sockets close, just before its exit)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.check_alive()
+            except RuntimeError as exited:
+                raise exited from error
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Ends every other rank (asks them, then kills what is left) and leaves the groups."""
+        if all(proc.poll() is None for proc in self._procs):
+            with contextlib.suppress(RuntimeError):  # a rank went away meanwhile: killed below
+                self.send("stop", ())
+        for proc in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        _kill(self._procs)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class LeaderExecutor(StepExecutor):
+    """Rank 0's StepExecutor: each call is sent to every other rank, then made here."""
+
+    def __init__(self, local: StepExecutor, workers: TpWorkers) -> None:
+        super().__init__(local.model, local.kv_cache, local.graphs, local.verify_graphs)
+        self._workers = workers
+
+    def forward(self, input_ids, positions, query_lens, seq_lens, block_tables) -> torch.Tensor:
+        assert not isinstance(input_ids, torch.Tensor), "a step planned ahead under TP"
+        args = (list(input_ids), list(positions), list(query_lens), list(seq_lens))
+        self._workers.send("forward", (*args, [list(t) for t in block_tables]))
+        return super().forward(*args, block_tables)
+
+    def logits(self, rows: Sequence[int]) -> torch.Tensor:
+        self._workers.send("logits", (list(rows),))
+        return super().logits(rows)
+
+    def replay(self, verify, input_ids, positions, block_tables, fed_ids=None) -> GraphStep:
+        assert fed_ids is None, "a step planned ahead under TP"
+        ids = None if input_ids is None else list(input_ids)
+        tables = [list(t) for t in block_tables]
+        self._workers.send("replay", (verify, ids, list(positions), tables))
+        return super().replay(verify, ids, positions, block_tables)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        self._workers.send("copy_blocks", (list(src), list(dst)))
+        super().copy_blocks(src, dst)
+
+
+def _wait_for(store: dist.TCPStore, procs: list[subprocess.Popen], key: str, stage: str) -> None:
+    """Waits until every rank has set `key/<rank>` in the store; RuntimeError naming one that
+    exited or did not within STARTUP_TIMEOUT_S."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    for rank, proc in enumerate(procs, 1):
+        while not store.check([f"{key}/{rank}"]):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel rank {rank} {_ended(proc)} {stage}")
+            time.sleep(0.02)
+
+
+def _ended(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        return f"did not answer within {STARTUP_TIMEOUT_S:g} s"
+    return f"exited (exit code {proc.returncode})"
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _rank_main(
+    config: EngineConfig, rank: int, port: int, rank_setup: RankSetup | None, parent: int
+) -> None:
+    """A rank > 0's process: joins, builds its parts, then runs rank 0's calls until "stop"."""
+    from engine.engine_parts import build_parts  # the model code: not needed by rank 0's import
+
+    _exit_with_parent(parent)
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False)
+    store.set(f"joined/{rank}", "1")
+    group, control = _init_group(config, rank, store)
+    rank_config = dataclasses.replace(config, device=rank_device(config.device, rank))
+    try:
+        shape = TpShape(read_model_config(config), rank, config.tensor_parallel_size)
+        executor = build_parts(rank_config, tp=TpRank(shape, group)).executor
+        info, kept = (None, None) if rank_setup is None else rank_setup(rank, executor)
+    except Exception as error:
+        store.set(f"ready/{rank}", pickle.dumps(("error", f"{type(error).__name__}: {error}")))
+        raise
+    store.set(f"ready/{rank}", pickle.dumps(("ready", info)))
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        op, args = box[0]
+        if op == "stop":
+            break
+        getattr(executor, op)(*args)
+    dist.destroy_process_group()
+    if hasattr(kept, "close"):
+        kept.close()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Exits this process as soon as rank 0's has (a rank alone only waits)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    _rank_main(*pickle.load(sys.stdin.buffer))
