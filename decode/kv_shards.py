@@ -4,8 +4,8 @@ registered with, and each layer's regions. A sender writes each of its heads int
 holds it (prefill/kv_sender.py), whatever its own TP size.
 
 Rank 0's cache is registered by the server itself; every other rank registers its own, in its
-own process, with a transport of its own, and hands rank 0 its shard (`register_rank`, run by
-engine.tp_workers once the rank's parts are built)."""
+own process, with a transport of its own, and hands rank 0 its shard (`DecodeRankAgent`, which
+engine.tp_workers runs in the rank)."""
 
 from __future__ import annotations
 
@@ -40,15 +40,29 @@ def kv_shard(
     )
 
 
-def register_rank(
-    kv: KvTransportConfig, num_kv_heads: int, tp_size: int, rank: int, executor: StepExecutor
-) -> tuple[bytes, Transport]:
-    """A rank > 0's cache registered with a transport of its own: (its KvShard, serialized for
-    rank 0; the transport, which the rank keeps open)."""
-    transport = register_cache(kv, executor.kv_cache)
-    endpoint = layout_pb2.TransportEndpoint(transport=kv.backend, metadata=transport.endpoint())
-    heads = rank_heads(num_kv_heads, tp_size, rank)
-    return kv_shard(rank, heads, endpoint, executor.kv_cache).SerializeToString(), transport
+class DecodeRankAgent:
+    """A rank > 0's agent (engine.tp_workers.RankAgent): its cache registered with a transport
+    of its own, kept open while the rank lives; `ready` hands rank 0 its KvShard, serialized."""
+
+    def __init__(self, kv: KvTransportConfig, num_kv_heads: int, tp_size: int, rank: int):
+        self.kv = kv
+        self.heads = rank_heads(num_kv_heads, tp_size, rank)
+        self.rank = rank
+        self.transport: Transport | None = None
+
+    def wrap_attention(self, backend):
+        return backend
+
+    def ready(self, executor: StepExecutor, store) -> bytes:
+        self.transport = register_cache(self.kv, executor.kv_cache)
+        endpoint = layout_pb2.TransportEndpoint(
+            transport=self.kv.backend, metadata=self.transport.endpoint()
+        )
+        return kv_shard(self.rank, self.heads, endpoint, executor.kv_cache).SerializeToString()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
 
 
 def _layer_regions(region: LayerRegion, where: dict) -> layout_pb2.LayerRegions:

@@ -24,7 +24,7 @@ from prometheus_client import start_http_server
 
 from decode.admission import Admission
 from decode.engine_loop import EngineLoop
-from decode.kv_shards import kv_shard, register_cache, register_rank
+from decode.kv_shards import DecodeRankAgent, kv_shard, register_cache
 from decode.metrics import DecodeMetrics
 from decode.service import DecodeServicer
 from engine.config import ModelConfig
@@ -94,7 +94,7 @@ class DecodeServer:
         num_kv_heads = model.kv_planes[1]
         self.engine = LLMEngine.build(
             config.engine,
-            rank_setup=functools.partial(register_rank, config.kv, num_kv_heads, tp_size),
+            rank_agent=functools.partial(DecodeRankAgent, config.kv, num_kv_heads, tp_size),
         )
         self.transport = register_cache(config.kv, self.engine.kv_cache)
         self.admission = Admission(

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.engine_config import DTYPES, EngineConfig
@@ -57,6 +59,10 @@ def build_parts(
     model.model.rotary_emb.cache(max_model_len, dtype)
     kv_cache = KVCache(model_config, num_blocks, config.block_size, config.kv_dtype, config.device)
     graphs = None
+    if config.cuda_graphs and tp is not None:
+        # Capturing runs the model's collectives, whose timeout a rank still loading its
+        # weights could exceed: every rank starts capturing together.
+        dist.barrier(group=tp.control)
     if config.cuda_graphs:
         graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
     executor = StepExecutor(

@@ -34,7 +34,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence, StopConditions
 from engine.spec_build import acceptance_curve, build_proposer
 from engine.speculative import Proposer, SpecStats
-from engine.tp_workers import RankSetup, TpWorkers
+from engine.tp_workers import AgentFactory, TpWorkers
 
 
 @dataclass(frozen=True)
@@ -73,16 +73,16 @@ class LLMEngine:
         cls,
         config: EngineConfig,
         wrap_attention: Callable[[Backend], Backend] | None = None,
-        rank_setup: RankSetup | None = None,
+        rank_agent: AgentFactory | None = None,
     ) -> LLMEngine:
         """`wrap_attention` decorates the device's attention backend, or an MLA model's latent
         writer (e.g. to act on each layer's freshly written KV). With tensor_parallel_size > 1
-        the other ranks' processes start here, each running `rank_setup` once built
+        the other ranks' processes start here, each with the agent `rank_agent` makes
         (engine/tp_workers.py); `close` stops them."""
         workers = None
         if config.tensor_parallel_size > 1:
             # Refuses what does not split over the ranks, before starting any.
-            workers = TpWorkers.start(config, rank_setup)
+            workers = TpWorkers.start(config, rank_agent)
         try:
             parts = build_parts(config, wrap_attention, None if workers is None else workers.tp)
             executor = parts.executor

@@ -156,3 +156,7 @@ class TpRank:
 
     shape: TpShape
     group: dist.ProcessGroup
+    """The model's collectives (NCCL on CUDA, gloo on CPU)."""
+    control: dist.ProcessGroup
+    """gloo, without a practical timeout: waits that last as long as a rank's work, e.g. for
+    every rank to have loaded its weights."""

@@ -24,29 +24,47 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from engine.cuda_graphs import GraphStep
 from engine.engine_config import EngineConfig
-from engine.model_loader import read_model_config
+from engine.model_loader import Backend, read_model_config
 from engine.step_executor import StepExecutor
 from engine.tensor_parallel import TpRank, TpShape, check_supported
 
 STARTUP_TIMEOUT_S = 300.0
 """How long rank 0 waits for a rank to join, then to build its parts (load its weights)."""
-# Collectives wait this long for a peer: effectively forever. An idle server's ranks wait for
-# rank 0's next call for as long as it is idle; a rank that dies is noticed by its closed
-# sockets and by its process's exit, not by a timeout.
-_COLLECTIVE_TIMEOUT = timedelta(days=365)
+MODEL_COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+"""How long the model's collectives wait for a peer: ranks do the same work in a step, so a
+rank this late has hung (a rank that dies is noticed at once, by its closed sockets)."""
+# The control group's calls wait for rank 0's next one: as long as the server is idle.
+_CONTROL_TIMEOUT = timedelta(days=365)
 
-RankSetup = Callable[[int, StepExecutor], tuple[Any, Any]]
-"""Run by each rank > 0 with its rank and executor once its parts are built (picklable: a
-module-level function or a partial of one). It returns (info, kept): info reaches rank 0 in
-`TpWorkers.infos` (e.g. where the rank's KV cache is registered with a transport), kept stays
-referenced in the rank until it exits (e.g. that transport)."""
+
+class RankAgent(Protocol):
+    """What a server runs in each rank > 0 besides the model: e.g. the transport its share of
+    the KV cache is registered with (decode), or the sender of its KV heads (prefill). Made in
+    the rank by a picklable factory (an AgentFactory, given the rank); rank 0 calls its other
+    methods by name (`TpWorkers.call_agents`), in order with the step's device work."""
+
+    def wrap_attention(self, backend: Backend) -> Backend:
+        """Decorates the rank's attention backend (LLMEngine.build's `wrap_attention`)."""
+        ...
+
+    def ready(self, executor: StepExecutor, store: dist.Store) -> Any:
+        """Once the rank's parts are built; the result reaches rank 0 in `TpWorkers.infos`.
+        `store`: the ranks' key-value store (`TpWorkers.store`), e.g. to report to rank 0."""
+        ...
+
+    def close(self) -> None:
+        """When the rank stops."""
+        ...
+
+
+AgentFactory = Callable[[int], RankAgent]
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -57,21 +75,31 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{base + rank}"
 
 
+def _check_devices(config: EngineConfig) -> None:
+    """ValueError when the machine lacks a CUDA device for every rank."""
+    if config.device == "cpu":
+        return
+    last = rank_device(config.device, config.tensor_parallel_size - 1)
+    count = torch.cuda.device_count()
+    if int(last.partition(":")[2]) >= count:
+        raise ValueError(
+            f"tensor_parallel_size {config.tensor_parallel_size} on {config.device} needs "
+            f"devices up to {last}; this machine has {count} CUDA device(s)"
+        )
+
+
 def _init_group(
     config: EngineConfig, rank: int, store: dist.Store
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(the model's group, the control group) of this process as `rank`."""
+    """(the model's group, the control group) of this process as `rank` (its CUDA device
+    already set)."""
     cuda = config.device.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(rank_device(config.device, rank))
     size = config.tensor_parallel_size
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=size, timeout=_COLLECTIVE_TIMEOUT
+        backend, store=store, rank=rank, world_size=size, timeout=MODEL_COLLECTIVE_TIMEOUT
     )
-    world = dist.group.WORLD
-    control = dist.new_group(backend="gloo", timeout=_COLLECTIVE_TIMEOUT) if cuda else world
-    return world, control
+    return dist.group.WORLD, dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
 
 
 class TpWorkers:
@@ -91,16 +119,22 @@ class TpWorkers:
         self._procs = procs
         self._store = store
         self._control = control
+        self.store = store
+        """The ranks' key-value store."""
         self.infos: list[Any] = []
-        """What each rank > 0's RankSetup returned, in rank order (after `leader_executor`)."""
+        """What each rank > 0's agent's `ready` returned, in rank order (after
+        `leader_executor`)."""
 
     @classmethod
-    def start(cls, config: EngineConfig, rank_setup: RankSetup | None = None) -> TpWorkers:
+    def start(cls, config: EngineConfig, agent: AgentFactory | None = None) -> TpWorkers:
         """Spawns ranks 1..N-1 and joins them into the groups as rank 0. ValueError when the
         model does not split over the ranks (before anything starts)."""
         model_config = read_model_config(config)
         size = config.tensor_parallel_size
         check_supported(model_config, size)
+        _check_devices(config)
+        if config.device.startswith("cuda"):
+            torch.cuda.set_device(config.device)
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
         # A process of its own, not multiprocessing's spawn: that re-imports the caller's main
         # module, which a script without a __main__ guard would run again in every rank.
@@ -110,16 +144,16 @@ class TpWorkers:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "engine.tp_workers"], stdin=subprocess.PIPE, env=env
             )
-            proc.stdin.write(pickle.dumps((config, rank, store.port, rank_setup, os.getpid())))
+            proc.stdin.write(pickle.dumps((config, rank, store.port, agent, os.getpid())))
             proc.stdin.close()
             procs.append(proc)
         try:
             _wait_for(store, procs, "joined", "before joining")
-            group, control = _init_group(config, 0, store)
+            group, control = _init_watched(config, store, procs)
         except BaseException:
             _kill(procs)
             raise
-        tp = TpRank(TpShape(model_config, 0, size), group)
+        tp = TpRank(TpShape(model_config, 0, size), group, control)
         return cls(config, procs, store, tp, control)
 
     def leader_executor(self, local: StepExecutor) -> LeaderExecutor:
@@ -136,6 +170,10 @@ class TpWorkers:
     def send(self, op: str, args: tuple) -> None:
         """Has every other rank call its executor's `op(*args)`."""
         dist.broadcast_object_list([(op, args)], src=0, group=self._control)
+
+    def call_agents(self, method: str, *args: Any) -> None:
+        """Has every other rank's agent call `method(*args)`."""
+        self.send("agent", (method, *args))
 
     def check_alive(self) -> None:
         """RuntimeError naming a rank that has exited."""
@@ -200,6 +238,30 @@ class LeaderExecutor(StepExecutor):
         super().copy_blocks(src, dst)
 
 
+def _init_watched(
+    config: EngineConfig, store: dist.TCPStore, procs: list[subprocess.Popen]
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Rank 0's _init_group, in a thread of its own: a rank that exits while the groups form
+    would leave it waiting for good; this raises naming that rank instead (the thread is left
+    blocked, and the engine fails to start)."""
+    result: list = []
+    thread = threading.Thread(
+        target=lambda: result.append(_init_group(config, 0, store)),
+        name="tp-init",
+        daemon=True,
+    )
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while thread.is_alive():
+        thread.join(timeout=0.05)
+        for rank, proc in enumerate(procs, 1):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel rank {rank} {_ended(proc)} while joining")
+    if not result:
+        raise RuntimeError("tensor-parallel: rank 0 could not join its ranks (see its log)")
+    return result[0]
+
+
 def _wait_for(store: dist.TCPStore, procs: list[subprocess.Popen], key: str, stage: str) -> None:
     """Waits until every rank has set `key/<rank>` in the store; RuntimeError naming one that
     exited or did not within STARTUP_TIMEOUT_S."""
@@ -225,20 +287,25 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 
 def _rank_main(
-    config: EngineConfig, rank: int, port: int, rank_setup: RankSetup | None, parent: int
+    config: EngineConfig, rank: int, port: int, factory: AgentFactory | None, parent: int
 ) -> None:
     """A rank > 0's process: joins, builds its parts, then runs rank 0's calls until "stop"."""
     from engine.engine_parts import build_parts  # the model code: not needed by rank 0's import
 
     _exit_with_parent(parent)
+    if config.device.startswith("cuda"):
+        torch.cuda.set_device(rank_device(config.device, rank))
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False)
     store.set(f"joined/{rank}", "1")
     group, control = _init_group(config, rank, store)
     rank_config = dataclasses.replace(config, device=rank_device(config.device, rank))
+    agent = None
     try:
+        agent = None if factory is None else factory(rank)
+        wrap = None if agent is None else agent.wrap_attention
         shape = TpShape(read_model_config(config), rank, config.tensor_parallel_size)
-        executor = build_parts(rank_config, tp=TpRank(shape, group)).executor
-        info, kept = (None, None) if rank_setup is None else rank_setup(rank, executor)
+        executor = build_parts(rank_config, wrap, TpRank(shape, group, control)).executor
+        info = None if agent is None else agent.ready(executor, store)
     except Exception as error:
         store.set(f"ready/{rank}", pickle.dumps(("error", f"{type(error).__name__}: {error}")))
         raise
@@ -249,10 +316,13 @@ def _rank_main(
         op, args = box[0]
         if op == "stop":
             break
-        getattr(executor, op)(*args)
+        if op == "agent":
+            getattr(agent, args[0])(*args[1:])
+        else:
+            getattr(executor, op)(*args)
     dist.destroy_process_group()
-    if hasattr(kept, "close"):
-        kept.close()
+    if agent is not None:
+        agent.close()
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -36,11 +37,12 @@ from engine.chat_template import render_chat
 from engine.engine_config import KV_SCALE
 from engine.grammar import Grammar, structured_outputs_spec
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model_loader import read_model_config
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SAMPLING_FIELDS, SamplingParams
 from engine.sequence import StopConditions
-from prefill.kv_sender import KvSender
 from prefill.publisher import KvPublisher
+from prefill.rank_sends import PrefillRankAgent, RankSender
 from prefill.ticket import (
     PREFILL_LAYOUT,
     KvTransfer,
@@ -49,6 +51,7 @@ from prefill.ticket import (
     layout_descriptor,
 )
 from prefill.worker import Job, PrefillError, PrefillWorker, Result
+from proto.tandem.v1 import layout_pb2
 from tools import preflight
 from transport.config import KvTransportConfig
 
@@ -111,24 +114,17 @@ class PrefillServer:
         self.config = config
         self.name = config.served_model_name or config.engine.model
         publisher = KvPublisher()
-        self.engine = LLMEngine.build(config.engine, wrap_attention=publisher.wrap)
+        layout = _layout(config, self.name)
+        # Every tensor-parallel rank sends its heads (prefill/rank_sends.py).
+        ranks = partial(
+            PrefillRankAgent, config.kv, layout.SerializeToString(), config.layerwise_kv
+        )
+        self.engine = LLMEngine.build(
+            config.engine, wrap_attention=publisher.wrap, rank_agent=ranks
+        )
         publisher.bind(self.engine.kv_cache)
-        self.agent = config.kv.create()
-        kv_cache = self.engine.kv_cache
-        self.agent.register(*kv_cache.region(), str(kv_cache.storage.device))
-        model = self.engine.model_config
-        _, heads, channels = model.kv_planes  # an MLA latent: one head of the latent width
-        layout = layout_descriptor(
-            model_name=self.name, num_layers=model.num_layers, num_kv_heads=heads,
-            head_dim=channels, **kv_dtype_fields(config.engine.kv_dtype, KV_SCALE),
-            block_size=config.engine.block_size, layout=PREFILL_LAYOUT,
-            transport=config.kv.backend, kv_format=model.kv_format,
-        )  # fmt: skip
-        self.sender = KvSender(
-            self.agent, layout, sender_id="prefill", rank=0, heads=range(heads),
-            token_bytes=channels * kv_cache.storage.element_size(),
-            timeout_s=config.kv.transfer_timeout_s,
-        )  # fmt: skip
+        self.rank_sender = RankSender.build(config.kv, layout, 0, self.engine.kv_cache)
+        self.sender = self.rank_sender.sender
         self.worker = PrefillWorker(self.engine, publisher, self.sender, config.layerwise_kv)
         self.tokenizer = _tokenizer(config.engine.model)
         self.draining = False
@@ -293,8 +289,8 @@ class PrefillServer:
 
     def stop(self) -> None:
         self.worker.stop()
-        self.sender.close()
-        self.agent.close()
+        self.engine.close()
+        self.rank_sender.close()
 
 
 def choice_count(n: object) -> int:
@@ -321,6 +317,20 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
+
+
+def _layout(config: PrefillServerConfig, name: str) -> layout_pb2.LayoutDescriptor:
+    """This prefill's KV layout: the whole model's heads, split over its tensor-parallel ranks
+    (an MLA latent: one head of the latent width)."""
+    model = read_model_config(config.engine)
+    _, heads, channels = model.kv_planes
+    return layout_descriptor(
+        model_name=name, num_layers=model.num_layers, num_kv_heads=heads, head_dim=channels,
+        **kv_dtype_fields(config.engine.kv_dtype, KV_SCALE),
+        block_size=config.engine.block_size, layout=PREFILL_LAYOUT,
+        transport=config.kv.backend, kv_format=model.kv_format,
+        tp_size=config.engine.tensor_parallel_size,
+    )  # fmt: skip
 
 
 def _tokenizer(model: str):

@@ -19,7 +19,7 @@ If the engine raises (a CUDA error, a bug), its state is lost: every job's futur
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from engine.engine_thread import EngineThread
@@ -30,8 +30,13 @@ from engine.scheduler import StepPlan
 from engine.sequence import Sequence, StopConditions
 from prefill.kv_sender import KvSender
 from prefill.publisher import KvPublisher, LayerwiseSend
+from prefill.rank_sends import wait_for_ranks
 from prefill.send_session import SendStats, SessionState
 from prefill.ticket import KvTransfer
+
+RANK_REPORT_GRACE_S = 5.0
+"""How long past a send's deadline rank 0 waits for another rank to report its end (a rank
+stops writing at the deadline; its commit and report follow)."""
 
 
 class PrefillError(Exception):
@@ -117,8 +122,19 @@ class PrefillWorker(EngineThread):
         each layer as it is computed buys)."""
         self._live: dict[str, Job] = {}
         self._after_forward: list[LayerwiseSend] = []
+        self._ranks_armed = False
         self._ids = iter(range(1, 1 << 62))
+        self._tp = engine.tp_workers
+        """The other tensor-parallel ranks, each sending its heads (prefill/rank_sends.py)."""
+        # Waits for the other ranks' sends to end, off the committer threads.
+        self._rank_waits = ThreadPoolExecutor(4, thread_name_prefix="rank-sends")
         super().__init__(engine, server="prefill", thread_name="prefill-engine")
+
+    def _ranks(self, method: str, *args) -> None:
+        """Has every other rank's sender agent do the same (on the engine thread: in order
+        with the steps)."""
+        if self._tp is not None:
+            self._tp.call_agents(method, *args)
 
     def submit(self, jobs: list[Job]) -> list[Future]:
         """Queues one request's choices; their futures, in the same order. The prompt's KV goes
@@ -143,6 +159,7 @@ class PrefillWorker(EngineThread):
         if job.transfer is not None:
             session = self.sender.open(job.transfer)
             job.send = LayerwiseSend(self.sender, session, self.engine.kv_cache)
+            self._ranks("open", job.request_id, job.transfer)
             if session.state is SessionState.FAILED:  # e.g. its deadline has passed already
                 self._finish(job, "abort")
                 return
@@ -155,6 +172,8 @@ class PrefillWorker(EngineThread):
             if job.send is not None:  # the decode server learns at once, not at the deadline
                 self.sender.fail(job.send.session, str(e))
                 self.sender.finish(job.send.session)
+                self._ranks("fail", job.request_id, str(e))
+                self._rank_waits.submit(self._wait_for_ranks, job)  # their reports, consumed
             return
         self._live[job.request_id] = job
 
@@ -164,6 +183,9 @@ class PrefillWorker(EngineThread):
             for layer in range(len(self.engine.kv_cache.kv_caches)):
                 send.layer_ready(layer)
         self.publisher.armed = self._after_forward = []
+        if self._ranks_armed:
+            self._ranks("forward_done")
+            self._ranks_armed = False
         for out in outputs:
             job = self._live.get(out.seq_id)
             if job is None:
@@ -187,16 +209,20 @@ class PrefillWorker(EngineThread):
 
     def _arm(self, plan: StepPlan) -> None:
         """Before a forward: the sends of prompts that complete in it post each layer."""
-        armed = []
+        armed, rank_armed = [], []
         for item in plan.scheduled:
             job = self._live.get(item.seq.seq_id)
             send = job.send if job is not None else None
             if send is not None and item.samples and not send.session.src_blocks:
                 send.session.src_blocks = list(item.seq.block_ids)
-                # Held until the writes have ended: the engine frees them when it finishes the
-                # sequence, right after this step.
+                # Held until the writes have ended (every rank's): the engine frees them when
+                # it finishes the sequence, right after this step.
                 self.engine.pool.incref(send.session.src_blocks)
                 armed.append(send)
+                rank_armed.append((job.request_id, send.session.src_blocks))
+        if rank_armed:
+            self._ranks("arm", rank_armed)
+            self._ranks_armed = True
         if self.layerwise:
             self.publisher.armed = armed
         else:
@@ -207,14 +233,25 @@ class PrefillWorker(EngineThread):
             job.resolve(finish_reason, None)
             return
         sent = self.sender.finish(job.send.session)
-        sent.add_done_callback(lambda done: self._sent(job, finish_reason, done.result()))
+        self._ranks("finish", job.request_id)
+        sent.add_done_callback(
+            lambda done: self._rank_waits.submit(self._sent, job, finish_reason, done.result())
+        )
+
+    def _wait_for_ranks(self, job: Job) -> str:
+        """The other ranks' sends of the job ended: their first error, or ""."""
+        if self._tp is None:
+            return ""
+        deadline = job.send.session.deadline + RANK_REPORT_GRACE_S
+        return wait_for_ranks(self._tp.store, job.request_id, len(self._tp.infos) + 1, deadline)
 
     def _sent(self, job: Job, finish_reason: str, stats: SendStats) -> None:
-        """On a committer thread, once the job's writes have ended and it was committed."""
+        """Once the job's writes have ended and it was committed, on every rank."""
+        error = stats.error or self._wait_for_ranks(job)
         if job.send.session.src_blocks:
             self._put(_ReleaseBlocks(job.send.session.src_blocks))
-        if stats.error:
-            job.fail(PrefillError(502, f"KV transfer failed: {stats.error}"))
+        if error:
+            job.fail(PrefillError(502, f"KV transfer failed: {error}"))
             return
         seq = job.seq
         kv_params = {

@@ -1,9 +1,12 @@
-"""A tensor-parallel decode server in the served stack, with real processes on the CPU (gloo):
-a tiny random Llama of 8 heads and 4 KV heads with SmolLM2's tokenizer, as a Hugging Face folder.
-- tandem's prefill (TP 1, one sender) -> router -> decode at TP 2: the sender writes each of
-  its heads into the rank that holds it; greedy completions (n=1 and n=2, whose second choice
-  copies a partial block on every rank) equal one engine at TP 1; the sender's bytes counted
-  under its rank; every block free afterwards.
+"""Tensor parallelism in the served stack, with real processes on the CPU (gloo): a tiny random
+Llama of 8 heads and 4 KV heads with SmolLM2's tokenizer, as a Hugging Face folder.
+- tandem's prefill at TP 1 and 2 -> router -> decode at TP 1, 2 and 4 (P1->D2, P2->D1, P2->D2,
+  P2->D4): each prefill rank writes the heads it holds into the decode ranks holding them and
+  commits for itself; greedy completions (n=1, and n=2, whose second choice copies a partial
+  block on every decode rank) equal one engine at TP 1; each sender rank's bytes counted under
+  its rank; every block free afterwards.
+- a prefill rank killed mid-prefill: the request fails naming it, and the decode server has
+  every block back within the ticket's deadline.
 - a decode rank killed mid-stream: the client's stream ends with an error within 5 s, the
   server reports not serving, the next request fails fast instead of hanging.
 """
@@ -31,7 +34,12 @@ from tools.launch import start
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:"]
 MAX_TOKENS = 12
-ARGS = ["--dtype", "float32", "--block-size", "16", "--kv-cache-gb", "0.05"]
+TRANSFER_TIMEOUT_S = 5
+ARGS = ["--dtype", "float32", "--block-size", "16", "--kv-cache-gb", "0.05",
+        "--transfer-timeout", str(TRANSFER_TIMEOUT_S)]  # fmt: skip
+ROUTES = [(1, 2), (2, 1), (2, 2), (2, 4)]
+"""(prefill TP, decode TP): each prefill rank writes its heads into the decode ranks that hold
+them."""
 
 
 @pytest.fixture(scope="module")
@@ -41,23 +49,44 @@ def folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(folder):
-    """Prefill at TP 1 -> router -> decode at TP 2, over tcp."""
+    """Prefills at TP 1 and 2, decodes at TP 1, 2 and 4, over tcp; a router per route
+    (prefill TP, decode TP) of ROUTES."""
     model = ["--model", str(folder), *ARGS, "--transport", "tcp"]
-    decode, m = start(
-        ["decode.server", *model, "--tensor-parallel-size", "2", "--grpc-port", "0",
-         "--metrics-port", "0"],
-        r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
-    )  # fmt: skip
-    address, metrics = f"127.0.0.1:{m.group(1)}", f"http://127.0.0.1:{m.group(2)}/metrics"
-    prefill, m = start(["prefill.server", *model, "--port", "0"], r"serving on (http://[\d.:]+)")
-    router, m = start(
-        ["router.server", "--model", str(folder), "--served-model-name", "tiny-kv4",
-         "--port", "0", "--prefill", m.group(1), "--decode", address,
-         "--no-decode-only-fallback"],
-        r"serving on (http://[\d.:]+)",
-    )  # fmt: skip
-    yield {"url": m.group(1), "decode": decode, "address": address, "metrics": metrics}
-    stop(router, prefill, decode)
+    procs, decodes, prefills, prefill_procs, routes = [], {}, {}, {}, {}
+    try:
+        for tp in (1, 2, 4):
+            proc, m = start(
+                ["decode.server", *model, "--tensor-parallel-size", str(tp), "--grpc-port", "0",
+                 "--metrics-port", "0"],
+                r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
+            )  # fmt: skip
+            procs.append(proc)
+            decodes[tp] = (
+                proc,
+                f"127.0.0.1:{m.group(1)}",
+                f"http://127.0.0.1:{m.group(2)}/metrics",
+            )
+        for tp in (1, 2):
+            proc, m = start(
+                ["prefill.server", *model, "--tensor-parallel-size", str(tp), "--port", "0",
+                 "--max-num-batched-tokens", "16", "--max-num-seqs", "8"],
+                r"serving on (http://[\d.:]+)",
+            )  # fmt: skip
+            procs.append(proc)
+            prefills[tp] = m.group(1)
+            prefill_procs[tp] = proc
+        for p_tp, d_tp in ROUTES:
+            proc, m = start(
+                ["router.server", "--model", str(folder), "--served-model-name", "tiny-kv4",
+                 "--port", "0", "--prefill", prefills[p_tp], "--decode", decodes[d_tp][1],
+                 "--no-decode-only-fallback"],
+                r"serving on (http://[\d.:]+)",
+            )  # fmt: skip
+            procs.append(proc)
+            routes[p_tp, d_tp] = m.group(1)
+        yield {"routes": routes, "decodes": decodes, "prefill_procs": prefill_procs}
+    finally:
+        stop(*reversed(procs))
 
 
 @pytest.fixture(scope="module")
@@ -76,30 +105,61 @@ def _complete(url: str, prompt: str, n: int = 1, max_tokens: int = MAX_TOKENS, *
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
-def test_tp2_decode_behind_a_tp1_prefill_equals_one_engine(stack, reference):
-    before = counter(stack["metrics"], "tandem_decode_transfer_bytes_total")
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: f"prefill-tp{r[0]}-decode-tp{r[1]}")
+def test_greedy_output_equals_one_engine_whatever_the_tp_sizes(stack, reference, route):
+    url = stack["routes"][route]
+    _, address, metrics = stack["decodes"][route[1]]
+    sent = {r: _sent_bytes(metrics, r) for r in (0, 1)}
     for prompt, expected in zip(PROMPTS, reference, strict=True):
-        reply = _complete(stack["url"], prompt)
+        reply = _complete(url, prompt)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"] == expected
-    # Both choices of n=2 (the prompt's partial last block copied on each rank); top_k 1: both
-    # greedy.
-    reply = _complete(stack["url"], PROMPTS[0], n=2, temperature=1.0, top_k=1)
+    # Both choices of n=2 (the prompt's partial last block copied on each decode rank); top_k
+    # 1: both greedy.
+    reply = _complete(url, PROMPTS[0], n=2, temperature=1.0, top_k=1)
     assert reply.status_code == 200, reply.text
     assert [c["text"] for c in reply.json()["choices"]] == [reference[0]] * 2
-    text = httpx.get(stack["metrics"], timeout=10).text
-    assert 'tandem_decode_transfer_bytes_total{sender_rank="0"}' in text
-    assert counter(stack["metrics"], "tandem_decode_transfer_bytes_total") > before
-    assert decode_pool_free(stack["address"]) is not None
+    # Every prefill rank sent its heads and committed for itself.
+    for rank in range(route[0]):
+        assert _sent_bytes(metrics, rank) > sent[rank], rank
+    assert decode_pool_free(address) is not None
+
+
+def _sent_bytes(metrics: str, rank: int) -> float:
+    return counter(metrics, f'tandem_decode_transfer_bytes_total{{sender_rank="{rank}"}}')
+
+
+def test_a_prefill_rank_killed_mid_prefill_fails_the_request_and_frees_the_decode_blocks(stack):
+    # After the routes' test: it leaves the TP 2 prefill failed.
+    url, (_, address, metrics) = stack["routes"][2, 1], stack["decodes"][1]
+    long_prompt = list(range(1000, 2800))  # 113 steps of 16-token chunks
+    body = {"model": "tiny-kv4", "prompt": long_prompt, "max_tokens": 4, "temperature": 0}
+    replies: list[httpx.Response] = []
+    request = threading.Thread(
+        target=lambda: replies.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60))
+    )
+    request.start()
+    deadline = time.monotonic() + 10
+    while counter(metrics, "tandem_decode_reserved") == 0:  # reserved: the prefill follows
+        assert time.monotonic() < deadline, "never reserved"
+        time.sleep(0.005)
+    _kill(_child(stack["prefill_procs"][2].pid))
+    request.join(timeout=TRANSFER_TIMEOUT_S + 10)
+    assert replies and replies[0].status_code >= 500, replies
+    assert "tensor-parallel rank 1" in replies[0].text
+    # Blocks back within the ticket's deadline (and the quarantine's grace after it).
+    assert decode_pool_free(address, within=TRANSFER_TIMEOUT_S + 2) is not None
 
 
 def test_a_decode_rank_killed_mid_stream_ends_the_stream_and_the_server_serves_no_more(stack):
     # Last in this module: it leaves the decode server failed.
-    rank = _child(stack["decode"].pid)
+    decode, address, _ = stack["decodes"][2]
+    rank = _child(decode.pid)
     body = {"model": "tiny-kv4", "prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     killed, chunks, error = [], 0, None
-    with httpx.stream("POST", f"{stack['url']}/v1/completions", json=body, timeout=60) as reply:
+    url = stack["routes"][1, 2]
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
         assert reply.status_code == 200
         for line in reply.iter_lines():
             if not line.startswith("data: {"):
@@ -111,12 +171,12 @@ def test_a_decode_rank_killed_mid_stream_ends_the_stream_and_the_server_serves_n
                 threading.Thread(target=lambda: killed.append(_kill(rank))).start()
     assert error is not None and "tensor-parallel rank 1" in error["message"], error
     assert time.monotonic() - killed[0] < 5
-    stub = decode_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(stack["address"]))
+    stub = decode_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(address))
     with pytest.raises(grpc.RpcError) as refused:
         stub.Stats(decode_pb2.StatsRequest(), timeout=5)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     started = time.monotonic()
-    assert _complete(stack["url"], PROMPTS[1]).status_code == 503
+    assert _complete(url, PROMPTS[1]).status_code == 503
     assert time.monotonic() - started < 10
 
 

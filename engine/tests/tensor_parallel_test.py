@@ -97,6 +97,9 @@ def test_configurations_that_do_not_split_are_refused_before_starting():
         _config(tp=2, speculative_config=spec)
     with pytest.raises(ValueError, match="async_scheduling"):
         _config(tp=2, async_scheduling=True)
+    if torch.cuda.device_count() < 2:  # this machine: too few GPUs for two ranks
+        with pytest.raises(ValueError, match="needs devices up to cuda:1; this machine has"):
+            LLMEngine.build(_config(tp=2, device="cuda"))
 
 
 def test_vocabulary_rows_are_split_with_the_last_rank_padded():
