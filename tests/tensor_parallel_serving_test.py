@@ -27,6 +27,7 @@ from transformers import AutoTokenizer
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
+from prefill.vllm_launch import free_port
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.servers import counter, decode_pool_free, stop
 from tests.tiny_kv4 import write_tiny_kv4
@@ -127,6 +128,22 @@ def test_greedy_output_equals_one_engine_whatever_the_tp_sizes(stack, reference,
 
 def _sent_bytes(metrics: str, rank: int) -> float:
     return counter(metrics, f'tandem_decode_transfer_bytes_total{{sender_rank="{rank}"}}')
+
+
+def test_tools_serve_runs_the_stack_tensor_parallel(folder, reference):
+    proc, m = start(
+        ["tools.serve", "--model", str(folder), "--decode-tp", "2", "--prefill-tp", "2",
+         "--kv-cache-gb", "0.05", "--port", str(free_port("127.0.0.1"))],
+        r"tandem ready: (http://\S+)",
+    )  # fmt: skip
+    try:
+        body = {"model": folder.name, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        reply = httpx.post(f"{m.group(1)}/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == reference[0]
+    finally:
+        stop(proc)
 
 
 def test_a_prefill_rank_killed_mid_prefill_fails_the_request_and_frees_the_decode_blocks(stack):

@@ -5,6 +5,7 @@ ports, with the bundled SmolLM2 unless --model names a Hugging Face folder.
     ./bazelw run //tools:serve -- --model DIR --device cuda --transport nixl --port 8000
     ./bazelw run //tools:serve -- --prefill vllm    # stock vLLM prefills, with tandem's connector
     ./bazelw run //tools:serve -- --aggregated      # router + decode only: decode prefills too
+    ./bazelw run //tools:serve -- --model DIR --decode-tp 2 --prefill-tp 2   # tensor-parallel
 
 Prints `tandem ready: http://HOST:PORT` once the router answers (and the decode servers'
 Prometheus /metrics URLs; the router serves its own at /metrics); Ctrl-C (or SIGTERM) stops every
@@ -41,6 +42,8 @@ def _model_folder(model: str) -> str:
 def _start_vllm(model: str, host: str, dtype: str, transport: str, kv_cache_gb: str, *extra: str):
     """Stock vLLM with tandem's connector; its KV cache size, on the CPU build, in whole GiB."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(float(kv_cache_gb)))))
+    # vLLM's automatic CPU binding wants a NUMA node per tensor-parallel rank.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     port = free_port(host)
     proc, _ = start(vllm_args(model, host, port, dtype, transport, *extra), READY, timeout=900)
     return proc, f"http://{host}:{port}"
@@ -59,13 +62,17 @@ def main() -> None:
     parser.add_argument("--aggregated", action="store_true",
                         help="no prefill: the decode servers prefill every request")  # fmt: skip
     parser.add_argument("--num-decode", type=int, default=1)
+    parser.add_argument("--decode-tp", type=int, default=1,
+                        help="each decode server's tensor-parallel size (ranks, GPUs)")  # fmt: skip
+    parser.add_argument("--prefill-tp", type=int, default=1,
+                        help="each prefill's tensor-parallel size (vLLM's too)")  # fmt: skip
     parser.add_argument("--kv-cache-gb", default="1")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8 (every engine's)")
     parser.add_argument("--tool-call-parser", default=None, help="the router's (hermes, ...)")
     parser.add_argument("--reasoning-parser", default=None, help="the router's (qwen3, ...)")
     args = parser.parse_args()
-    if args.num_prefill < 1 or args.num_decode < 1:
-        sys.exit("serve: --num-prefill and --num-decode must be at least 1")
+    if min(args.num_prefill, args.num_decode, args.decode_tp, args.prefill_tp) < 1:
+        sys.exit("serve: --num-prefill, --num-decode, --decode-tp and --prefill-tp must be >= 1")
     num_prefill = 0 if args.aggregated else args.num_prefill
     model = _model_folder(args.model)
     if not (Path(model) / "config.json").is_file():
@@ -93,18 +100,21 @@ def main() -> None:
         decodes, metrics = [], []
         prefills = ["--aggregated"] if args.aggregated else []  # the router's prefill arguments
         for _ in range(args.num_decode):
-            proc, m = start(["decode.server", *common, "--grpc-port", "0", "--metrics-port", "0"],
+            proc, m = start(["decode.server", *common, "--grpc-port", "0", "--metrics-port", "0",
+                             "--tensor-parallel-size", str(args.decode_tp)],
                             r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
                             timeout=900)  # fmt: skip
             procs.append(proc)
             decodes += ["--decode", f"{args.host}:{m.group(1)}"]
             metrics.append(f"http://{args.host}:{m.group(2)}/metrics")
         for _ in range(num_prefill):
+            prefill_tp = ["--tensor-parallel-size", str(args.prefill_tp)]
             if args.prefill == "vllm":
-                proc, url = _start_vllm(model, args.host, dtype, args.transport, args.kv_cache_gb,
-                                        "--kv-cache-dtype", args.kv_cache_dtype)  # fmt: skip
+                proc, url = _start_vllm(model, args.host, dtype, args.transport,
+                                        args.kv_cache_gb, "--kv-cache-dtype",
+                                        args.kv_cache_dtype, *prefill_tp)  # fmt: skip
             else:
-                proc, m = start(["prefill.server", *common, "--port", "0"],
+                proc, m = start(["prefill.server", *common, "--port", "0", *prefill_tp],
                                 r"serving on (http://\S+)", timeout=900)  # fmt: skip
                 url = m.group(1)
             procs.append(proc)
