@@ -121,14 +121,7 @@ class LLMEngine:
             pool=pool,
             scheduler=Scheduler(sched_config, pool),
             runner=ModelRunner(
-                model,
-                kv_cache,
-                Sampler(config.seed),
-                config.max_num_seqs,
-                executor.graphs,
-                acceptance_curve(config),
-                executor.verify_graphs,
-                executor,
+                executor, Sampler(config.seed), config.max_num_seqs, acceptance_curve(config)
             ),
             max_model_len=parts.max_model_len,
             async_scheduling=async_scheduling,

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, GraphStep
+from engine.cuda_graphs import GraphStep
 from engine.grammar import apply_grammars
-from engine.kv_cache import KVCache
-from engine.model import CausalLM
 from engine.sampling import (
     LogprobTensors,
     Sampler,
@@ -119,26 +117,22 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(
         self,
-        model: CausalLM,
-        kv_cache: KVCache,
+        executor: StepExecutor,
         sampler: Sampler,
         max_num_seqs: int,
-        graphs: DecodeGraphs | None = None,
         acceptance: AcceptanceCurve | None = None,
-        verify_graphs: DecodeGraphs | None = None,
-        executor: StepExecutor | None = None,
     ) -> None:
-        self.model = model
-        self.verify_graphs = verify_graphs
-        """Decode steps that feed drafts, up to its max_batch rows (a row per fed token)."""
-        self.executor = executor or StepExecutor(model, kv_cache, graphs, verify_graphs)
+        self.executor = executor
         """Runs the step's device work (every tensor-parallel rank's, when it is rank 0's)."""
+        self.model = executor.model
+        self.kv_cache = executor.kv_cache
+        self.graphs = executor.graphs
+        self.verify_graphs = executor.verify_graphs
+        """Decode steps that feed drafts, up to its max_batch rows (a row per fed token)."""
         self.acceptance = acceptance
         """Benchmarks: drafts are accepted as this curve draws, not by comparison."""
-        self.kv_cache = kv_cache
         self.sampler = sampler
-        self.graphs = graphs
-        self.device = kv_cache.storage.device
+        self.device = executor.device
         self._host_tokens: list[torch.Tensor] = []
         if self.device.type == "cuda":
             # Two, used in turn: a step's tokens must not land over those of the step before

@@ -111,14 +111,11 @@ class TpWorkers:
         procs: list[subprocess.Popen],
         store: dist.TCPStore,
         tp: TpRank,
-        control: dist.ProcessGroup,
     ) -> None:
         self.config = config
         self.tp = tp
-        """Rank 0's shape and model group."""
+        """Rank 0's shape and groups."""
         self._procs = procs
-        self._store = store
-        self._control = control
         self.store = store
         """The ranks' key-value store."""
         self.infos: list[Any] = []
@@ -127,8 +124,9 @@ class TpWorkers:
 
     @classmethod
     def start(cls, config: EngineConfig, agent: AgentFactory | None = None) -> TpWorkers:
-        """Spawns ranks 1..N-1 and joins them into the groups as rank 0. ValueError when the
-        model does not split over the ranks (before anything starts)."""
+        """Starts ranks 1..N-1 and joins them into the groups as rank 0. ValueError when the
+        model does not split over the ranks, or the machine lacks their GPUs (before anything
+        starts)."""
         model_config = read_model_config(config)
         size = config.tensor_parallel_size
         check_supported(model_config, size)
@@ -153,15 +151,14 @@ class TpWorkers:
         except BaseException:
             _kill(procs)
             raise
-        tp = TpRank(TpShape(model_config, 0, size), group, control)
-        return cls(config, procs, store, tp, control)
+        return cls(config, procs, store, TpRank(TpShape(model_config, 0, size), group, control))
 
     def leader_executor(self, local: StepExecutor) -> LeaderExecutor:
         """Rank 0's executor over its own parts, once every other rank has built its parts
         (RuntimeError naming the first that could not)."""
-        _wait_for(self._store, self._procs, "ready", "before building its part of the model")
+        _wait_for(self.store, self._procs, "ready", "before building its part of the model")
         for rank in range(1, len(self._procs) + 1):
-            kind, value = pickle.loads(self._store.get(f"ready/{rank}"))
+            kind, value = pickle.loads(self.store.get(f"ready/{rank}"))
             if kind == "error":
                 raise RuntimeError(f"tensor-parallel rank {rank} could not start: {value}")
             self.infos.append(value)
@@ -169,7 +166,7 @@ class TpWorkers:
 
     def send(self, op: str, args: tuple) -> None:
         """Has every other rank call its executor's `op(*args)`."""
-        dist.broadcast_object_list([(op, args)], src=0, group=self._control)
+        dist.broadcast_object_list([(op, args)], src=0, group=self.tp.control)
 
     def call_agents(self, method: str, *args: Any) -> None:
         """Has every other rank's agent call `method(*args)`."""
