@@ -47,6 +47,19 @@ def test_hello_answers_the_layout_or_refuses_naming_both_values(stack):
         "sender p1 cannot write here: num_layers: decode has 2, sender has 3; "
         "kv_dtype: decode has 'float32', sender has 'bfloat16'"
     )
+    # A TP 2 sender whose head ranges overlap instead of splitting the 2 KV heads.
+    overlapping = layout()
+    overlapping.tp_size = 2
+    del overlapping.head_ranges[:]
+    overlapping.head_ranges.add(start=0, end=2)
+    overlapping.head_ranges.add(start=1, end=2)
+    hello = decode_pb2.HelloRequest(sender_layout=overlapping, sender_id="p2")
+    code, details = rpc_failure(lambda: stack.stub.Hello(hello, timeout=10))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert details == (
+        "sender p2 cannot write here: head_ranges: sender's [(0, 2), (1, 2)] (tp_size 2) do not "
+        "split [0, 2) into one range per rank"
+    )
 
 
 def test_reserve_returns_a_ticket_into_the_engine_cache(stack):
