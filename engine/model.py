@@ -159,6 +159,9 @@ class ModelOps:
     # Logits of a shard of the vocabulary -> of all of it (tensor parallelism's lm_head,
     # engine/tensor_parallel.py); the identity on one device.
     gather_vocab: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
+    # Sums a partial output over the tensor-parallel ranks, in place; None on one device (a
+    # module may then fuse the residual add into its last kernel).
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 EAGER_OPS = ModelOps(rms_norm, add_rms_norm, rope, linear, qkv_rope, gate_up_silu, add_linear)

@@ -52,30 +52,49 @@ def load_model(
             f"kv_cache_dtype {config.kv_cache_dtype}: an fp8 cache holds per-head K/V only so "
             "far, not MLA latents; use --kv-cache-dtype auto for this model"
         )
-    if model_config.mla is not None:
-        return model_config, _load_mla_model(config, model_config, wrap_attention)
-    backend = attention_backend(config.device)
-    if wrap_attention is not None:
-        backend = wrap_attention(backend)
+    build = _builder(config, model_config, wrap_attention)
     if tp is not None:
-        return _load_tp_model(config, model_config, backend, tp)
+        return _load_tp_model(config, model_config, build, tp)
     with torch.device("meta"):
-        model = CausalLM(model_config, backend, model_ops(config))
+        model = build(model_config, model_ops(config))
     return model_config, _fill(model, config)
 
 
+Build = Callable[[ModelConfig, ModelOps], CausalLM]
+"""A model of a shape with ops (on the meta device, under torch.device("meta"))."""
+
+
+def _builder(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    wrap_attention: Callable[[Backend], Backend] | None,
+) -> Build:
+    """The model's family over the device's kernels: the Llama family's attention backend, or
+    the MLA family's latent backend and experts (engine.mla or engine.triton_mla, moe's torch
+    kernels or engine.triton_moe), through `wrap_attention`'s wrapper if given."""
+    if model_config.mla is not None:
+        latent, experts = mla_kernels(config)
+        if wrap_attention is not None:
+            latent = wrap_attention(latent)
+        return lambda shape, ops: DeepseekForCausalLM(shape, ops, latent, experts)
+    backend = attention_backend(config.device)
+    if wrap_attention is not None:
+        backend = wrap_attention(backend)
+    return lambda shape, ops: CausalLM(shape, backend, ops)
+
+
 def _load_tp_model(
-    config: EngineConfig, model_config: ModelConfig, backend: Backend, tp: TpRank
+    config: EngineConfig, model_config: ModelConfig, build: Build, tp: TpRank
 ) -> tuple[ModelConfig, CausalLM]:
     """Rank tp.shape.rank's model, filled with its part of the checkpoint's (or of the random
     model's) Hugging Face-named tensors."""
     shape, dtype = tp.shape, DTYPES[config.dtype]
     ops = tp_ops(model_ops(config), tp.group, model_config.vocab_size)
     with torch.device("meta"):
-        model = apply_tp(CausalLM(shape.local_config, backend, ops), shape, tp.group)
+        model = apply_tp(build(shape.local_config, ops), shape, tp.group)
     if config.model.startswith("random:"):
         with torch.device("meta"):
-            whole = CausalLM(model_config, backend, model_ops(config))
+            whole = build(model_config, model_ops(config))
         names, tensors = random_checkpoint(whole, config.seed, dtype, config.device)
         source = f"random weights of {config.model}"
     else:
@@ -112,22 +131,6 @@ def read_model_config(config: EngineConfig) -> ModelConfig:
     if not (folder / "config.json").is_file():
         raise ValueError(f"model: {folder} is not a Hugging Face folder (no config.json)")
     return ModelConfig.from_hf_folder(folder)
-
-
-def _load_mla_model(
-    config: EngineConfig,
-    model_config: ModelConfig,
-    wrap_attention: Callable[[Backend], Backend] | None,
-) -> DeepseekForCausalLM:
-    """The MLA/MoE family: its latent rows written and attended by engine.mla (CPU) or
-    engine.triton_mla (CUDA), through `wrap_attention`'s wrapper if given; experts routed and
-    computed by moe.TORCH_KERNELS (CPU) or engine.triton_moe.KERNELS (CUDA)."""
-    latent, experts = mla_kernels(config)
-    if wrap_attention is not None:
-        latent = wrap_attention(latent)
-    with torch.device("meta"):
-        model = DeepseekForCausalLM(model_config, model_ops(config), latent, experts)
-    return _fill(model, config)
 
 
 def mla_kernels(config: EngineConfig) -> tuple[LatentBackend, MoeKernels]:

@@ -200,6 +200,12 @@ class MoE(nn.Module):
         h, residual = inp.compute(self.ops)
         gate = self.gate
         routing = self.route(h, gate.weight, gate.e_score_correction_bias, gate.moe)
+        if self.ops.all_reduce is not None:  # tensor-parallel: partial outputs, summed once
+            out = self.experts(h, routing)
+            if self.shared_experts is not None:
+                x, _ = self.ops.gate_up_silu(inp, self.shared_experts.gate_up_proj.matrix)
+                out = out + self.ops.linear(x, self.shared_experts.down_proj.matrix, None)
+            return NormInput(self.ops.all_reduce(out), residual, next_norm.weight, next_norm.eps)
         if self.shared_experts is None:
             return NormInput(self.experts(h, routing), residual, next_norm.weight, next_norm.eps)
         # The shared experts' SwiGLU from `inp` (on CUDA its norm is computed inside the

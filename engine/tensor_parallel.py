@@ -1,10 +1,14 @@
-"""Tensor parallelism applied from outside the plain model: one rank's model is the Llama-family
-model of a narrower shape (its share of the attention heads, KV heads and MLP channels), plus
-what ties the ranks together.
+"""Tensor parallelism applied from outside the plain model: one rank's model is the model of a
+narrower shape (its share of the attention heads, KV heads, MLP and expert channels), plus what
+ties the ranks together.
 
-- Column-parallel q/k/v and gate/up: each rank holds its heads' and channels' rows.
+- Column-parallel q/k/v and gate/up (MLA: q_b_proj or q_proj, kv_b_proj; each expert's
+  gate/up): each rank holds its heads' and channels' rows.
 - Row-parallel o_proj and down_proj: each rank's partial product is summed over the ranks (one
-  all-reduce) before the residual add, in `ModelOps.add_linear`.
+  all-reduce) before the residual add, in `ModelOps.add_linear`; a mixture-of-experts layer sums
+  its routed and shared partial outputs first, then reduces once (`ModelOps.all_reduce`).
+- MLA's latent (kv_a_proj_with_mqa, q_a_proj) and the router are replicated: every rank writes
+  the whole latent cache, as vLLM's TP does.
 - Vocabulary-parallel embedding and lm_head: each rank holds ceil(vocab / size) rows (the last
   rank's padded with zeros); a lookup sums the ranks' masked rows, the logits are gathered.
 
@@ -29,7 +33,7 @@ from engine.model import CausalLM, Linear, ModelOps, NormInput
 
 # Hugging Face projections whose output rows are split over the ranks (column-parallel), and
 # those whose input columns are (row-parallel).
-_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 _COLUMN_SPLIT = ("o_proj", "down_proj")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -39,15 +43,15 @@ def check_supported(model_config: ModelConfig, size: int) -> None:
     if size == 1:
         return
     what = f"tensor_parallel_size {size}"
-    if model_config.mla is not None:
-        raise ValueError(
-            f"{what}: the MLA/MoE family ({model_config.architecture}) runs at "
-            "tensor_parallel_size 1 only so far"
-        )
     if model_config.fp8 is not None:
         raise ValueError(f"{what}: fp8 weights run at tensor_parallel_size 1 only so far")
-    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
-        value = getattr(model_config, field)
+    sizes = {
+        field: getattr(model_config, field)
+        for field in ("num_heads", "num_kv_heads", "intermediate_size")
+    }
+    if model_config.moe is not None:
+        sizes["moe_intermediate_size"] = model_config.moe.moe_intermediate_size
+    for field, value in sizes.items():
         if value % size:
             hint = (
                 " (KV heads replicated over ranks are not supported yet)"
@@ -69,12 +73,16 @@ class TpShape:
     @property
     def local_config(self) -> ModelConfig:
         """The shape of this rank's model: heads, KV heads and MLP channels divided."""
-        c = self.model_config
+        c, size = self.model_config, self.size
+        moe = c.moe
+        if moe is not None:
+            moe = dataclasses.replace(moe, moe_intermediate_size=moe.moe_intermediate_size // size)
         return dataclasses.replace(
             c,
-            num_heads=c.num_heads // self.size,
-            num_kv_heads=c.num_kv_heads // self.size,
-            intermediate_size=c.intermediate_size // self.size,
+            num_heads=c.num_heads // size,
+            num_kv_heads=c.num_kv_heads // size,
+            intermediate_size=c.intermediate_size // size,
+            moe=moe,
         )
 
     @property
@@ -129,12 +137,18 @@ def tp_ops(ops: ModelOps, group: dist.ProcessGroup, vocab_size: int) -> ModelOps
         dist.all_reduce(out, group=group)
         return NormInput(out, residual, norm_weight, eps)
 
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=group)
+        return x
+
     def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, logits.contiguous(), group=group)
         return torch.cat(parts, dim=-1)[..., :vocab_size]
 
-    return dataclasses.replace(ops, add_linear=add_linear, gather_vocab=gather_vocab)
+    return dataclasses.replace(
+        ops, add_linear=add_linear, gather_vocab=gather_vocab, all_reduce=all_reduce
+    )
 
 
 def apply_tp(model: CausalLM, shape: TpShape, group: dist.ProcessGroup) -> CausalLM:

@@ -12,7 +12,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 from engine.speculative import SpeculativeConfig
 from engine.tensor_parallel import TpShape
-from engine.tests.tiny_hf import hf_model
+from engine.tests.tiny_hf import hf_deepseek, hf_model
 
 GREEDY = SamplingParams(temperature=0.0)
 # Staggered lengths, one longer than a prefill chunk: chunked prefill, mixed and decode steps.
@@ -54,9 +54,20 @@ def test_tp_output_equals_tp1_batched(tp, tp1_output):
     assert len({t for out in tp1_output for t in out}) > 10  # not one token repeated
 
 
-def test_tp2_from_a_checkpoint_equals_tp1(tmp_path):
-    # Qwen2: biases on q/k/v (split with their heads), a vocabulary of 96 split in two.
-    hf_model("qwen2").save_pretrained(tmp_path)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mla_moe_tp_output_equals_tp1(tp):
+    # Heads and experts' channels split, the latent and the router replicated; chunked prefill.
+    prompts = [[1, 5, 9, 200, 30], list(range(100, 160)), [11, 12, 13]]
+    one = _generate(_config("random:deepseek-tiny"), prompts)
+    assert _generate(_config("random:deepseek-tiny", tp=tp), prompts) == one
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "deepseek"])
+def test_tp2_from_a_checkpoint_equals_tp1(tmp_path, kind):
+    # Qwen2: biases on q/k/v (split with their heads); DeepSeek without a q bottleneck (q_proj
+    # split by heads, kv_b_proj too, experts by channels); a vocabulary of 96 split in two.
+    hf = hf_model("qwen2") if kind == "qwen2" else hf_deepseek(q_lora_rank=None)
+    hf.save_pretrained(tmp_path)
     prompts = [[3, 7, 11, 50], [9] * 20]
     one = _generate(_config(str(tmp_path)), prompts)
     assert _generate(_config(str(tmp_path), tp=2), prompts) == one
@@ -90,8 +101,8 @@ def test_a_rank_that_dies_fails_the_engine_naming_it():
 def test_configurations_that_do_not_split_are_refused_before_starting():
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide .*num_heads"):
         LLMEngine.build(_config(tp=3))
-    with pytest.raises(ValueError, match="MLA/MoE family"):
-        LLMEngine.build(_config("random:deepseek-tiny", tp=2))
+    with pytest.raises(ValueError, match=r"does not divide the model's num_heads \(4\)"):
+        LLMEngine.build(_config("random:deepseek-tiny", tp=8))
     spec = SpeculativeConfig("draft_model", 2, model="random:tiny-kv4")
     with pytest.raises(ValueError, match="draft_model runs at tensor_parallel_size 1"):
         _config(tp=2, speculative_config=spec)
