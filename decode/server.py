@@ -24,7 +24,13 @@ from prometheus_client import start_http_server
 
 from decode.admission import Admission
 from decode.engine_loop import EngineLoop
-from decode.kv_shards import DecodeRankAgent, kv_shard, register_cache
+from decode.kv_shards import (
+    DecodeRankAgent,
+    kv_shard,
+    latent_replicas,
+    register_cache,
+    shard_heads,
+)
 from decode.metrics import DecodeMetrics
 from decode.service import DecodeServicer
 from engine.config import ModelConfig
@@ -32,7 +38,7 @@ from engine.engine_config import KV_SCALE
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import read_model_config
 from engine.spec_build import speculative_kv
-from prefill.ticket import DECODE_LAYOUT, kv_dtype_fields, layout_descriptor, rank_heads
+from prefill.ticket import DECODE_LAYOUT, kv_dtype_fields, layout_descriptor
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 from rpc import health, keepalive
 from tools import preflight
@@ -91,17 +97,16 @@ class DecodeServer:
         tp_size = config.engine.tensor_parallel_size
         # The whole model's shape: the engine's model_config is rank 0's share of the heads.
         model = read_model_config(config.engine)
-        num_kv_heads = model.kv_planes[1]
         self.engine = LLMEngine.build(
-            config.engine,
-            rank_agent=functools.partial(DecodeRankAgent, config.kv, num_kv_heads, tp_size),
+            config.engine, rank_agent=functools.partial(DecodeRankAgent, config.kv, model, tp_size)
         )
         self.transport = register_cache(config.kv, self.engine.kv_cache)
         self.admission = Admission(
             self.engine.pool,
             config.engine.block_size,
             model.num_layers,
-            model.kv_bytes_per_token(config.engine.kv_dtype),
+            # A latent replicated over the ranks is written to each.
+            model.kv_bytes_per_token(config.engine.kv_dtype) * latent_replicas(model, tp_size),
             self.engine.max_model_len,
             default_timeout_s=config.kv.transfer_timeout_s,
         )
@@ -110,8 +115,7 @@ class DecodeServer:
         endpoint = layout_pb2.TransportEndpoint(
             transport=config.kv.backend, metadata=self.transport.endpoint()
         )
-        heads = rank_heads(num_kv_heads, tp_size, 0)
-        shards = [kv_shard(0, heads, endpoint, self.engine.kv_cache)]
+        shards = [kv_shard(0, shard_heads(model, tp_size, 0), endpoint, self.engine.kv_cache)]
         if self.engine.tp_workers is not None:
             shards += [decode_pb2.KvShard.FromString(i) for i in self.engine.tp_workers.infos]
         pool = self.engine.pool
@@ -200,7 +204,8 @@ def _layout(config: DecodeServerConfig, model: ModelConfig) -> layout_pb2.Layout
         num_layers=model.num_layers,
         num_kv_heads=heads,
         head_dim=channels,
-        tp_size=config.engine.tensor_parallel_size,
+        # An MLA latent is not split: every rank holds it whole.
+        tp_size=1 if model.mla is not None else config.engine.tensor_parallel_size,
         **kv_dtype_fields(config.engine.kv_dtype, KV_SCALE),
         block_size=config.engine.block_size,
         layout=DECODE_LAYOUT,

@@ -116,16 +116,22 @@ class PrefillServer:
         publisher = KvPublisher()
         layout = _layout(config, self.name)
         # Every tensor-parallel rank sends its heads (prefill/rank_sends.py).
-        ranks = partial(
-            PrefillRankAgent, config.kv, layout.SerializeToString(), config.layerwise_kv
-        )
+        ranks = None
+        if layout.tp_size > 1:
+            ranks = partial(
+                PrefillRankAgent, config.kv, layout.SerializeToString(), config.layerwise_kv
+            )
         self.engine = LLMEngine.build(
             config.engine, wrap_attention=publisher.wrap, rank_agent=ranks
         )
         publisher.bind(self.engine.kv_cache)
         self.rank_sender = RankSender.build(config.kv, layout, 0, self.engine.kv_cache)
         self.sender = self.rank_sender.sender
-        self.worker = PrefillWorker(self.engine, publisher, self.sender, config.layerwise_kv)
+        # An MLA latent, which every rank holds whole, is sent by rank 0 alone.
+        senders = self.engine.tp_workers if layout.tp_size > 1 else None
+        self.worker = PrefillWorker(
+            self.engine, publisher, self.sender, config.layerwise_kv, senders
+        )
         self.tokenizer = _tokenizer(config.engine.model)
         self.draining = False
         """Set by SIGTERM: /health and new requests answer 503 (the router goes elsewhere)."""
@@ -329,7 +335,8 @@ def _layout(config: PrefillServerConfig, name: str) -> layout_pb2.LayoutDescript
         **kv_dtype_fields(config.engine.kv_dtype, KV_SCALE),
         block_size=config.engine.block_size, layout=PREFILL_LAYOUT,
         transport=config.kv.backend, kv_format=model.kv_format,
-        tp_size=config.engine.tensor_parallel_size,
+        # Senders: every rank, each with its heads; rank 0 alone for an MLA latent.
+        tp_size=1 if model.mla is not None else config.engine.tensor_parallel_size,
     )  # fmt: skip
 
 

@@ -28,6 +28,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.scheduler import StepPlan
 from engine.sequence import Sequence, StopConditions
+from engine.tp_workers import TpWorkers
 from prefill.kv_sender import KvSender
 from prefill.publisher import KvPublisher, LayerwiseSend
 from prefill.rank_sends import wait_for_ranks
@@ -114,6 +115,7 @@ class PrefillWorker(EngineThread):
         publisher: KvPublisher,
         sender: KvSender,
         layerwise: bool = True,
+        senders: TpWorkers | None = None,
     ) -> None:
         self.publisher = publisher
         self.sender = sender
@@ -124,8 +126,8 @@ class PrefillWorker(EngineThread):
         self._after_forward: list[LayerwiseSend] = []
         self._ranks_armed = False
         self._ids = iter(range(1, 1 << 62))
-        self._tp = engine.tp_workers
-        """The other tensor-parallel ranks, each sending its heads (prefill/rank_sends.py)."""
+        self._tp = senders
+        """The other tensor-parallel ranks, when each sends its heads (prefill/rank_sends.py)."""
         # Waits for the other ranks' sends to end, off the committer threads.
         self._rank_waits = ThreadPoolExecutor(4, thread_name_prefix="rank-sends")
         super().__init__(engine, server="prefill", thread_name="prefill-engine")

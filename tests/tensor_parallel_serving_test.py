@@ -5,6 +5,8 @@ Llama of 8 heads and 4 KV heads with SmolLM2's tokenizer, as a Hugging Face fold
   commits for itself; greedy completions (n=1, and n=2, whose second choice copies a partial
   block on every decode rank) equal one engine at TP 1; each sender rank's bytes counted under
   its rank; every block free afterwards.
+- an MLA/MoE model (latent replicated on every rank): tandem's prefill at TP 1 and 2 (rank 0
+  sends the latent) into decode at TP 2 (each rank receives it whole) equals one engine.
 - a prefill rank killed mid-prefill: the request fails naming it, and the decode server has
   every block back within the ticket's deadline.
 - a decode rank killed mid-stream: the client's stream ends with an error within 5 s, the
@@ -30,7 +32,7 @@ from engine.sequence import StopConditions
 from prefill.vllm_launch import free_port
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.servers import counter, decode_pool_free, stop
-from tests.tiny_kv4 import write_tiny_kv4
+from tests.tiny_folders import write_tiny_kv4, write_tiny_mla
 from tools.launch import start
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:"]
@@ -128,6 +130,59 @@ def test_greedy_output_equals_one_engine_whatever_the_tp_sizes(stack, reference,
 
 def _sent_bytes(metrics: str, rank: int) -> float:
     return counter(metrics, f'tandem_decode_transfer_bytes_total{{sender_rank="{rank}"}}')
+
+
+@pytest.fixture(scope="module")
+def mla_stack(tmp_path_factory):
+    """An MLA/MoE model: prefills at TP 1 and 2 (rank 0 sends the latent, which every rank
+    holds whole) -> routers -> one decode server at TP 2 (each rank gets the whole latent)."""
+    folder = write_tiny_mla(tmp_path_factory.mktemp("tiny-mla"))
+    model = ["--model", str(folder), *ARGS, "--transport", "tcp"]
+    procs, urls = [], {}
+    try:
+        decode, m = start(
+            ["decode.server", *model, "--tensor-parallel-size", "2", "--grpc-port", "0",
+             "--metrics-port", "0"],
+            r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
+        )  # fmt: skip
+        procs.append(decode)
+        address, metrics = f"127.0.0.1:{m.group(1)}", f"http://127.0.0.1:{m.group(2)}/metrics"
+        for tp in (1, 2):
+            prefill, m = start(
+                ["prefill.server", *model, "--tensor-parallel-size", str(tp), "--port", "0"],
+                r"serving on (http://[\d.:]+)",
+            )  # fmt: skip
+            router, r = start(
+                ["router.server", "--model", str(folder), "--served-model-name", "tiny-mla",
+                 "--port", "0", "--prefill", m.group(1), "--decode", address,
+                 "--no-decode-only-fallback"],
+                r"serving on (http://[\d.:]+)",
+            )  # fmt: skip
+            procs += [prefill, router]
+            urls[tp] = r.group(1)
+        yield folder, urls, address, metrics
+    finally:
+        stop(*reversed(procs))
+
+
+def test_mla_moe_through_tp2_prefill_and_decode_equals_one_engine(mla_stack):
+    folder, urls, address, metrics = mla_stack
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    engine = LLMEngine.build(EngineConfig(model=str(folder), dtype="float32", block_size=16))
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    stop_at = StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [
+        tokenizer.decode(out) for out in engine.generate(prompts, SamplingParams(), stop_at)
+    ]
+    for tp, url in urls.items():
+        for prompt, text in zip(PROMPTS, expected, strict=True):
+            body = {"model": "tiny-mla", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == text, tp
+    assert _sent_bytes(metrics, 0) > 0 and _sent_bytes(metrics, 1) == 0  # one latent sender
+    assert decode_pool_free(address) is not None
 
 
 def test_tools_serve_runs_the_stack_tensor_parallel(folder, reference):

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.servers import counter, decode_pool_free, stop
-from tests.tiny_kv4 import write_tiny_kv4
+from tests.tiny_folders import write_tiny_kv4
 from tests.vllm_servers import start_vllm
 from tools.launch import start
 
