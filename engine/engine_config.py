@@ -101,11 +101,6 @@ class EngineConfig:
                 f"speculative_config: {spec.method} runs at tensor_parallel_size 1 only so far "
                 "(ngram runs at any)"
             )
-        if self.async_scheduling:
-            raise ValueError(
-                "async_scheduling: not with tensor_parallel_size > 1 yet (every rank runs each "
-                "step as rank 0 sends it); leave it unset"
-            )
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -102,11 +102,7 @@ class LLMEngine:
         )
         async_scheduling = config.async_scheduling
         if async_scheduling is None:
-            async_scheduling = (
-                executor.graphs is not None
-                and config.speculative_config is None
-                and workers is None
-            )
+            async_scheduling = executor.graphs is not None and config.speculative_config is None
         proposer = build_proposer(
             config,
             (parts.model_config, model),

@@ -212,23 +212,52 @@ class LeaderExecutor(StepExecutor):
     def __init__(self, local: StepExecutor, workers: TpWorkers) -> None:
         super().__init__(local.model, local.kv_cache, local.graphs, local.verify_graphs)
         self._workers = workers
+        self.group = workers.tp.group
 
     def forward(self, input_ids, positions, query_lens, seq_lens, block_tables) -> torch.Tensor:
-        assert not isinstance(input_ids, torch.Tensor), "a step planned ahead under TP"
-        args = (list(input_ids), list(positions), list(query_lens), list(seq_lens))
-        self._workers.send("forward", (*args, [list(t) for t in block_tables]))
-        return super().forward(*args, block_tables)
+        args = (list(positions), list(query_lens), list(seq_lens), [list(t) for t in block_tables])
+        if isinstance(input_ids, torch.Tensor):  # a step planned ahead: the ids on the device
+            self._workers.send("forward_fed", args)
+            dist.broadcast(input_ids, src=0, group=self.group)
+        else:
+            input_ids = list(input_ids)
+            self._workers.send("forward", (input_ids, *args))
+        return super().forward(input_ids, *args)
 
     def logits(self, rows: Sequence[int]) -> torch.Tensor:
         self._workers.send("logits", (list(rows),))
         return super().logits(rows)
 
     def replay(self, verify, input_ids, positions, block_tables, fed_ids=None) -> GraphStep:
-        assert fed_ids is None, "a step planned ahead under TP"
         ids = None if input_ids is None else list(input_ids)
-        tables = [list(t) for t in block_tables]
-        self._workers.send("replay", (verify, ids, list(positions), tables))
-        return super().replay(verify, ids, positions, block_tables)
+        args = (verify, ids, list(positions), [list(t) for t in block_tables])
+        if fed_ids is not None:  # a step planned ahead: the ids on the device
+            self._workers.send("replay_fed", args)
+            dist.broadcast(fed_ids, src=0, group=self.group)
+        else:
+            self._workers.send("replay", args)
+        return super().replay(*args, fed_ids=fed_ids)
+
+
+class RankExecutor(StepExecutor):
+    """A rank > 0's StepExecutor: also takes the calls whose input ids rank 0 broadcasts (a step
+    planned ahead feeds the tokens the step before it sampled, still on rank 0's device)."""
+
+    def __init__(self, local: StepExecutor, group: dist.ProcessGroup) -> None:
+        super().__init__(local.model, local.kv_cache, local.graphs, local.verify_graphs)
+        self.group = group
+
+    def forward_fed(self, positions, query_lens, seq_lens, block_tables) -> None:
+        self.forward(self._fed(len(positions)), positions, query_lens, seq_lens, block_tables)
+
+    def replay_fed(self, verify, input_ids, positions, block_tables) -> None:
+        fed = self._fed(len(positions))
+        self.replay(verify, input_ids, positions, block_tables, fed_ids=fed)
+
+    def _fed(self, n: int) -> torch.Tensor:
+        ids = torch.empty(n, dtype=torch.int64, device=self.device)
+        dist.broadcast(ids, src=0, group=self.group)
+        return ids
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         self._workers.send("copy_blocks", (list(src), list(dst)))
@@ -301,7 +330,8 @@ def _rank_main(
         agent = None if factory is None else factory(rank)
         wrap = None if agent is None else agent.wrap_attention
         shape = TpShape(read_model_config(config), rank, config.tensor_parallel_size)
-        executor = build_parts(rank_config, wrap, TpRank(shape, group, control)).executor
+        parts = build_parts(rank_config, wrap, TpRank(shape, group, control))
+        executor = RankExecutor(parts.executor, group)
         info = None if agent is None else agent.ready(executor, store)
     except Exception as error:
         store.set(f"ready/{rank}", pickle.dumps(("error", f"{type(error).__name__}: {error}")))
