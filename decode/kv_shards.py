@@ -12,23 +12,10 @@ from __future__ import annotations
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache, LayerRegion
 from engine.step_executor import StepExecutor
-from prefill.ticket import rank_heads
+from engine.tensor_parallel import cache_heads
 from proto.tandem.v1 import decode_pb2, layout_pb2
 from transport.base import Transport
 from transport.config import KvTransportConfig
-
-
-def shard_heads(model: ModelConfig, tp_size: int, rank: int) -> range:
-    """The KV heads rank `rank` holds: its share of the per-head K and V, or an MLA model's
-    one latent "head", which every rank holds whole (a sender writes it to each)."""
-    if model.mla is not None:
-        return range(1)
-    return rank_heads(model.num_kv_heads, tp_size, rank)
-
-
-def latent_replicas(model: ModelConfig, tp_size: int) -> int:
-    """How many times a sender writes each KV byte: once per rank for a replicated latent."""
-    return tp_size if model.mla is not None else 1
 
 
 def register_cache(kv: KvTransportConfig, kv_cache: KVCache) -> Transport:
@@ -60,7 +47,7 @@ class DecodeRankAgent:
 
     def __init__(self, kv: KvTransportConfig, model: ModelConfig, tp_size: int, rank: int):
         self.kv = kv
-        self.heads = shard_heads(model, tp_size, rank)
+        self.heads = cache_heads(model, tp_size, rank)
         self.rank = rank
         self.transport: Transport | None = None
 

@@ -24,13 +24,7 @@ from prometheus_client import start_http_server
 
 from decode.admission import Admission
 from decode.engine_loop import EngineLoop
-from decode.kv_shards import (
-    DecodeRankAgent,
-    kv_shard,
-    latent_replicas,
-    register_cache,
-    shard_heads,
-)
+from decode.kv_shards import DecodeRankAgent, kv_shard, register_cache
 from decode.metrics import DecodeMetrics
 from decode.service import DecodeServicer
 from engine.config import ModelConfig
@@ -38,6 +32,7 @@ from engine.engine_config import KV_SCALE
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import read_model_config
 from engine.spec_build import speculative_kv
+from engine.tensor_parallel import cache_heads, kv_replicas
 from prefill.ticket import DECODE_LAYOUT, kv_dtype_fields, layout_descriptor
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 from rpc import health, keepalive
@@ -105,8 +100,8 @@ class DecodeServer:
             self.engine.pool,
             config.engine.block_size,
             model.num_layers,
-            # A latent replicated over the ranks is written to each.
-            model.kv_bytes_per_token(config.engine.kv_dtype) * latent_replicas(model, tp_size),
+            # A head replicated over ranks (an MLA latent) is written to each.
+            model.kv_bytes_per_token(config.engine.kv_dtype) * kv_replicas(model, tp_size),
             self.engine.max_model_len,
             default_timeout_s=config.kv.transfer_timeout_s,
         )
@@ -115,7 +110,7 @@ class DecodeServer:
         endpoint = layout_pb2.TransportEndpoint(
             transport=config.kv.backend, metadata=self.transport.endpoint()
         )
-        shards = [kv_shard(0, shard_heads(model, tp_size, 0), endpoint, self.engine.kv_cache)]
+        shards = [kv_shard(0, cache_heads(model, tp_size, 0), endpoint, self.engine.kv_cache)]
         if self.engine.tp_workers is not None:
             shards += [decode_pb2.KvShard.FromString(i) for i in self.engine.tp_workers.infos]
         pool = self.engine.pool
@@ -199,13 +194,14 @@ def _layout(config: DecodeServerConfig, model: ModelConfig) -> layout_pb2.Layout
     """This server's cache, as Hello and every ticket describe it: an MLA model's latent plane
     as one head of the latent width; the KV heads split over the tensor-parallel ranks."""
     _, heads, channels = model.kv_planes
+    tp = config.engine.tensor_parallel_size
     return layout_descriptor(
         model_name=config.model_name or config.engine.model,
         num_layers=model.num_layers,
         num_kv_heads=heads,
         head_dim=channels,
-        # An MLA latent is not split: every rank holds it whole.
-        tp_size=1 if model.mla is not None else config.engine.tensor_parallel_size,
+        # Distinct head ranges: a head on several ranks (an MLA latent on all) counts once.
+        tp_size=tp // kv_replicas(model, tp),
         **kv_dtype_fields(config.engine.kv_dtype, KV_SCALE),
         block_size=config.engine.block_size,
         layout=DECODE_LAYOUT,

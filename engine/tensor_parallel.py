@@ -3,7 +3,8 @@ narrower shape (its share of the attention heads, KV heads, MLP and expert chann
 ties the ranks together.
 
 - Column-parallel q/k/v and gate/up (MLA: q_b_proj or q_proj, kv_b_proj; each expert's
-  gate/up): each rank holds its heads' and channels' rows.
+  gate/up): each rank holds its heads' and channels' rows; with fewer KV heads than ranks, each
+  rank holds the one KV head its query heads read (replicated over size / kv_heads ranks).
 - Row-parallel o_proj and down_proj: each rank's partial product is summed over the ranks (one
   all-reduce) before the residual add, in `ModelOps.add_linear`; a mixture-of-experts layer sums
   its routed and shared partial outputs first, then reduces once (`ModelOps.all_reduce`).
@@ -33,7 +34,7 @@ from engine.model import CausalLM, Linear, ModelOps, NormInput
 
 # Hugging Face projections whose output rows are split over the ranks (column-parallel), and
 # those whose input columns are (row-parallel).
-_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
+_ROW_SPLIT = ("q_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 _COLUMN_SPLIT = ("o_proj", "down_proj")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -45,20 +46,47 @@ def check_supported(model_config: ModelConfig, size: int) -> None:
     what = f"tensor_parallel_size {size}"
     if model_config.fp8 is not None:
         raise ValueError(f"{what}: fp8 weights run at tensor_parallel_size 1 only so far")
-    sizes = {
-        field: getattr(model_config, field)
-        for field in ("num_heads", "num_kv_heads", "intermediate_size")
-    }
+    kv_heads = model_config.num_kv_heads
+    if kv_heads % size and size % kv_heads:
+        raise ValueError(
+            f"{what} and the model's {kv_heads} KV heads: one must divide the other (each "
+            "rank holds an equal share of the heads, or one head, replicated)"
+        )
+    sizes = {field: getattr(model_config, field) for field in ("num_heads", "intermediate_size")}
     if model_config.moe is not None:
         sizes["moe_intermediate_size"] = model_config.moe.moe_intermediate_size
     for field, value in sizes.items():
         if value % size:
-            hint = (
-                " (KV heads replicated over ranks are not supported yet)"
-                if field == "num_kv_heads"
-                else ""
-            )
-            raise ValueError(f"{what} does not divide the model's {field} ({value}){hint}")
+            raise ValueError(f"{what} does not divide the model's {field} ({value})")
+
+
+def kv_head_replicas(num_kv_heads: int, size: int) -> int:
+    """Ranks holding each KV head: 1 when the heads split over the ranks; size / num_kv_heads
+    when there are fewer heads than ranks (each head replicated, as vLLM does)."""
+    return max(size // num_kv_heads, 1)
+
+
+def rank_kv_heads(num_kv_heads: int, size: int, rank: int) -> range:
+    """The KV heads rank `rank` of `size` holds: its equal share, or its replicated one."""
+    replicas = kv_head_replicas(num_kv_heads, size)
+    per_rank = max(num_kv_heads // size, 1)
+    first = rank // replicas * per_rank
+    return range(first, first + per_rank)
+
+
+def kv_replicas(model_config: ModelConfig, size: int) -> int:
+    """Ranks holding each head of the KV cache: every rank an MLA latent (replicated), per-head
+    K and V as kv_head_replicas. A sender writes each head to each rank holding it."""
+    if model_config.mla is not None:
+        return size
+    return kv_head_replicas(model_config.num_kv_heads, size)
+
+
+def cache_heads(model_config: ModelConfig, size: int, rank: int) -> range:
+    """The heads of the KV cache rank `rank` holds: rank_kv_heads, or an MLA latent's one."""
+    if model_config.mla is not None:
+        return range(1)
+    return rank_kv_heads(model_config.num_kv_heads, size, rank)
 
 
 @dataclass(frozen=True)
@@ -80,7 +108,7 @@ class TpShape:
         return dataclasses.replace(
             c,
             num_heads=c.num_heads // size,
-            num_kv_heads=c.num_kv_heads // size,
+            num_kv_heads=len(rank_kv_heads(c.num_kv_heads, size, self.rank)),
             intermediate_size=c.intermediate_size // size,
             moe=moe,
         )
@@ -102,6 +130,10 @@ class TpShape:
             padding = self.vocab_rows - rows.shape[0]
             return F.pad(rows, (0, 0, 0, padding)) if padding else rows
         module = name.rsplit(".", 2)[-2]
+        if module in ("k_proj", "v_proj"):  # the rank's KV heads, replicated if fewer than ranks
+            config = self.model_config
+            heads = rank_kv_heads(config.num_kv_heads, self.size, self.rank)
+            return tensor[heads.start * config.head_dim : heads.stop * config.head_dim]
         if module in _ROW_SPLIT:
             return tensor.chunk(self.size, dim=0)[self.rank]
         if module in _COLUMN_SPLIT:

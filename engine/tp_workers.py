@@ -238,6 +238,10 @@ class LeaderExecutor(StepExecutor):
             self._workers.send("replay", args)
         return super().replay(*args, fed_ids=fed_ids)
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        self._workers.send("copy_blocks", (list(src), list(dst)))
+        super().copy_blocks(src, dst)
+
 
 class RankExecutor(StepExecutor):
     """A rank > 0's StepExecutor: also takes the calls whose input ids rank 0 broadcasts (a step
@@ -258,10 +262,6 @@ class RankExecutor(StepExecutor):
         ids = torch.empty(n, dtype=torch.int64, device=self.device)
         dist.broadcast(ids, src=0, group=self.group)
         return ids
-
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        self._workers.send("copy_blocks", (list(src), list(dst)))
-        super().copy_blocks(src, dst)
 
 
 def _init_watched(

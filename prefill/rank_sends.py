@@ -40,7 +40,8 @@ class RankSender:
     def build(
         cls, kv: KvTransportConfig, layout: layout_pb2.LayoutDescriptor, rank: int, cache: KVCache
     ) -> RankSender:
-        """Rank `rank`'s, over its cache; `layout` is the prefill's (every rank's heads)."""
+        """Sender rank `rank`'s, over its cache; `layout` is the prefill's (every sender's
+        heads)."""
         agent = kv.create()
         agent.register(*cache.region(), str(cache.storage.device))
         model = layout.model
@@ -79,13 +80,19 @@ def wait_for_ranks(store: dist.Store, request_id: str, num_ranks: int, deadline:
 
 
 class PrefillRankAgent:
-    """A prefill rank > 0 (engine.tp_workers.RankAgent): its sender, driven by rank 0."""
+    """A prefill rank > 0 (engine.tp_workers.RankAgent): its sender, driven by rank 0. With KV
+    heads replicated over `replicas` ranks, the first of each group sends (as sender rank
+    rank // replicas); the others only report each request's end."""
 
-    def __init__(self, kv: KvTransportConfig, layout: bytes, layerwise: bool, rank: int) -> None:
+    def __init__(
+        self, kv: KvTransportConfig, layout: bytes, layerwise: bool, replicas: int, rank: int
+    ) -> None:
         self.kv = kv
         self.layout = layout_pb2.LayoutDescriptor.FromString(layout)
         self.layerwise = layerwise
         self.rank = rank
+        self.sends_kv = rank % replicas == 0
+        self.sender_rank = rank // replicas
         self.publisher = KvPublisher()
         self.sends: dict[str, LayerwiseSend] = {}
         self._after_forward: list[LayerwiseSend] = []
@@ -99,15 +106,21 @@ class PrefillRankAgent:
     def ready(self, executor: StepExecutor, store: dist.Store) -> None:
         self._cache, self._store = executor.kv_cache, store
         self.publisher.bind(executor.kv_cache)
-        self._rank_sender = RankSender.build(self.kv, self.layout, self.rank, executor.kv_cache)
+        if self.sends_kv:
+            cache = executor.kv_cache
+            self._rank_sender = RankSender.build(self.kv, self.layout, self.sender_rank, cache)
 
     def open(self, request_id: str, transfer: KvTransfer) -> None:
         """A session for the request's ticket (connecting in the background)."""
+        if not self.sends_kv:
+            return
         sender = self._rank_sender.sender
         self.sends[request_id] = LayerwiseSend(sender, sender.open(transfer), self._cache)
 
     def arm(self, armed: list[tuple[str, list[int]]]) -> None:
         """Before a forward: these requests' prompts complete in it, in these blocks."""
+        if not self.sends_kv:
+            return
         sends = []
         for request_id, blocks in armed:
             send = self.sends[request_id]
@@ -126,13 +139,17 @@ class PrefillRankAgent:
         self.publisher.armed = self._after_forward = []
 
     def fail(self, request_id: str, error: str) -> None:
-        self._rank_sender.sender.fail(self.sends[request_id].session, error)
+        if self.sends_kv:
+            self._rank_sender.sender.fail(self.sends[request_id].session, error)
         self.finish(request_id)
 
     def finish(self, request_id: str) -> None:
         """Ends the request's send: its commit, then its report to rank 0."""
-        send = self.sends.pop(request_id)
         key = sent_key(request_id, self.rank)
+        if not self.sends_kv:
+            self._store.set(key, "")
+            return
+        send = self.sends.pop(request_id)
         done = self._rank_sender.sender.finish(send.session)
         done.add_done_callback(lambda f: self._report(key, f.result()))
 

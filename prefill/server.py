@@ -41,6 +41,7 @@ from engine.model_loader import read_model_config
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SAMPLING_FIELDS, SamplingParams
 from engine.sequence import StopConditions
+from engine.tensor_parallel import kv_replicas
 from prefill.publisher import KvPublisher
 from prefill.rank_sends import PrefillRankAgent, RankSender
 from prefill.ticket import (
@@ -119,8 +120,9 @@ class PrefillServer:
         ranks = None
         if layout.tp_size > 1:
             ranks = partial(
-                PrefillRankAgent, config.kv, layout.SerializeToString(), config.layerwise_kv
-            )
+                PrefillRankAgent, config.kv, layout.SerializeToString(), config.layerwise_kv,
+                config.engine.tensor_parallel_size // layout.tp_size,
+            )  # fmt: skip
         self.engine = LLMEngine.build(
             config.engine, wrap_attention=publisher.wrap, rank_agent=ranks
         )
@@ -330,13 +332,14 @@ def _layout(config: PrefillServerConfig, name: str) -> layout_pb2.LayoutDescript
     (an MLA latent: one head of the latent width)."""
     model = read_model_config(config.engine)
     _, heads, channels = model.kv_planes
+    tp = config.engine.tensor_parallel_size
     return layout_descriptor(
         model_name=name, num_layers=model.num_layers, num_kv_heads=heads, head_dim=channels,
         **kv_dtype_fields(config.engine.kv_dtype, KV_SCALE),
         block_size=config.engine.block_size, layout=PREFILL_LAYOUT,
         transport=config.kv.backend, kv_format=model.kv_format,
-        # Senders: every rank, each with its heads; rank 0 alone for an MLA latent.
-        tp_size=1 if model.mla is not None else config.engine.tensor_parallel_size,
+        # Senders: one rank per distinct head range (rank 0 alone for an MLA latent).
+        tp_size=tp // kv_replicas(model, tp),
     )  # fmt: skip
 
 

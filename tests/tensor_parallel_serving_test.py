@@ -7,6 +7,8 @@ Llama of 8 heads and 4 KV heads with SmolLM2's tokenizer, as a Hugging Face fold
   its rank; every block free afterwards.
 - an MLA/MoE model (latent replicated on every rank): tandem's prefill at TP 1 and 2 (rank 0
   sends the latent) into decode at TP 2 (each rank receives it whole) equals one engine.
+- 2 KV heads over 4 ranks (each head replicated on two): the first prefill rank of each pair
+  sends it, to both decode ranks that hold it; output equal to one engine.
 - a prefill rank killed mid-prefill: the request fails naming it, and the decode server has
   every block back within the ticket's deadline.
 - a decode rank killed mid-stream: the client's stream ends with an error within 5 s, the
@@ -183,6 +185,45 @@ def test_mla_moe_through_tp2_prefill_and_decode_equals_one_engine(mla_stack):
             assert reply.json()["choices"][0]["text"] == text, tp
     assert _sent_bytes(metrics, 0) > 0 and _sent_bytes(metrics, 1) == 0  # one latent sender
     assert decode_pool_free(address) is not None
+
+
+def test_kv_heads_replicated_over_ranks_are_sent_once_and_received_by_each(tmp_path):
+    # 2 KV heads, prefill and decode at TP 4: each head lives on two ranks of each; the first
+    # prefill rank of each pair sends it (sender ranks 0 and 1), to both decode ranks holding it.
+    folder = write_tiny_kv4(tmp_path / "kv2", num_kv_heads=2)
+    model = ["--model", str(folder), *ARGS, "--transport", "tcp", "--tensor-parallel-size", "4"]
+    procs = []
+    try:
+        decode, m = start(
+            ["decode.server", *model, "--grpc-port", "0", "--metrics-port", "0"],
+            r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
+        )  # fmt: skip
+        procs.append(decode)
+        address, metrics = f"127.0.0.1:{m.group(1)}", f"http://127.0.0.1:{m.group(2)}/metrics"
+        prefill, m = start(["prefill.server", *model, "--port", "0"], r"serving on (http://\S+)")
+        procs.append(prefill)
+        router, m = start(
+            ["router.server", "--model", str(folder), "--served-model-name", "kv2", "--port",
+             "0", "--prefill", m.group(1), "--decode", address, "--no-decode-only-fallback"],
+            r"serving on (http://[\d.:]+)",
+        )  # fmt: skip
+        procs.append(router)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        engine = LLMEngine.build(EngineConfig(model=str(folder), dtype="float32", block_size=16))
+        stop_at = StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True)
+        [expected] = engine.generate(
+            [tokenizer(PROMPTS[0])["input_ids"]], SamplingParams(), stop_at
+        )
+        body = {"model": "kv2", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        reply = httpx.post(f"{m.group(1)}/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == tokenizer.decode(expected)
+        assert _sent_bytes(metrics, 0) > 0 and _sent_bytes(metrics, 1) > 0
+        assert _sent_bytes(metrics, 2) == 0  # two senders: one per distinct head
+        assert decode_pool_free(address) is not None
+    finally:
+        stop(*reversed(procs))
 
 
 def test_tools_serve_runs_the_stack_tensor_parallel(folder, reference):

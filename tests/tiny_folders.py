@@ -27,9 +27,10 @@ MLA = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_h
            tie_word_embeddings=False)  # fmt: skip
 
 
-def write_tiny_kv4(out: Path) -> Path:
-    """The Llama folder, in `out`; weights: transformers' random initialization (seed 0)."""
-    config = {**_smollm2_config(), **SHAPE}
+def write_tiny_kv4(out: Path, num_kv_heads: int = 4) -> Path:
+    """The Llama folder (with `num_kv_heads` KV heads), in `out`; weights: transformers' random
+    initialization (seed 0)."""
+    config = {**_smollm2_config(), **SHAPE, "num_key_value_heads": num_kv_heads}
     return _save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)), out)
 
 

@@ -54,6 +54,13 @@ def test_tp_output_equals_tp1_batched(tp, tp1_output):
     assert len({t for out in tp1_output for t in out}) > 10  # not one token repeated
 
 
+def test_kv_heads_replicated_over_more_ranks_equals_tp1():
+    # 2 KV heads over 4 ranks: each head on two ranks, each rank one query head.
+    prompts = [[1, 5, 9, 200, 30], list(range(100, 160))]
+    one = _generate(_config("random:tiny"), prompts)
+    assert _generate(_config("random:tiny", tp=4), prompts) == one
+
+
 def test_tp2_with_steps_planned_ahead_equals_tp1(tp1_output):
     # Async scheduling: a step's input ids are the tokens rank 0 sampled in the step before,
     # still on its device, broadcast to the other ranks.
@@ -105,7 +112,7 @@ def test_a_rank_that_dies_fails_the_engine_naming_it():
 
 
 def test_configurations_that_do_not_split_are_refused_before_starting():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide .*num_heads"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 and the model's 4 KV heads"):
         LLMEngine.build(_config(tp=3))
     with pytest.raises(ValueError, match=r"does not divide the model's num_heads \(4\)"):
         LLMEngine.build(_config("random:deepseek-tiny", tp=8))
