@@ -366,6 +366,7 @@ def main() -> None:
                 if args.peer == "hf" and system == "tandem":
                     results.append(bench_hf(engine, batch, context, args.decode_tokens))
                     print(_table(results[-1:], bandwidth).splitlines()[-1], flush=True)
+        engine.close()  # its tensor-parallel ranks, if any
         del engine  # one engine in memory at a time
         gc.collect()
         if config.device.startswith("cuda"):

@@ -43,6 +43,19 @@ def test_bench_runs_a_labelled_speculative_variant_at_its_simulated_acceptance(t
     assert sim["tpot_ms"] > 0 and plain["tpot_ms"] > 0
 
 
+def test_bench_compares_tensor_parallel_sizes_in_one_run(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "engine.bench", "--model", "random:tiny-kv4", "--dtype"]
+    cmd += ["float32", "--batch-sizes", "2", "--context-lens", "20", "--decode-tokens", "4"]
+    # Two engines with ranks, one after the other: the first's must be stopped for the second's.
+    cmd += ["--variant", "tp2:tensor_parallel_size=2", "--variant", "tp4:tensor_parallel_size=4"]
+    done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["system"] for r in results] == ["tandem", "tp2", "tp4"]
+    assert all(r["decode_tok_s"] > 0 for r in results)
+
+
 def test_variant_labels_and_json_values():
     base = EngineConfig(model="random:tiny", benchmark_mode=True)
     label, config = bench.variant_config(base, "model=random:tiny-fp8,kv_cache_dtype=fp8")
