@@ -18,15 +18,6 @@ from transport.base import Transport
 from transport.config import KvTransportConfig
 
 
-def register_cache(kv: KvTransportConfig, kv_cache: KVCache) -> Transport:
-    """A transport of `kv`'s backend with the whole cache registered."""
-    transport = kv.create()
-    device = kv_cache.storage.device
-    addr, nbytes = kv_cache.region()
-    transport.register(addr, nbytes, "cpu" if device.type == "cpu" else str(device))
-    return transport
-
-
 def kv_shard(
     rank: int, heads: range, endpoint: layout_pb2.TransportEndpoint, kv_cache: KVCache
 ) -> decode_pb2.KvShard:
@@ -55,7 +46,8 @@ class DecodeRankAgent:
         return backend
 
     def ready(self, executor: StepExecutor, store) -> bytes:
-        self.transport = register_cache(self.kv, executor.kv_cache)
+        cache = executor.kv_cache
+        self.transport = self.kv.create_registered(cache.region(), str(cache.storage.device))
         endpoint = layout_pb2.TransportEndpoint(
             transport=self.kv.backend, metadata=self.transport.endpoint()
         )

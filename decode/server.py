@@ -24,7 +24,7 @@ from prometheus_client import start_http_server
 
 from decode.admission import Admission
 from decode.engine_loop import EngineLoop
-from decode.kv_shards import DecodeRankAgent, kv_shard, register_cache
+from decode.kv_shards import DecodeRankAgent, kv_shard
 from decode.metrics import DecodeMetrics
 from decode.service import DecodeServicer
 from engine.config import ModelConfig
@@ -95,7 +95,8 @@ class DecodeServer:
         self.engine = LLMEngine.build(
             config.engine, rank_agent=functools.partial(DecodeRankAgent, config.kv, model, tp_size)
         )
-        self.transport = register_cache(config.kv, self.engine.kv_cache)
+        cache = self.engine.kv_cache
+        self.transport = config.kv.create_registered(cache.region(), str(cache.storage.device))
         self.admission = Admission(
             self.engine.pool,
             config.engine.block_size,

@@ -59,11 +59,11 @@ def build_parts(
     model.model.rotary_emb.cache(max_model_len, dtype)
     kv_cache = KVCache(model_config, num_blocks, config.block_size, config.kv_dtype, config.device)
     graphs = None
-    if config.cuda_graphs and tp is not None:
-        # Capturing runs the model's collectives, whose timeout a rank still loading its
-        # weights could exceed: every rank starts capturing together.
-        dist.barrier(group=tp.control)
     if config.cuda_graphs:
+        if tp is not None:
+            # Capturing runs the model's collectives, whose timeout a rank still loading its
+            # weights could exceed: every rank starts capturing together.
+            dist.barrier(group=tp.control)
         graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
     executor = StepExecutor(
         model, kv_cache, graphs, verify_graphs(config, model, kv_cache, max_model_len)

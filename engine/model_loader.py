@@ -22,7 +22,7 @@ from engine.tensor_parallel import TpRank, apply_tp, check_supported, tp_ops
 from engine.weights import (
     checkpoint_tensors,
     init_random_weights,
-    load_sharded,
+    load_tensors,
     load_weights,
     random_checkpoint,
 )
@@ -100,7 +100,7 @@ def _load_tp_model(
     else:
         names, tensors = checkpoint_tensors(config.model)
         source = f"checkpoint {config.model}"
-    load_sharded(model, names, tensors, dtype, config.device, source, shape.shard)
+    load_tensors(model, names, tensors, dtype, config.device, source, shape.shard)
     return shape.local_config, model.eval()
 
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.cuda_graphs import GraphStep
+from engine.cuda_graphs import DecodeGraphs, GraphStep
 from engine.grammar import apply_grammars
+from engine.kv_cache import KVCache
+from engine.model import CausalLM
 from engine.sampling import (
     LogprobTensors,
     Sampler,
@@ -123,12 +125,8 @@ class ModelRunner:
         acceptance: AcceptanceCurve | None = None,
     ) -> None:
         self.executor = executor
-        """Runs the step's device work (every tensor-parallel rank's, when it is rank 0's)."""
-        self.model = executor.model
-        self.kv_cache = executor.kv_cache
-        self.graphs = executor.graphs
-        self.verify_graphs = executor.verify_graphs
-        """Decode steps that feed drafts, up to its max_batch rows (a row per fed token)."""
+        """Runs the step's device work (every tensor-parallel rank's, when it is rank 0's): its
+        model, cache and graphs are the runner's."""
         self.acceptance = acceptance
         """Benchmarks: drafts are accepted as this curve draws, not by comparison."""
         self.sampler = sampler
@@ -141,6 +139,24 @@ class ModelRunner:
                 torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)
             ]
         self._launches = 0
+
+    @property
+    def model(self) -> CausalLM:
+        return self.executor.model
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.executor.kv_cache
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """Decode steps, a row per sequence."""
+        return self.executor.graphs
+
+    @property
+    def verify_graphs(self) -> DecodeGraphs | None:
+        """Decode steps that feed drafts, up to its max_batch rows (a row per fed token)."""
+        return self.executor.verify_graphs
 
     def launch(self, plan: StepPlan, feed: LaunchedStep | None = None) -> LaunchedStep:
         """Queues one forward over the plan and the sampling of every sequence that samples.

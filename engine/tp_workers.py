@@ -107,12 +107,10 @@ class TpWorkers:
 
     def __init__(
         self,
-        config: EngineConfig,
         procs: list[subprocess.Popen],
         store: dist.TCPStore,
         tp: TpRank,
     ) -> None:
-        self.config = config
         self.tp = tp
         """Rank 0's shape and groups."""
         self._procs = procs
@@ -151,7 +149,7 @@ class TpWorkers:
         except BaseException:
             _kill(procs)
             raise
-        return cls(config, procs, store, TpRank(TpShape(model_config, 0, size), group, control))
+        return cls(procs, store, TpRank(TpShape(model_config, 0, size), group, control))
 
     def leader_executor(self, local: StepExecutor) -> LeaderExecutor:
         """Rank 0's executor over its own parts, once every other rank has built its parts

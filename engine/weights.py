@@ -38,7 +38,7 @@ def load_weights(
     ValueError naming them, raised before anything is allocated.
     """
     names, tensors = checkpoint_tensors(folder)
-    _load(model, names, tensors, dtype, device, source=f"checkpoint {folder}")
+    load_tensors(model, names, tensors, dtype, device, source=f"checkpoint {folder}")
 
 
 def checkpoint_tensors(
@@ -76,7 +76,7 @@ def load_mtp_weights(
                     yield name.removeprefix(prefix), f.get_tensor(name)
 
     names = [name.removeprefix(prefix) for names in wanted.values() for name in names]
-    _load(layer, names, tensors(), dtype, device, source=f"checkpoint {folder} ({prefix}*)")
+    load_tensors(layer, names, tensors(), dtype, device, source=f"checkpoint {folder} ({prefix}*)")
 
 
 def load_state_dict(
@@ -87,25 +87,12 @@ def load_state_dict(
 ) -> None:
     """Loads Hugging Face-named tensors held in memory (e.g. a transformers model's
     state_dict()), with the same checks as load_weights."""
-    _load(model, list(state_dict), iter(state_dict.items()), dtype, device, source="state dict")
+    load_tensors(
+        model, list(state_dict), iter(state_dict.items()), dtype, device, source="state dict"
+    )
 
 
-def load_sharded(
-    model: CausalLM,
-    names: list[str],
-    tensors: Iterator[tuple[str, torch.Tensor]],
-    dtype: torch.dtype,
-    device: torch.device | str,
-    source: str,
-    shard: Callable[[str, torch.Tensor], torch.Tensor],
-) -> None:
-    """Loads Hugging Face-named tensors into a tensor-parallel rank's model, each cut to the
-    rank's part by `shard(name, tensor)` first (engine/tensor_parallel.py), with the checks of
-    load_weights."""
-    _load(model, names, tensors, dtype, device, source, shard)
-
-
-def _load(
+def load_tensors(
     model: CausalLM,
     names: list[str],
     tensors: Iterator[tuple[str, torch.Tensor]],
@@ -114,6 +101,10 @@ def _load(
     source: str,
     shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
+    """Loads the Hugging Face-named tensors `names` (`tensors` yields them, one at a time)
+    into the meta-built model, with the checks of load_weights (`source` names them in its
+    errors). `shard`: a tensor-parallel rank's cut of each tensor, applied first
+    (engine/tensor_parallel.py)."""
     _check_dtype(dtype)
     targets = _targets(model)
     ignored = {name for name in names if _ignored(name, model.config)}
@@ -178,7 +169,7 @@ def random_checkpoint(
 ) -> tuple[list[str], Iterator[tuple[str, torch.Tensor]]]:
     """The weights init_random_weights gives `model` (meta-built, left as it is), as Hugging
     Face-named tensors drawn one parameter at a time: a tensor-parallel rank loads its part of
-    them (load_sharded) and so holds the same weights as one device would."""
+    them (load_tensors with a shard) and so holds the same weights as one device would."""
     parts: dict[str, list[tuple[str, Index]]] = {}
     for hf_name, (param_name, rows) in _targets(model).items():
         parts.setdefault(param_name, []).append((hf_name, rows))

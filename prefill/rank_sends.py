@@ -42,8 +42,7 @@ class RankSender:
     ) -> RankSender:
         """Sender rank `rank`'s, over its cache; `layout` is the prefill's (every sender's
         heads)."""
-        agent = kv.create()
-        agent.register(*cache.region(), str(cache.storage.device))
+        agent = kv.create_registered(cache.region(), str(cache.storage.device))
         model = layout.model
         sender = KvSender(
             agent, layout, sender_id=f"prefill-rank{rank}", rank=rank,

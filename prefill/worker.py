@@ -245,7 +245,7 @@ class PrefillWorker(EngineThread):
         if self._tp is None:
             return ""
         deadline = job.send.session.deadline + RANK_REPORT_GRACE_S
-        return wait_for_ranks(self._tp.store, job.request_id, len(self._tp.infos) + 1, deadline)
+        return wait_for_ranks(self._tp.store, job.request_id, self._tp.tp.shape.size, deadline)
 
     def _sent(self, job: Job, finish_reason: str, stats: SendStats) -> None:
         """Once the job's writes have ended and it was committed, on every rank."""

@@ -29,6 +29,13 @@ class KvTransportConfig:
     def create(self) -> Transport:
         return create(self.backend, host=self.host)
 
+    def create_registered(self, region: tuple[int, int], device: str) -> Transport:
+        """A transport with `region` (address, bytes) on `device` registered: a server's
+        whole KV cache."""
+        transport = self.create()
+        transport.register(*region, device)
+        return transport
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--host", default="127.0.0.1")
