@@ -1,7 +1,8 @@
 """Where a decode server's KV cache lives, as its tickets list it: one KvShard per
 tensor-parallel rank, with the rank's KV heads, the endpoint of the transport its cache is
-registered with, and each layer's regions. A sender writes each of its heads into the shard that
-holds it (prefill/kv_sender.py), whatever its own TP size.
+registered with, and each layer's regions (rank 0's with the speculative proposer's layers,
+when it keeps a cache of its own: speculation runs on one rank). A sender writes each of its
+heads into the shard that holds it (prefill/kv_sender.py), whatever its own TP size.
 
 Rank 0's cache is registered by the server itself; every other rank registers its own, in its
 own process, with a transport of its own, and hands rank 0 its shard (`DecodeRankAgent`, which
@@ -19,17 +20,44 @@ from transport.config import KvTransportConfig
 
 
 def kv_shard(
-    rank: int, heads: range, endpoint: layout_pb2.TransportEndpoint, kv_cache: KVCache
+    rank: int,
+    heads: range,
+    endpoint: layout_pb2.TransportEndpoint,
+    kv_cache: KVCache,
+    proposer_cache: KVCache | None = None,
 ) -> decode_pb2.KvShard:
-    """Rank `rank`'s shard: its heads [start, stop) of the model's, its endpoint, its layers."""
+    """Rank `rank`'s shard: its heads [start, stop) of the model's, its endpoint, its layers
+    (and the speculative proposer's, whose cache is registered with the same endpoint)."""
     device = kv_cache.storage.device
     where = {"device_id": device.index or 0, "is_gpu": device.type == "cuda"}
+    extra = [] if proposer_cache is None else proposer_cache.layer_regions()
     return decode_pb2.KvShard(
         rank=rank,
         heads=layout_pb2.HeadRange(start=heads.start, end=heads.stop),
         endpoint=endpoint,
         layers=[_layer_regions(region, where) for region in kv_cache.layer_regions()],
+        speculative_layers=[_layer_regions(region, where) for region in extra],
     )
+
+
+def ticket_destination(
+    layout: layout_pb2.LayoutDescriptor,
+    shards: list[decode_pb2.KvShard],
+    kv_cache: KVCache,
+    proposer_cache: KVCache | None = None,
+) -> decode_pb2.Ticket:
+    """What every ticket of this server says of where its KV goes: the layout, the shards and
+    the caches' strides (a reservation adds the request, its blocks and deadline)."""
+    ticket = decode_pb2.Ticket(
+        block_stride_bytes=kv_cache.block_stride_bytes,
+        head_stride_bytes=kv_cache.head_stride_bytes,
+        shards=shards,
+        layout=layout,
+    )
+    if proposer_cache is not None:
+        ticket.speculative_block_stride_bytes = proposer_cache.block_stride_bytes
+        ticket.speculative_head_stride_bytes = proposer_cache.head_stride_bytes
+    return ticket
 
 
 class DecodeRankAgent:
@@ -47,7 +75,7 @@ class DecodeRankAgent:
 
     def ready(self, executor: StepExecutor, store) -> bytes:
         cache = executor.kv_cache
-        self.transport = self.kv.create_registered(cache.region(), str(cache.storage.device))
+        self.transport = self.kv.create_registered([cache.region()], str(cache.storage.device))
         endpoint = layout_pb2.TransportEndpoint(
             transport=self.kv.backend, metadata=self.transport.endpoint()
         )

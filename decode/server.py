@@ -24,16 +24,14 @@ from prometheus_client import start_http_server
 
 from decode.admission import Admission
 from decode.engine_loop import EngineLoop
-from decode.kv_shards import DecodeRankAgent, kv_shard
+from decode.kv_shards import DecodeRankAgent, kv_shard, ticket_destination
 from decode.metrics import DecodeMetrics
 from decode.service import DecodeServicer
-from engine.config import ModelConfig
-from engine.engine_config import KV_SCALE
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_loader import read_model_config
-from engine.spec_build import speculative_kv
 from engine.tensor_parallel import cache_heads, kv_replicas
-from prefill.ticket import DECODE_LAYOUT, kv_dtype_fields, layout_descriptor
+from prefill.engine_layout import engine_layout
+from prefill.ticket import DECODE_LAYOUT, SpeculativeKv
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 from rpc import health, keepalive
 from tools import preflight
@@ -95,25 +93,35 @@ class DecodeServer:
         self.engine = LLMEngine.build(
             config.engine, rank_agent=functools.partial(DecodeRankAgent, config.kv, model, tp_size)
         )
-        cache = self.engine.kv_cache
-        self.transport = config.kv.create_registered(cache.region(), str(cache.storage.device))
+        cache, proposer_cache = self.engine.kv_cache, self.engine.proposer_cache
+        caches = [c.region() for c in (cache, proposer_cache) if c is not None]
+        self.transport = config.kv.create_registered(caches, str(cache.storage.device))
+        layout = engine_layout(
+            config.engine,
+            name=config.model_name or config.engine.model,
+            layout=DECODE_LAYOUT,
+            transport=config.kv.backend,
+        )
+        spec = SpeculativeKv.parse(layout.speculative_kv)
         self.admission = Admission(
             self.engine.pool,
             config.engine.block_size,
-            model.num_layers,
+            model.num_layers + (spec.num_layers if spec else 0),
             # A head replicated over ranks (an MLA latent) is written to each.
-            model.kv_bytes_per_token(config.engine.kv_dtype) * kv_replicas(model, tp_size),
+            model.kv_bytes_per_token(config.engine.kv_dtype) * kv_replicas(model, tp_size)
+            + (spec.bytes_per_token if spec else 0),
             self.engine.max_model_len,
             default_timeout_s=config.kv.transfer_timeout_s,
         )
         self.loop = EngineLoop(self.engine)
-        layout = _layout(config, model)
         endpoint = layout_pb2.TransportEndpoint(
             transport=config.kv.backend, metadata=self.transport.endpoint()
         )
-        shards = [kv_shard(0, cache_heads(model, tp_size, 0), endpoint, self.engine.kv_cache)]
+        heads = cache_heads(model, tp_size, 0)
+        shards = [kv_shard(0, heads, endpoint, cache, proposer_cache)]
         if self.engine.tp_workers is not None:
             shards += [decode_pb2.KvShard.FromString(i) for i in self.engine.tp_workers.infos]
+        destination = ticket_destination(layout, shards, cache, proposer_cache)
         pool = self.engine.pool
         self.metrics = DecodeMetrics(
             {
@@ -127,9 +135,7 @@ class DecodeServer:
             },
             self.engine.spec_stats if config.engine.speculative_config else None,
         )
-        self.servicer = DecodeServicer(
-            self.admission, self.loop, self.engine.kv_cache, layout, shards, self.metrics
-        )
+        self.servicer = DecodeServicer(self.admission, self.loop, destination, self.metrics)
         # NOTE: without so_reuseport=0 a second server would silently share a taken port.
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=64),
@@ -189,27 +195,6 @@ class DecodeServer:
         """Frees quarantined blocks and fails overdue tickets even when no RPC arrives."""
         while not self._stop.wait(0.2):
             self.admission.expire()
-
-
-def _layout(config: DecodeServerConfig, model: ModelConfig) -> layout_pb2.LayoutDescriptor:
-    """This server's cache, as Hello and every ticket describe it: an MLA model's latent plane
-    as one head of the latent width; the KV heads split over the tensor-parallel ranks."""
-    _, heads, channels = model.kv_planes
-    tp = config.engine.tensor_parallel_size
-    return layout_descriptor(
-        model_name=config.model_name or config.engine.model,
-        num_layers=model.num_layers,
-        num_kv_heads=heads,
-        head_dim=channels,
-        # Distinct head ranges: a head on several ranks (an MLA latent on all) counts once.
-        tp_size=tp // kv_replicas(model, tp),
-        **kv_dtype_fields(config.engine.kv_dtype, KV_SCALE),
-        block_size=config.engine.block_size,
-        layout=DECODE_LAYOUT,
-        transport=config.kv.backend,
-        kv_format=model.kv_format,
-        speculative_kv=speculative_kv(config.engine),
-    )
 
 
 def cli_parser() -> argparse.ArgumentParser:

@@ -34,11 +34,10 @@ from decode.engine_loop import Choice, EngineFailed, EngineLoop, Tokens, TokenSt
 from decode.failures import AdmissionError, FailureKind
 from decode.metrics import DecodeMetrics
 from engine.grammar import Grammar, GrammarKind, GrammarSpec, allows
-from engine.kv_cache import KVCache
 from engine.sampling import SAMPLING_FIELDS, SamplingParams, TokenLogprobs
 from engine.sequence import FinishReason, Sequence, StopConditions
 from prefill.ticket import mismatch
-from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 
 _FINISH = {
     FinishReason.STOP: decode_pb2.FINISH_REASON_STOP,
@@ -52,17 +51,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self,
         admission: Admission,
         loop: EngineLoop,
-        kv_cache: KVCache,
-        layout: layout_pb2.LayoutDescriptor,
-        shards: list[decode_pb2.KvShard],
+        destination: decode_pb2.Ticket,
         metrics: DecodeMetrics,
     ) -> None:
+        """destination: every ticket's layout, shards and strides (decode/kv_shards.py)."""
         self.admission = admission
         self.loop = loop
-        self.kv_cache = kv_cache
-        self.layout = layout
-        self.shards = shards
-        """Where each tensor-parallel rank's KV heads go (decode/kv_shards.py): every ticket's."""
+        self.destination = destination
+        self.layout = destination.layout
         self.metrics = metrics
         self._tokens_generated = 0
         self.draining = False
@@ -78,7 +74,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"sender {request.sender_id or '?'} cannot write here: {problem}",
             )
-        endpoints = [shard.endpoint for shard in self.shards]
+        endpoints = [shard.endpoint for shard in self.destination.shards]
         return decode_pb2.HelloResponse(decode_layout=self.layout, endpoints=endpoints)
 
     def Reserve(self, request, context):
@@ -94,20 +90,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             request.transfer_timeout_ms / 1000,
         )
         deadline_unix_ms = int((time.time() + res.deadline - self.admission.clock()) * 1000)
-        return decode_pb2.ReserveResponse(
-            ticket=decode_pb2.Ticket(
-                request_id=res.request_id,
-                generation=res.generation,
-                num_tokens=len(res.prompt_ids),
-                block_ids=res.block_ids,
-                block_stride_bytes=self.kv_cache.block_stride_bytes,
-                head_stride_bytes=self.kv_cache.head_stride_bytes,
-                shards=self.shards,
-                layout=self.layout,
-                num_senders=res.num_senders,
-                deadline_unix_ms=deadline_unix_ms,
-            )
+        ticket = decode_pb2.Ticket(
+            request_id=res.request_id,
+            generation=res.generation,
+            num_tokens=len(res.prompt_ids),
+            block_ids=res.block_ids,
+            num_senders=res.num_senders,
+            deadline_unix_ms=deadline_unix_ms,
         )
+        ticket.MergeFrom(self.destination)
+        return decode_pb2.ReserveResponse(ticket=ticket)
 
     def Commit(self, request, context):
         committed, expected = self._call(

@@ -6,7 +6,8 @@ scheduler's allocation (draft room included) serves both, and preemption or comp
 both. `Sequence.num_draft_computed` counts the tokens whose draft KV is in place.
 
 A proposal for sequences of N tokens: one forward feeds each sequence's tokens the draft has not
-seen (the whole prompt the first time, in chunks; after a step, its accepted drafts and the
+seen (the whole prompt the first time, in chunks, unless a prefill sent the draft's prompt KV
+with the model's: `fill_prompt` on the prefill's side; after a step, its accepted drafts and the
 target's token) and takes the argmax after the last; then k - 1 one-token forwards each feed the
 previous guess (replayed CUDA graphs on the GPU). The draft KV of the guesses is not kept: what
 was accepted is fed again with the next catch-up, inside a forward that runs anyway.
@@ -50,7 +51,7 @@ class DraftModelProposer:
         active = [(seq, room) for seq, room in zip(seqs, rooms, strict=True) if room > 0]
         if not active:
             return [[] for _ in seqs]
-        self._catch_up([seq for seq, _ in active])
+        self._feed([seq for seq, _ in active], leave=self.max_chunk)
         fed = [(seq, seq.num_tokens - seq.num_draft_computed) for seq, _ in active]
         guesses = self._forward(fed).argmax(dim=-1)
         for seq, _ in active:
@@ -63,13 +64,17 @@ class DraftModelProposer:
 
         return chain_drafts(seqs, active, guesses, step)
 
-    def _catch_up(self, seqs: list[Sequence]) -> None:
-        """Feeds, in chunks of max_chunk, all but the last max_chunk unseen tokens of each."""
+    def fill_prompt(self, seqs: Seq[Sequence]) -> None:
+        self._feed(list(seqs), leave=1)
+
+    def _feed(self, seqs: list[Sequence], leave: int) -> None:
+        """Feeds each sequence's unseen tokens, in chunks of max_chunk, until `leave` of them
+        remain unseen (a proposal's forward feeds those and takes its logits)."""
         while True:
             behind = [
-                (seq, self.max_chunk)
+                (seq, min(self.max_chunk, unseen - leave))
                 for seq in seqs
-                if seq.num_tokens - seq.num_draft_computed > self.max_chunk
+                if (unseen := seq.num_tokens - seq.num_draft_computed) > leave
             ]
             if not behind:
                 return

@@ -34,7 +34,25 @@ from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence, StopConditions
 from engine.spec_build import acceptance_curve, build_proposer
 from engine.speculative import Proposer, SpecStats
+from engine.step_executor import StepExecutor
 from engine.tp_workers import AgentFactory, TpWorkers
+
+
+@dataclass(frozen=True)
+class _Caches:
+    """Block copies in the model's cache and the proposer's (the same block ids)."""
+
+    model: StepExecutor
+    proposer: KVCache | None
+
+    @property
+    def block_size(self) -> int:
+        return self.model.block_size
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        self.model.copy_blocks(src, dst)
+        if self.proposer is not None:
+            self.proposer.copy_blocks(src, dst)
 
 
 @dataclass(frozen=True)
@@ -216,10 +234,19 @@ class LLMEngine:
         self.sequences[seq.seq_id] = seq
         return seq
 
+    @property
+    def proposer_cache(self) -> KVCache | None:
+        """The speculative proposer's own KV cache (a draft model's, the MTP layers'), addressed
+        by the model's block ids; None without one."""
+        return None if self.proposer is None else self.proposer.kv_cache
+
     def add_prefilled(self, seq: Sequence, block_ids: list[int], first_token: int) -> bool:
         """Admits a sequence whose prompt KV is already in `block_ids` (taken over by the
-        engine; none: the prompt is recomputed). Returns False if first_token already finished
-        it."""
+        engine; none: the prompt is recomputed), and so is the proposer's, if it keeps a cache
+        (a prefill sends both: prefill/engine_layout.py). Returns False if first_token already
+        finished it."""
+        if block_ids and self.proposer_cache is not None:
+            seq.num_draft_computed = seq.num_prompt_tokens
         if self.scheduler.add_prefilled(seq, block_ids, first_token):
             self.sequences[seq.seq_id] = seq
             return True
@@ -237,10 +264,26 @@ class LLMEngine:
         # Shared and copied before choice 0 is admitted: a first token that finishes it at
         # once frees its blocks.
         num_tokens = seqs[0].num_prompt_tokens
-        forks = fork_blocks(self.pool, self.runner.executor, block_ids, num_tokens, len(seqs) - 1)
+        caches = _Caches(self.runner.executor, self.proposer_cache)
+        forks = fork_blocks(self.pool, caches, block_ids, num_tokens, len(seqs) - 1)
         owned = [list(block_ids), *(fork or [] for fork in forks)]  # []: recomputes its prompt
         starts = zip(seqs, owned, first_tokens, strict=True)
         return [self.add_prefilled(seq, ids, token) for seq, ids, token in starts]
+
+    def fill_proposer(self, finished: Seq[tuple[Sequence, list[int]]]) -> None:
+        """Writes the proposer's KV of each finished sequence's positions before its last
+        token (Proposer.fill_prompt) into `blocks`, the blocks it held, which the caller keeps
+        (a prefill sends them with the model's KV). Nothing for a proposer without a cache."""
+        if self.proposer_cache is None or not finished:
+            return
+        seqs = [seq for seq, _ in finished]
+        for seq, blocks in finished:  # a finished sequence has given its blocks back
+            seq.block_ids = blocks
+        try:
+            self.proposer.fill_prompt(seqs)
+        finally:
+            for seq in seqs:
+                seq.block_ids = []
 
     def abort(self, seq_id: str) -> bool:
         self.sequences.pop(seq_id, None)

@@ -83,9 +83,11 @@ class MtpLayer(DeepseekDecoderLayer):
         previous: torch.Tensor,
         kv_cache: tuple[torch.Tensor],
         meta: AttentionMetadata,
+        logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(g [T, hidden], logits [T, vocab] float32) for tokens `input_ids` at `positions`,
-        each with the hidden state before it (the target's, or g of the draft before)."""
+        each with the hidden state before it (the target's, or g of the draft before).
+        `logit_rows`: the logits of these rows only (a whole prompt's would not fit)."""
         embedded = target.model.embed_tokens(input_ids)
         embedded = torch.where((positions == 0)[:, None], 0.0, embedded).to(embedded.dtype)
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
@@ -94,10 +96,14 @@ class MtpLayer(DeepseekDecoderLayer):
             self.input_layernorm.input_of(x), cos, sin, kv_cache, meta, self.shared_head.norm
         )
         normed, g = inp.compute(self.ops)
+        if logit_rows is not None:
+            normed = normed[logit_rows]
         return g, self.ops.linear(normed, self.shared_head.head.matrix, None).float()
 
 
 class MtpProposer:
+    kv_cache: KVCache
+
     def __init__(
         self,
         layers: list[MtpLayer],
@@ -115,7 +121,9 @@ class MtpProposer:
 
     def record(self, plan: StepPlan, hidden: torch.Tensor | None, accepted: dict[str, int]) -> None:
         """Keeps the target's hidden states of the positions a finished step settled: every fed
-        one, or of a sequence that fed drafts its last token's and the accepted drafts'."""
+        one, or of a sequence that fed drafts its last token's and the accepted drafts'. Those
+        of a sequence the step finished too: a prefill fills the MTP cache of its prompt after
+        its first token (`fill_prompt`)."""
         if hidden is None:
             return
         row = 0
@@ -124,14 +132,14 @@ class MtpProposer:
             keep = 1 + accepted[seq.seq_id] if item.draft else fed
             pending = seq.draft_hidden
             have = seq.num_draft_computed + (0 if pending is None else len(pending))
-            if not seq.finished and have == item.start:
+            if have == item.start:
                 rows = hidden[row : row + keep]
                 seq.draft_hidden = rows.clone() if pending is None else torch.cat([pending, rows])
             row += fed
 
     def propose(self, seqs: Seq[Sequence], rooms: Seq[int]) -> list[list[int]]:
-        """Drafts for the sequences whose hidden states reach their last token (one the target
-        did not prefill here, e.g. admitted with its KV, has none, and gets no draft)."""
+        """Drafts for the sequences whose hidden states reach their last token (one admitted
+        with its prompt's KV gets none at its first step, whose hidden state it waits for)."""
         active = [
             (seq, room) for seq, room in zip(seqs, rooms, strict=True) if room > 0 and _covered(seq)
         ]
@@ -152,9 +160,19 @@ class MtpProposer:
 
         return chain_drafts(seqs, active, guesses, step)
 
-    def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def fill_prompt(self, seqs: Seq[Sequence]) -> None:
+        """The MTP cache of positions 0 .. N - 2 of each sequence of N tokens (its prompt and
+        first token, on a prefill): the catch-up a first proposal would run."""
+        missing = [seq.seq_id for seq in seqs if not _covered(seq)]
+        assert not missing, f"no hidden states kept for {missing}"
+        if seqs:
+            self._catch_up(list(seqs), logits=False)
+
+    def _catch_up(
+        self, seqs: list[Sequence], logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Feeds each sequence's pending positions (j with token j + 1, h_j), a row each: g
-        and the greedy draft 1 after each one's last."""
+        and the greedy draft 1 after each one's last (`logits`: else no draft)."""
         ids, positions, tables, last = [], [], [], []
         for seq in seqs:
             start, end = seq.num_draft_computed, seq.num_tokens - 1
@@ -163,12 +181,12 @@ class MtpProposer:
             tables.extend([seq.block_ids] * (end - start))
             last.append(len(ids) - 1)
         previous = torch.cat([seq.draft_hidden for seq in seqs])
-        g, greedy = self._rows(0, ids, positions, tables, previous)
+        last_rows = torch.tensor(last if logits else [], dtype=torch.long, device=self.device)
+        g, greedy = self._rows(0, ids, positions, tables, previous, last_rows)
         for seq in seqs:
             seq.num_draft_computed = seq.num_tokens - 1
             seq.draft_hidden = None
-        last_rows = torch.tensor(last, device=self.device)
-        return g[last_rows], greedy[last_rows]
+        return g[last_rows], greedy
 
     def _rows(
         self,
@@ -177,17 +195,20 @@ class MtpProposer:
         positions: list[int],
         tables: list[list[int]],
         previous: torch.Tensor,
+        greedy_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(g, greedy token) of each row: token ids[i] at positions[i] of the sequence with
-        block table tables[i], after hidden state previous[i]; every row's latent written
-        before any row attends. In a graph when one holds the rows."""
+        """(g of each row, greedy token of each of greedy_rows, all rows if None): token
+        ids[i] at positions[i] of the sequence with block table tables[i], after hidden state
+        previous[i]; every row's latent written before any row attends. In a graph when one
+        holds the rows."""
         layer = depth % len(self.layers)
         fed = ids if isinstance(ids, torch.Tensor) else None
         graphs = None if self.graphs is None else self.graphs[layer]
         if graphs is not None and len(positions) <= graphs.max_batch:
             host_ids = None if fed is not None else ids
             step = graphs.run(host_ids, positions, tables, fed_ids=fed, previous=previous)
-            return step.hidden, step.greedy
+            greedy = step.greedy if greedy_rows is None else step.greedy[greedy_rows]
+            return step.hidden, greedy
         lens = [p + 1 for p in positions]
         meta = AttentionMetadata.build(
             [1] * len(positions), lens, tables, self.kv_cache.block_size, self.device
@@ -199,11 +220,14 @@ class MtpProposer:
             previous,
             self.kv_cache.kv_caches[layer],
             dataclasses.replace(meta, new_kv_first=True),
+            greedy_rows,
         )
         return g, logits.argmax(dim=-1)
 
 
 def _covered(seq: Sequence) -> bool:
-    """Whether the hidden states kept for seq reach its last token's position - 1."""
+    """Whether the hidden states kept for seq reach its last token's position - 1. A sequence
+    admitted with its prompt's MTP KV (num_draft_computed = its prompt length) is, after its
+    first step here."""
     pending = 0 if seq.draft_hidden is None else len(seq.draft_hidden)
     return seq.num_draft_computed + pending == seq.num_tokens - 1 and pending > 0

@@ -89,21 +89,16 @@ def acceptance_curve(config: EngineConfig) -> AcceptanceCurve | None:
     return AcceptanceCurve.load(spec.acceptance_curve, spec.num_speculative_tokens, config.seed)
 
 
-def speculative_kv(config: EngineConfig) -> str:
-    """What the proposer needs of a prompt besides the model's KV, as a layout descriptor names
-    it (LayoutDescriptor.speculative_kv): "" for none (n-gram), or the draft model's or MTP
-    layers' KV shape and dtype (MTP needs the prompt's last hidden state too: a prefill that
-    sends the MTP KV sends it)."""
+def proposer_cache_config(config: EngineConfig) -> ModelConfig | None:
+    """The shape of the proposer's own KV cache, which a prefill fills for the prompt and sends
+    with the model's: the draft model's, or the MTP layers' (as a model of their own); None for
+    a proposer without one (n-gram) or no speculation."""
     spec = config.speculative_config
     if spec is None or spec.method == "ngram":
-        return ""
+        return None
     if spec.method == "mtp":
-        extra = mtp_config(config, read_model_config(config))
-    else:
-        extra = read_model_config(replace(config, model=spec.model, speculative_config=None))
-    _, heads, channels = extra.kv_planes
-    dtype = str(config.kv_dtype).removeprefix("torch.")
-    return f"{spec.method}:{extra.num_layers}x{heads}x{channels}:{dtype}"
+        return mtp_config(config, read_model_config(config))
+    return read_model_config(replace(config, model=spec.model, speculative_config=None))
 
 
 def verify_graphs(

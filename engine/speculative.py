@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from engine.kv_cache import KVCache
 from engine.sequence import Sequence
 
 METHODS = ("ngram", "draft_model", "mtp")
@@ -98,10 +99,21 @@ class SpeculativeConfig:
 
 
 class Proposer(Protocol):
+    kv_cache: KVCache | None
+    """The proposer's own KV cache (a draft model's, the MTP layers'), addressed by the
+    model's block ids; None for a proposer without one."""
+
     def propose(self, seqs: Seq[Sequence], rooms: Seq[int]) -> list[list[int]]:
         """Up to rooms[i] draft tokens to follow each sequence's tokens (all of them, the last
         one included, which has no KV yet). The blocks of every sequence already hold
         num_tokens + rooms[i] positions."""
+        ...
+
+    def fill_prompt(self, seqs: Seq[Sequence]) -> None:
+        """Writes the proposer's KV of each sequence's positions before its last token and
+        sets num_draft_computed to them (a prefill that has just sampled a sequence's first
+        token sends this with the model's KV, and the decode server admits the sequence with
+        num_draft_computed = its prompt length)."""
         ...
 
 
@@ -137,9 +149,14 @@ class NgramProposer:
     prompt_lookup_min) earlier in its prompt and output, and propose what followed the most
     recent such occurrence."""
 
+    kv_cache = None
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+
+    def fill_prompt(self, seqs: Seq[Sequence]) -> None:
+        """Nothing: a lookup needs the tokens only."""
 
     def propose(self, seqs: Seq[Sequence], rooms: Seq[int]) -> list[list[int]]:
         return [

@@ -38,7 +38,7 @@ import grpc
 
 from prefill.kv_writes import BlockLayout, valid_bytes
 from prefill.send_session import BuildOps, SendSession, SendStats, SessionState, Target
-from prefill.ticket import KvTransfer, kv_planes, ticket_problem
+from prefill.ticket import KvTransfer, SpeculativeKv, kv_planes, ticket_problem
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 from rpc import keepalive
 from transport.base import Peer, Transport, TransportError
@@ -102,10 +102,12 @@ class KvSender:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """layout: this engine's descriptor (sent in Hello); its kv_format says whether a layer
-        is K and V or one latent plane. heads: the model's KV heads this rank holds (the one
-        head of a latent). token_bytes: one token of one head (head_dim x element size)."""
+        is K and V or one latent plane, its speculative_kv what the proposer's layers after the
+        model's hold. heads: the model's KV heads this rank holds (the one head of a latent).
+        token_bytes: one token of one head (head_dim x element size)."""
         self.agent = agent
         self.layout = layout
+        self.speculative = SpeculativeKv.parse(layout.speculative_kv)
         self.sender_id = sender_id
         self.rank = rank
         self.heads = heads
@@ -134,6 +136,11 @@ class KvSender:
             ticket.layout.block_size, ticket.block_stride_bytes, ticket.head_stride_bytes,
             self.token_bytes,
         )  # fmt: skip
+        if self.speculative is not None:
+            session.proposer_dst_layout = BlockLayout(
+                ticket.layout.block_size, ticket.speculative_block_stride_bytes,
+                ticket.speculative_head_stride_bytes, self.speculative.token_bytes,
+            )  # fmt: skip
         if not error and session.deadline <= now:
             error = DEADLINE_PASSED
         with self._lock:
@@ -306,6 +313,19 @@ class KvSender:
         session._transfers += transfers
         item.future.set_result(transfers)
 
+    def _valid_bytes(self, session: SendSession, layers: int) -> int:
+        """The prompt's bytes in `layers` layers sent: the model's, then the proposer's."""
+        model_layers = min(layers, self.layout.model.num_layers)
+        heads = sum(len(t.heads) for t in session.targets)
+        planes = kv_planes(self.layout.model)
+        num_tokens = session.ticket.num_tokens
+        nbytes = valid_bytes(num_tokens, heads, self.token_bytes, model_layers, planes)
+        spec = self.speculative
+        if layers > model_layers:
+            extra = layers - model_layers
+            nbytes += valid_bytes(num_tokens, spec.num_heads, spec.token_bytes, extra, spec.planes)
+        return nbytes
+
     @staticmethod
     def _settle(session: SendSession, state: SessionState, error: str = "") -> None:
         """Under the lock."""
@@ -323,9 +343,7 @@ class KvSender:
         written = self.clock()
         ticket, error = session.ticket, session.error
         layers = 0 if error else len(session._layers_done)
-        heads = sum(len(t.heads) for t in session.targets)
-        planes = kv_planes(self.layout.model)
-        nbytes = valid_bytes(ticket.num_tokens, heads, self.token_bytes, layers, planes)
+        nbytes = self._valid_bytes(session, layers)
         if not session._unreachable:
             request = decode_pb2.CommitRequest(
                 request_id=ticket.request_id, generation=ticket.generation,

@@ -27,34 +27,80 @@ from transport.base import WriteOp
 
 class LayerwiseSend:
     """One request's KV from this engine's cache: each layer, once computed, posted whole (all
-    of the request's blocks, every head, every plane) through the KvSender."""
+    of the request's blocks, every head, every plane) through the KvSender; then, where the
+    engine speculates with a cache of its own (a draft model, MTP layers), that cache's layers
+    of the prompt, as layers num_layers.. of the send."""
 
-    def __init__(self, sender: KvSender, session: SendSession, kv_cache: KVCache) -> None:
+    def __init__(
+        self,
+        sender: KvSender,
+        session: SendSession,
+        kv_cache: KVCache,
+        proposer_cache: KVCache | None = None,
+    ) -> None:
         self.sender = sender
         self.session = session
         self.kv_cache = kv_cache
-        self.src_layout = BlockLayout(
-            kv_cache.block_size, kv_cache.block_stride_bytes, kv_cache.head_stride_bytes,
-            sender.token_bytes,
-        )  # fmt: skip
+        self.proposer_cache = proposer_cache
+        self.src_layout = _block_layout(kv_cache)
 
     def layer_ready(self, layer: int) -> None:
         """Called on the engine thread right after layer `layer`'s KV was written."""
-        event = None
-        if self.kv_cache.storage.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self.sender.post(self.session, partial(self._ops, layer), event, completes_layer=layer)
+        self.sender.post(
+            self.session, partial(self._ops, layer), self._written(), completes_layer=layer
+        )
+
+    def proposer_ready(self) -> None:
+        """Called on the engine thread once the proposer's KV of the prompt was written
+        (LLMEngine.fill_proposer)."""
+        written, first = self._written(), len(self.kv_cache.kv_caches)
+        for i in range(len(self.proposer_cache.kv_caches)):
+            ops = partial(self._proposer_ops, i)
+            self.sender.post(self.session, ops, written, completes_layer=first + i)
+
+    def _written(self) -> torch.cuda.Event | None:
+        """CUDA: an event after the kernels queued so far, which the poster waits for."""
+        if not self.kv_cache.storage.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _ops(self, layer: int, target: Target) -> list[WriteOp]:
-        planes = [plane.data_ptr() for plane in self.kv_cache.kv_caches[layer]]
         dst = target.shard.layers[layer]
+        return self._layer_ops(
+            self.kv_cache.kv_caches[layer], dst, self.src_layout, self.session.dst_layout,
+            target.heads, target.dst_head_offset,
+        )  # fmt: skip
+
+    def _proposer_ops(self, layer: int, target: Target) -> list[WriteOp]:
+        """The proposer runs on one rank: all of its heads go to the shard that lists its
+        layers."""
+        if not target.shard.speculative_layers:
+            return []
+        cache = self.proposer_cache
+        return self._layer_ops(
+            cache.kv_caches[layer], target.shard.speculative_layers[layer],
+            _block_layout(cache), self.session.proposer_dst_layout,
+            range(cache.storage.shape[3]), 0,
+        )  # fmt: skip
+
+    def _layer_ops(self, planes, dst, src_layout, dst_layout, heads, dst_head_offset):
         ticket = self.session.ticket
         return layer_ops(
-            LayerKV(*planes), LayerKV(dst.k.addr, dst.v.addr if dst.HasField("v") else None),
-            self.src_layout, self.session.dst_layout, self.session.src_blocks,
-            list(ticket.block_ids), ticket.num_tokens, target.heads, target.dst_head_offset,
+            LayerKV(*(plane.data_ptr() for plane in planes)),
+            LayerKV(dst.k.addr, dst.v.addr if dst.HasField("v") else None),
+            src_layout, dst_layout, self.session.src_blocks, list(ticket.block_ids),
+            ticket.num_tokens, heads, dst_head_offset,
         )  # fmt: skip
+
+
+def _block_layout(cache: KVCache) -> BlockLayout:
+    """A tandem cache's layout: [layer, plane, block, head, token, channel]."""
+    token_bytes = cache.storage.shape[-1] * cache.storage.element_size()
+    return BlockLayout(
+        cache.block_size, cache.block_stride_bytes, cache.head_stride_bytes, token_bytes
+    )
 
 
 class KvPublisher:

@@ -38,11 +38,17 @@ class RankSender:
 
     @classmethod
     def build(
-        cls, kv: KvTransportConfig, layout: layout_pb2.LayoutDescriptor, rank: int, cache: KVCache
+        cls,
+        kv: KvTransportConfig,
+        layout: layout_pb2.LayoutDescriptor,
+        rank: int,
+        cache: KVCache,
+        proposer_cache: KVCache | None = None,
     ) -> RankSender:
-        """Sender rank `rank`'s, over its cache; `layout` is the prefill's (every sender's
-        heads)."""
-        agent = kv.create_registered(cache.region(), str(cache.storage.device))
+        """Sender rank `rank`'s, over its cache (and the speculative proposer's, which rank 0
+        alone has); `layout` is the prefill's (every sender's heads)."""
+        regions = [c.region() for c in (cache, proposer_cache) if c is not None]
+        agent = kv.create_registered(regions, str(cache.storage.device))
         model = layout.model
         sender = KvSender(
             agent, layout, sender_id=f"prefill-rank{rank}", rank=rank,

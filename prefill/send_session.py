@@ -66,6 +66,8 @@ class SendSession:
     error: str = ""
     targets: list[Target] = field(default_factory=list)
     dst_layout: BlockLayout | None = None
+    proposer_dst_layout: BlockLayout | None = None
+    """The decode server's speculative proposer cache, when the layout has one."""
     src_blocks: list[int] = field(default_factory=list)
     """The adapter's: the request's blocks in its engine's cache, in token order."""
     connected: threading.Event = field(default_factory=threading.Event)

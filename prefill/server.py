@@ -34,25 +34,16 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 
 from engine.chat_template import render_chat
-from engine.engine_config import KV_SCALE
 from engine.grammar import Grammar, structured_outputs_spec
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model_loader import read_model_config
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SAMPLING_FIELDS, SamplingParams
 from engine.sequence import StopConditions
-from engine.tensor_parallel import kv_replicas
+from prefill.engine_layout import engine_layout
 from prefill.publisher import KvPublisher
 from prefill.rank_sends import PrefillRankAgent, RankSender
-from prefill.ticket import (
-    PREFILL_LAYOUT,
-    KvTransfer,
-    TicketError,
-    kv_dtype_fields,
-    layout_descriptor,
-)
+from prefill.ticket import PREFILL_LAYOUT, KvTransfer, TicketError
 from prefill.worker import Job, PrefillError, PrefillWorker, Result
-from proto.tandem.v1 import layout_pb2
 from tools import preflight
 from transport.config import KvTransportConfig
 
@@ -115,7 +106,9 @@ class PrefillServer:
         self.config = config
         self.name = config.served_model_name or config.engine.model
         publisher = KvPublisher()
-        layout = _layout(config, self.name)
+        layout = engine_layout(
+            config.engine, name=self.name, layout=PREFILL_LAYOUT, transport=config.kv.backend
+        )
         # Every tensor-parallel rank sends its heads (prefill/rank_sends.py).
         ranks = None
         if layout.tp_size > 1:
@@ -127,7 +120,9 @@ class PrefillServer:
             config.engine, wrap_attention=publisher.wrap, rank_agent=ranks
         )
         publisher.bind(self.engine.kv_cache)
-        self.rank_sender = RankSender.build(config.kv, layout, 0, self.engine.kv_cache)
+        self.rank_sender = RankSender.build(
+            config.kv, layout, 0, self.engine.kv_cache, self.engine.proposer_cache
+        )
         self.sender = self.rank_sender.sender
         # An MLA latent, which every rank holds whole, is sent by rank 0 alone.
         senders = self.engine.tp_workers if layout.tp_size > 1 else None
@@ -325,22 +320,6 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
-
-
-def _layout(config: PrefillServerConfig, name: str) -> layout_pb2.LayoutDescriptor:
-    """This prefill's KV layout: the whole model's heads, split over its tensor-parallel ranks
-    (an MLA latent: one head of the latent width)."""
-    model = read_model_config(config.engine)
-    _, heads, channels = model.kv_planes
-    tp = config.engine.tensor_parallel_size
-    return layout_descriptor(
-        model_name=name, num_layers=model.num_layers, num_kv_heads=heads, head_dim=channels,
-        **kv_dtype_fields(config.engine.kv_dtype, KV_SCALE),
-        block_size=config.engine.block_size, layout=PREFILL_LAYOUT,
-        transport=config.kv.backend, kv_format=model.kv_format,
-        # Senders: one rank per distinct head range (rank 0 alone for an MLA latent).
-        tp_size=tp // kv_replicas(model, tp),
-    )  # fmt: skip
 
 
 def _tokenizer(model: str):

@@ -37,6 +37,59 @@ KV_FORMAT_MLA_LATENT = "mla-latent"
 """ModelFingerprint.kv_format: per layer one MLA latent plane, described as one head."""
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}
+"""Bytes per element of the KV dtypes a descriptor names (`dtype_name`)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeKv:
+    """A speculative proposer's prompt KV, which travels besides the model's
+    (LayoutDescriptor.speculative_kv): a draft model's cache or the MTP layers' latent cache,
+    with the model's block size and block ids, written as extra layers after the model's
+    (KvShard.speculative_layers). As text "<method>:<kv_format>:<layers>x<heads>x<head
+    dim>:<dtype>", e.g. "mtp:mla-latent:1x1x576:bfloat16"."""
+
+    method: str
+    kv_format: str
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    dtype: str
+
+    def __str__(self) -> str:
+        shape = f"{self.num_layers}x{self.num_heads}x{self.head_dim}"
+        return f"{self.method}:{self.kv_format}:{shape}:{self.dtype}"
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeKv | None:
+        """None for "" (the proposer needs nothing); ValueError for malformed text."""
+        if not text:
+            return None
+        try:
+            method, kv_format, shape, dtype = text.split(":")
+            layers, heads, head_dim = (int(n) for n in shape.split("x"))
+            DTYPE_BYTES[dtype]
+        except (ValueError, KeyError):
+            raise ValueError(
+                f"speculative_kv: {text!r} is not <method>:<kv_format>:<L>x<H>x<D>:<dtype>"
+            ) from None
+        return cls(method, kv_format, layers, heads, head_dim, dtype)
+
+    @property
+    def planes(self) -> int:
+        return 1 if self.kv_format == KV_FORMAT_MLA_LATENT else 2
+
+    @property
+    def token_bytes(self) -> int:
+        """One token of one head."""
+        return self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """One token, every layer, plane and head."""
+        return self.num_layers * self.planes * self.num_heads * self.token_bytes
+
+
 class TicketError(ValueError):
     """kv_transfer_params that carry no usable ticket (the client's mistake: a 400)."""
 
@@ -103,6 +156,31 @@ def ticket_problem(ticket: decode_pb2.Ticket, num_layers: int, token_bytes: int)
             f"ticket {ticket.request_id}: layer regions do not hold the {planes} plane(s) of "
             f"a {ticket.layout.model.kv_format!r} cache"
         )
+    return _speculative_problem(ticket)
+
+
+def _speculative_problem(ticket: decode_pb2.Ticket) -> str | None:
+    """Why the ticket's proposer regions do not fit its layout's speculative_kv; None if they
+    do (or there is none)."""
+    try:
+        spec = SpeculativeKv.parse(ticket.layout.speculative_kv)
+    except ValueError as e:
+        return f"ticket {ticket.request_id}: {e}"
+    if spec is None:
+        return None
+    if ticket.speculative_head_stride_bytes != ticket.layout.block_size * spec.token_bytes:
+        return (
+            f"ticket {ticket.request_id}: proposer head stride "
+            f"{ticket.speculative_head_stride_bytes} bytes is not one HND block "
+            f"({ticket.layout.block_size} tokens x {spec.token_bytes} bytes)"
+        )
+    layers = [layer for shard in ticket.shards for layer in shard.speculative_layers]
+    if len(layers) != spec.num_layers or len(ticket.shards) != 1:
+        return (
+            f"ticket {ticket.request_id}: not the proposer's {spec.num_layers} layers in one shard"
+        )
+    if any(layer.HasField("v") != (spec.planes == 2) for layer in layers):
+        return f"ticket {ticket.request_id}: proposer regions do not hold {spec.planes} plane(s)"
     return None
 
 
@@ -200,8 +278,9 @@ def mismatch(ours: layout_pb2.LayoutDescriptor, theirs: layout_pb2.LayoutDescrip
     if ours.speculative_kv != theirs.speculative_kv:
         problems.append(
             f"speculative_kv: decode's proposer needs {ours.speculative_kv or 'none'!r}, sender "
-            f"writes {theirs.speculative_kv or 'none'!r} (the prompt KV of a draft model comes "
-            "from the prefill; or decode with an n-gram proposer, which needs none)"
+            f"writes {theirs.speculative_kv or 'none'!r} (a draft model's or MTP layers' prompt "
+            "KV comes from a prefill run with the same --speculative-config; or decode with an "
+            "n-gram proposer, which needs none)"
         )
     covered = sorted((r.start, r.end) for r in theirs.head_ranges)
     heads = theirs.model.num_kv_heads

@@ -160,7 +160,9 @@ class PrefillWorker(EngineThread):
         job.request_id = f"p{next(self._ids)}"
         if job.transfer is not None:
             session = self.sender.open(job.transfer)
-            job.send = LayerwiseSend(self.sender, session, self.engine.kv_cache)
+            job.send = LayerwiseSend(
+                self.sender, session, self.engine.kv_cache, self.engine.proposer_cache
+            )
             self._ranks("open", job.request_id, job.transfer)
             if session.state is SessionState.FAILED:  # e.g. its deadline has passed already
                 self._finish(job, "abort")
@@ -188,6 +190,7 @@ class PrefillWorker(EngineThread):
         if self._ranks_armed:
             self._ranks("forward_done")
             self._ranks_armed = False
+        finished = []
         for out in outputs:
             job = self._live.get(out.seq_id)
             if job is None:
@@ -196,7 +199,20 @@ class PrefillWorker(EngineThread):
                 job.logprobs.append(out.logprobs)
             if out.finish_reason is not None:
                 del self._live[out.seq_id]
-                self._finish(job, out.finish_reason.value)
+                finished.append((job, out.finish_reason.value))
+        self._send_proposer_kv([job for job, _ in finished if job.send is not None])
+        for job, finish_reason in finished:
+            self._finish(job, finish_reason)
+
+    def _send_proposer_kv(self, jobs: list[Job]) -> None:
+        """A speculating engine's (draft model, MTP): the proposer's KV of the sent prompts,
+        computed now that their first token is known, posted after the model's layers."""
+        if self.engine.proposer_cache is None:
+            return
+        sent = [job for job in jobs if job.send.session.src_blocks]
+        self.engine.fill_proposer([(job.seq, job.send.session.src_blocks) for job in sent])
+        for job in sent:
+            job.send.proposer_ready()
 
     def _fail_live(self, failure: str) -> None:
         for job in self._live.values():

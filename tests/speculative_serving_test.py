@@ -42,7 +42,7 @@ PROMPTS = ["Repeat this code exactly:\n" + CODE + "Again:\n" + CODE[:12], "1, 2,
 MAX_TOKENS = 20
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
 SELF_DRAFT = json.dumps({"method": "draft_model", "model": MODEL, "num_speculative_tokens": 3})
-DRAFT_KV = "draft_model:30x3x64:float32"  # SmolLM2's layers x KV heads x head dim, its dtype
+DRAFT_KV = "draft_model:hnd:30x3x64:float32"  # SmolLM2's layers x KV heads x head dim, dtype
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,12 @@ class KvTransportConfig:
     def create(self) -> Transport:
         return create(self.backend, host=self.host)
 
-    def create_registered(self, region: tuple[int, int], device: str) -> Transport:
-        """A transport with `region` (address, bytes) on `device` registered: a server's
-        whole KV cache."""
+    def create_registered(self, regions: list[tuple[int, int]], device: str) -> Transport:
+        """A transport with `regions` (address, bytes) on `device` registered: a server's
+        whole KV cache (and its speculative proposer's)."""
         transport = self.create()
-        transport.register(*region, device)
+        for region in regions:
+            transport.register(*region, device)
         return transport
 
     @staticmethod

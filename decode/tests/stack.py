@@ -13,7 +13,7 @@ import torch
 
 from decode.admission import Admission
 from decode.engine_loop import EngineLoop
-from decode.kv_shards import kv_shard
+from decode.kv_shards import kv_shard, ticket_destination
 from decode.metrics import DecodeMetrics
 from decode.service import DecodeServicer
 from engine.engine_config import DTYPES
@@ -114,9 +114,8 @@ class Stack:
         self.loop = EngineLoop(self.engine)
         endpoint = layout_pb2.TransportEndpoint(transport="tcp", metadata=b"127.0.0.1:1")
         shards = [kv_shard(0, range(model.num_kv_heads), endpoint, self.engine.kv_cache)]
-        self.servicer = DecodeServicer(
-            self.admission, self.loop, self.engine.kv_cache, layout(), shards, DecodeMetrics({})
-        )
+        destination = ticket_destination(layout(), shards, self.engine.kv_cache)
+        self.servicer = DecodeServicer(self.admission, self.loop, destination, DecodeMetrics({}))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
