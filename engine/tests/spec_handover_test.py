@@ -144,7 +144,7 @@ def test_without_the_proposers_prompt_kv_the_drafts_differ(engines):
 
 
 def test_a_forked_choice_copies_the_proposers_partial_block(engines):
-    model, spec, prefill, decode = engines
+    *_, prefill, decode = engines
     prompt = PROMPTS[1]  # 11 tokens: a partial second block
     drafts: dict[str, dict[int, list[int]]] = {"d#0": {}, "d#1": {}}
     propose = decode.proposer.propose
