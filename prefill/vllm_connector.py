@@ -19,6 +19,7 @@ Hooks in vLLM's call order, per engine step:
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -26,10 +27,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 import transport
 from prefill.ticket import KV_FORMAT_HND, KV_FORMAT_MLA_LATENT
 from prefill.vllm_config import TandemConnectorConfig
-from prefill.vllm_layouts import CPU_LATENT_BACKENDS, check_latent_write, refuse_unpaired_rope
+from prefill.vllm_layouts import (
+    CPU_LATENT_BACKENDS,
+    cache_views,
+    check_latent_write,
+    latent_views,
+    refuse_unpaired_rope,
+)
 from prefill.vllm_metadata import TandemMetadata
 from prefill.vllm_scheduler_side import SchedulerSide
-from prefill.vllm_worker_side import WorkerFacts, WorkerSide, num_senders
+from prefill.vllm_worker_side import ProposerLayers, WorkerFacts, WorkerSide, num_senders
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -89,30 +98,66 @@ class TandemConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        layers = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
+        ordered = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
+        num_layers = self._vllm_config.model_config.hf_text_config.num_hidden_layers
+        layers, extra = [], []
+        for name, cache in ordered:
+            own = not name.startswith("draft_model.") and extract_layer_index(name) < num_layers
+            (layers if own else extra).append((name, cache))
         context = self._vllm_config.compilation_config.static_forward_context
+        facts = self._worker.facts
         attention = context[layers[0][0]]
         backend = attention.attn_backend.get_name()
-        facts = self._worker.facts
+        proposer = self._proposer_layers(extra, context)
         if facts.latent:
             kv_cache_dtype = attention.kv_cache_dtype
             if facts.sends:
                 _check_cpu_latent(attention, backend, layers[0][1], facts)
-            self._worker.register(layers, backend, kv_cache_dtype=kv_cache_dtype)
+            self._worker.register(layers, backend, kv_cache_dtype=kv_cache_dtype, proposer=proposer)
             return
-        cpu_layout = "vllm-cpu"
-        if backend == "CPU_ATTN":
-            from prefill.vllm_layouts import detect_cpu_layout
-
-            def write(key, value, cache, slots) -> None:
-                attention.impl.do_kv_cache_update(attention, key, value, cache, slots)
-
-            cpu_layout = detect_cpu_layout(
-                layers[0][1], len(facts.heads), facts.head_dim, write,
-                self._vllm_config.model_config.dtype,
-            )  # fmt: skip
+        dtype = self._vllm_config.model_config.dtype
+        cpu_layout = _cpu_layout(attention, layers[0][1], facts.heads, facts.head_dim, dtype)
         scales = (attention._k_scale_float, attention._v_scale_float)
-        self._worker.register(layers, backend, cpu_layout, attention.kv_cache_dtype, scales)
+        self._worker.register(
+            layers, backend, cpu_layout, attention.kv_cache_dtype, scales, proposer
+        )
+
+    def _proposer_layers(self, extra: list, context: dict) -> ProposerLayers | None:
+        """The speculative proposer's layers, when tandem's decode server has a proposer of the
+        same method that reads them (draft_model, mtp) and vLLM runs on one rank; None: they
+        are not sent (a decode server whose proposer needs them refuses this prefill at Hello,
+        naming what is missing)."""
+        spec = self._vllm_config.speculative_config
+        method = None if spec is None else spec.method
+        if not extra or method not in ("draft_model", "mtp") or self._worker.facts.tp_size > 1:
+            if extra:
+                logger.warning(
+                    "TandemConnector: the %d layer(s) of speculative method %s are not sent "
+                    "(sent: draft_model or mtp, at tensor_parallel_size 1)",
+                    len(extra),
+                    method,
+                )
+            return None
+        names = [name for name, _ in extra]
+        attention = context[names[0]]
+        backend = attention.attn_backend.get_name()
+        facts = self._worker.facts
+        if method == "mtp":  # the model's own layers: its cache format
+            if facts.latent:
+                rank, rope = facts.kv_lora_rank, facts.head_dim - facts.kv_lora_rank
+                views = [latent_views(backend, t, rank, rope, attention.kv_cache_dtype)
+                         for _, t in extra]  # fmt: skip
+            else:
+                model = self._vllm_config.model_config
+                views = _dense_views(extra, attention, facts.num_kv_heads, facts.head_dim, model)
+            return ProposerLayers(method, names, views, facts.kv_format, facts.num_kv_heads,
+                                  facts.head_dim)  # fmt: skip
+        draft = spec.draft_model_config
+        if draft.use_mla:
+            raise ValueError("TandemConnector: an MLA draft model's KV is not sent")
+        heads, head_dim = draft.get_total_num_kv_heads(), draft.get_head_size()
+        views = _dense_views(extra, attention, heads, head_dim, draft)
+        return ProposerLayers(method, names, views, KV_FORMAT_HND, heads, head_dim)
 
     def bind_connector_metadata(self, connector_metadata: TandemMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -160,6 +205,27 @@ class TandemConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler.has_pending_work()
+
+
+def _dense_views(layers: list, attention, heads: int, head_dim: int, model) -> list:
+    """K and V views of a proposer's layers (all of its heads: it runs on one rank)."""
+    backend = attention.attn_backend.get_name()
+    layout = _cpu_layout(attention, layers[0][1], range(heads), head_dim, model.dtype)
+    return [cache_views(backend, t, heads, head_dim, layout) for _, t in layers]
+
+
+def _cpu_layout(attention, like: torch.Tensor, heads: range, head_dim: int, dtype) -> str:
+    """Which of CPU_ATTN's layouts a layer's cache has (vllm_layouts.detect_cpu_layout), found
+    with its own cache update (`dtype`: its model's); "vllm-cpu" for other backends (unused by
+    them)."""
+    if attention.attn_backend.get_name() != "CPU_ATTN":
+        return "vllm-cpu"
+    from prefill.vllm_layouts import detect_cpu_layout
+
+    def write(key, value, cache, slots) -> None:
+        attention.impl.do_kv_cache_update(attention, key, value, cache, slots)
+
+    return detect_cpu_layout(like, len(heads), head_dim, write, dtype)
 
 
 def _check_cpu_latent(attention, backend: str, like: torch.Tensor, facts: WorkerFacts) -> None:

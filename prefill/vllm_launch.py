@@ -36,33 +36,39 @@ def vllm_args(
     dtype: str,
     transport: str | None,
     *extra: str,
+    speculative_config: str | None = None,
 ) -> list[str]:
     """Module and arguments for `python -m`; transport None: vLLM without the connector.
+    `speculative_config`: tandem's --speculative-config JSON, given to vLLM as its own (a
+    draft model's or MTP layers' prompt KV is then sent with the model's).
 
     NOTE: the override makes vLLM's default sampling greedy, as on tandem's router, prefill and
     decode servers (the router passes every request's temperature to the prefill; requests
     straight to vLLM that leave it out would otherwise get the model's generation_config)."""
+    mla_backend = _mla_backend(model, dtype)
     args = ["vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--dtype", dtype, "--enforce-eager",
             "--override-generation-config", json.dumps({"temperature": 0.0}),
-            *_mla_backend(model, dtype), *extra]  # fmt: skip
+            *(["--attention-backend", mla_backend] if mla_backend else []), *extra]  # fmt: skip
+    if speculative_config is not None:
+        spec = json.loads(speculative_config)
+        spec.pop("acceptance_curve", None)  # tandem's benchmark mode only
+        if mla_backend:  # the drafter picks its backend apart from the model's
+            spec.setdefault("attention_backend", mla_backend)
+        args += ["--speculative-config", json.dumps(spec)]
     if transport is not None:
         args += ["--kv-transfer-config", kv_transfer_config(transport=transport, host=host)]
     return args
 
 
-def _mla_backend(model: str, dtype: str) -> list[str]:
+def _mla_backend(model: str, dtype: str) -> str | None:
     """vLLM's CPU platform picks its AMX MLA backend on every host with AMX tiles whatever the
     dtype, and that backend takes bf16 only ("invalid weight input features" at start-up
     otherwise): an MLA model in another dtype is given the reference CPU_MLA backend."""
     config = Path(model) / "config.json"
     if dtype == "bfloat16" or not config.is_file():
-        return []
-    return (
-        ["--attention-backend", "CPU_MLA"]
-        if "kv_lora_rank" in json.loads(config.read_text())
-        else []
-    )
+        return None
+    return "CPU_MLA" if "kv_lora_rank" in json.loads(config.read_text()) else None
 
 
 def free_port(host: str) -> int:

@@ -34,6 +34,8 @@ from prefill.ticket import (
     KV_FORMAT_HND,
     KV_FORMAT_MLA_LATENT,
     KvTransfer,
+    SpeculativeKv,
+    dtype_name,
     kv_dtype_fields,
     layout_descriptor,
     rank_heads,
@@ -124,6 +126,30 @@ class WorkerFacts:
         return rank_heads(self.num_kv_heads, self.tp_size, self.tp_rank)
 
 
+@dataclass(frozen=True)
+class ProposerLayers:
+    """vLLM's speculative proposer's own layers (a draft model's, a model's MTP layers), which
+    the decode server's proposer of the same method needs for the prompt: sent after the
+    model's layers (LayoutDescriptor.speculative_kv). vLLM writes them in the same step as the
+    model's, before `wait_for_save`: a draft model the prompt's tokens at their positions, an
+    MTP layer position j with token j + 1 (the last with the sampled token)."""
+
+    method: str
+    """vLLM's speculative method, the decode server's: "draft_model" or "mtp"."""
+    names: list[str]
+    views: list[CacheViews]
+    kv_format: str
+    num_kv_heads: int
+    head_dim: int
+    """Of one head as sent (an MLA latent: one head of the latent width)."""
+
+    def describe(self) -> SpeculativeKv:
+        return SpeculativeKv(
+            self.method, self.kv_format, len(self.views), self.num_kv_heads, self.head_dim,
+            dtype_name(self.views[0].dtype),
+        )  # fmt: skip
+
+
 class WorkerSide:
     def __init__(self, config: TandemConnectorConfig, facts: WorkerFacts, agent: Transport):
         self.config = config
@@ -133,7 +159,13 @@ class WorkerSide:
         """Once the caches are registered (the sender's Hello carries their layout); stays None
         on a rank that sends nothing (`WorkerFacts.sends`)."""
         self._views: list[CacheViews] = []
+        """The model's layers', then the proposer's."""
         self._layer_of: dict[str, int] = {}
+        self._num_model_layers = 0
+        self._proposer: ProposerLayers | None = None
+        self._saved: set[int] = set()
+        """Layers sent in this step: a proposer's layer that runs again for a further draft
+        (MTP at depth > 1) writes only the new draft's rows, which are not sent."""
         self._split = 1
         self._ring: StagingRing | None = None
         self._sessions: dict[str, SendSession] = {}
@@ -150,11 +182,12 @@ class WorkerSide:
         cpu_layout: str = "vllm-cpu",
         kv_cache_dtype: str = "auto",
         kv_scales: tuple[float, float] = (1.0, 1.0),
+        proposer: ProposerLayers | None = None,
     ) -> None:
-        """vLLM's per-layer cache tensors, in layer order, its attention backend's name and, on
-        CPU, which of its layouts the caches have (vllm_layouts.detect_cpu_layout); its layers'
-        KV cache dtype (vLLM's Attention.kv_cache_dtype) and, for an fp8 per-head cache, their
-        (k_scale, v_scale)."""
+        """vLLM's per-layer cache tensors of the model, in layer order, its attention backend's
+        name and, on CPU, which of its layouts the caches have (vllm_layouts.detect_cpu_layout);
+        its layers' KV cache dtype (vLLM's Attention.kv_cache_dtype) and, for an fp8 per-head
+        cache, their (k_scale, v_scale); the speculative proposer's layers, if sent."""
         if not self.facts.sends:
             return
         heads, head_dim = len(self.facts.heads), self.facts.head_dim
@@ -166,6 +199,12 @@ class WorkerSide:
         else:
             self._views = [cache_views(backend, t, heads, head_dim, cpu_layout) for _, t in layers]
         self._layer_of = {name: i for i, (name, _) in enumerate(layers)}
+        self._num_model_layers = len(layers)
+        self._proposer = proposer
+        if proposer is not None:
+            first = len(layers)
+            self._layer_of |= {name: first + i for i, name in enumerate(proposer.names)}
+            self._views += proposer.views
         k, dtype = self._views[0].k, self._views[0].dtype
         kernel_block_size = self._views[0].block_size
         if self.facts.block_size % kernel_block_size:
@@ -190,6 +229,7 @@ class WorkerSide:
             layout=self._views[0].layout, layout_version=LAYOUT_VERSION,
             tp_size=self.facts.num_senders, transport=self.config.transport,
             kv_format=self.facts.kv_format,
+            speculative_kv="" if proposer is None else str(proposer.describe()),
         )  # fmt: skip
         self.sender = KvSender(
             self.agent, layout, sender_id=f"vllm-rank{self.facts.tp_rank}",
@@ -199,7 +239,7 @@ class WorkerSide:
 
     def bind(self, meta: TandemMetadata) -> None:
         """Before a step's forward: the step's plans; new requests open a sender session."""
-        self._step = []
+        self._step, self._saved = [], set()
         if self.sender is None:
             return  # a rank that sends nothing
         for plan in meta.plans:
@@ -216,8 +256,9 @@ class WorkerSide:
     def save_layer(self, layer_name: str) -> None:
         """Right after vLLM wrote this layer's KV of the step: stage it and hand it over."""
         layer = self._layer_of.get(layer_name)
-        if layer is None:
+        if layer is None or layer in self._saved:
             return
+        self._saved.add(layer)
         for plan, session in self._step:
             if session.state is not SessionState.FAILED and plan.end > plan.start:
                 self._send(session, layer, plan.start, plan.end)
@@ -244,6 +285,10 @@ class WorkerSide:
     def _staging_problem(self, ticket: decode_pb2.Ticket) -> str:
         planes = len(self._views[0].planes)
         block = planes * len(self.facts.heads) * ticket.layout.block_size * self.sender.token_bytes
+        spec = self.sender.speculative
+        if spec is not None:
+            spec_block = spec.planes * spec.num_heads * ticket.layout.block_size * spec.token_bytes
+            block = max(block, spec_block)
         if self._ring.slot_bytes < block:
             return (
                 f"staging_mb: a slot of {self._ring.slot_bytes} bytes cannot hold one decode "
@@ -255,7 +300,11 @@ class WorkerSide:
         """Tokens [start, end) of one layer, from the decode block holding `start` on (rows
         before `start` in that block are sent again: their values are already there)."""
         views, dst = self._views[layer], session.dst_layout
+        proposer = layer >= self._num_model_layers
+        if proposer:
+            dst = session.proposer_dst_layout
         planes, heads, block_size = len(views.planes), views.k.shape[1], dst.block_size
+        head_dim = dst.token_stride // views.dtype.itemsize
         block_bytes = heads * block_size * dst.token_stride
         staging = BlockLayout(block_size, block_bytes, block_size * dst.token_stride,
                               dst.token_stride)  # fmt: skip
@@ -266,7 +315,7 @@ class WorkerSide:
             count = -(-(last - first) // block_size)
             slot, slot_posts = self._ring.take(self._stalled)
             stage = slot[: planes * count * block_bytes].view(views.dtype)
-            stage = stage.view(planes, count, heads, block_size, self.facts.head_dim)
+            stage = stage.view(planes, count, heads, block_size, head_dim)
             for plane, out in zip(views.planes, stage, strict=True):
                 gather_blocks(plane, session.src_blocks, first, last, out, views.convert)
             ready = None
@@ -274,9 +323,10 @@ class WorkerSide:
                 ready = torch.cuda.Event()
                 ready.record()
             run = _StagedRun(
-                LayerKV(*(out.data_ptr() for out in stage)), staging, dst, layer,
+                LayerKV(*(out.data_ptr() for out in stage)), staging, dst,
+                layer - self._num_model_layers if proposer else layer,
                 session.ticket.block_ids[first // block_size :][:count], last - first,
-                pad_tail=last == num_tokens,
+                pad_tail=last == num_tokens, proposer_heads=range(heads) if proposer else None,
             )  # fmt: skip
             done = layer if last == num_tokens else None
             slot_posts.append((session, self.sender.post(session, run.ops, ready, done)))
@@ -302,14 +352,24 @@ class _StagedRun:
     dst_blocks: list[int]
     num_tokens: int
     pad_tail: bool
+    proposer_heads: range | None = None
+    """A speculative proposer's layer (`layer` indexes its layers): all of its heads, to the
+    shard that lists its layers (the proposer runs on one rank)."""
 
     def ops(self, target: Target) -> list[WriteOp]:
-        regions = target.shard.layers[self.layer]
+        heads, offset = target.heads, target.dst_head_offset
+        if self.proposer_heads is None:
+            regions = target.shard.layers[self.layer]
+        elif target.shard.speculative_layers:
+            regions = target.shard.speculative_layers[self.layer]
+            heads, offset = self.proposer_heads, 0
+        else:
+            return []
         dst = LayerKV(regions.k.addr, regions.v.addr if regions.HasField("v") else None)
         return layer_ops(
             self.src, dst, self.staging, self.dst,
-            range(len(self.dst_blocks)), self.dst_blocks, self.num_tokens, target.heads,
-            target.dst_head_offset, pad_tail=self.pad_tail,
+            range(len(self.dst_blocks)), self.dst_blocks, self.num_tokens, heads, offset,
+            pad_tail=self.pad_tail,
         )  # fmt: skip
 
 

@@ -49,10 +49,11 @@ def counter(url: str, name: str) -> float:
     return sum(float(v) for v in re.findall(pattern, text, flags=re.MULTILINE))
 
 
-def start_prefill(backend: str, port: int = 0) -> tuple[subprocess.Popen, str]:
-    """A prefill server on `port` (0: one the OS picks; a port: e.g. a stopped one's again)."""
+def start_prefill(backend: str, port: int = 0, *extra: str) -> tuple[subprocess.Popen, str]:
+    """A prefill server on `port` (0: one the OS picks; a port: e.g. a stopped one's again);
+    `extra` arguments override COMMON's."""
     proc, m = start(
-        ["prefill.server", *COMMON, "--transport", backend, "--port", str(port)],
+        ["prefill.server", *COMMON, "--transport", backend, "--port", str(port), *extra],
         r"serving on (http://[\d.:]+)",
     )
     return proc, m.group(1)

@@ -6,9 +6,15 @@ CPU, over tcp):
 - a decode server speculating with a draft model (SmolLM2 drafting for itself) is refused by a
   prefill that does not send the draft's prompt KV: Hello fails naming what is missing, and the
   client's request fails with that message instead of decoding with a recomputed prompt;
+- behind a prefill run with the same --speculative-config, which sends the draft's prompt KV
+  after the model's, it answers with the same tokens, every proposal accepted, and the bytes
+  committed are the model's and the draft's for every prompt token;
 - the same decode server behind an aggregated router (it prefills itself, the draft too) answers
-  with the same tokens, every proposal accepted.
-Afterwards no KV block stays allocated on either decode server.
+  with the same tokens, every proposal accepted;
+- a tiny DeepSeek-V3 folder with an MTP layer (SmolLM2's tokenizer), prefill and decode both
+  speculating with MTP: the tokens of one engine without speculation, the MTP layer's prompt
+  KV sent with the model's.
+Afterwards no KV block stays allocated on any decode server.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from transformers import AutoTokenizer
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
-from prefill.ticket import kv_dtype_fields, layout_descriptor
+from prefill.ticket import SpeculativeKv, kv_dtype_fields, layout_descriptor
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 from tests.servers import (
     MODEL,
@@ -36,6 +42,7 @@ from tests.servers import (
     start_router,
     stop,
 )
+from tests.tiny_folders import write_tiny_mla
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
 PROMPTS = ["Repeat this code exactly:\n" + CODE + "Again:\n" + CODE[:12], "1, 2, 3, 4, 5,"]
@@ -43,6 +50,9 @@ MAX_TOKENS = 20
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
 SELF_DRAFT = json.dumps({"method": "draft_model", "model": MODEL, "num_speculative_tokens": 3})
 DRAFT_KV = "draft_model:hnd:30x3x64:float32"  # SmolLM2's layers x KV heads x head dim, dtype
+MODEL_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2's K and V, every layer, float32
+MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+MTP_KV = "mtp:mla-latent:1x1x40:float32"  # one layer's latent: kv_lora_rank 32 + rope dim 8
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +62,18 @@ def stack():
     ngram, ngram_address = start_decode("tcp", "float32", "--speculative-config", NGRAM)
     draft, draft_address = start_decode("tcp", "float32", "--speculative-config", SELF_DRAFT)
     prefill, prefill_url = start_prefill("tcp")
+    drafting, drafting_url = start_prefill("tcp", 0, "--speculative-config", SELF_DRAFT)
     router, url = start_router([prefill_url], [ngram_address])
     refused, refused_url = start_router([prefill_url], [draft_address], "--no-decode-only-fallback")
+    sent, sent_url = start_router([drafting_url], [draft_address], "--no-decode-only-fallback")
     aggregated, aggregated_url = start_router([], [draft_address], "--aggregated")
     yield {
         "ngram": (ngram_address, url),
         "draft": (draft_address, refused_url, aggregated_url),
+        "draft_sent": (draft_address, sent_url),
         "prefill": prefill_url,
     }
-    stop(aggregated, refused, router, prefill, draft, ngram)
+    stop(aggregated, sent, refused, router, drafting, prefill, draft, ngram)
 
 
 @pytest.fixture(scope="module")
@@ -73,16 +86,16 @@ def reference() -> list[str]:
     return [tokenizer.decode(out) for out in outputs]
 
 
-def _complete(url: str, prompt: str) -> httpx.Response:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+def _complete(url: str, prompt: str, model: str = MODEL) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
-def _texts(url: str) -> list[str]:
+def _texts(url: str, model: str = MODEL) -> list[str]:
     """Every prompt's greedy completion through the router at `url`."""
     texts = []
     for prompt in PROMPTS:
-        reply = _complete(url, prompt)
+        reply = _complete(url, prompt, model)
         assert reply.status_code == 200, reply.text
         texts.append(reply.json()["choices"][0]["text"])
     return texts
@@ -133,4 +146,56 @@ def test_draft_model_decode_prefilling_itself_accepts_every_proposal(stack, refe
     drafted = counter(metrics, "tandem_decode_spec_draft_tokens_total")
     assert drafted > 0
     assert counter(metrics, "tandem_decode_spec_accepted_tokens_total") == drafted
+    assert decode_pool_free(address) is not None
+
+
+def _prompt_tokens() -> int:
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    return sum(len(tokenizer(p)["input_ids"]) for p in PROMPTS)
+
+
+def test_behind_a_prefill_that_sends_the_drafts_kv_every_proposal_is_accepted(stack, reference):
+    address, sent_url = stack["draft_sent"]
+    metrics = metrics_url(address)
+    sent_before = counter(metrics, "tandem_decode_transfer_bytes_total")
+    drafted_before = counter(metrics, "tandem_decode_spec_draft_tokens_total")
+    accepted_before = counter(metrics, "tandem_decode_spec_accepted_tokens_total")
+    assert _texts(sent_url) == reference
+    drafted = counter(metrics, "tandem_decode_spec_draft_tokens_total") - drafted_before
+    accepted = counter(metrics, "tandem_decode_spec_accepted_tokens_total") - accepted_before
+    assert drafted > 0 and accepted == drafted
+    per_token = MODEL_BYTES_PER_TOKEN + SpeculativeKv.parse(DRAFT_KV).bytes_per_token
+    sent = counter(metrics, "tandem_decode_transfer_bytes_total") - sent_before
+    assert sent == _prompt_tokens() * per_token
+    assert decode_pool_free(address) is not None
+
+
+@pytest.fixture(scope="module")
+def mtp_stack(tmp_path_factory):
+    """A DeepSeek-V3 folder with an MTP layer: prefill and decode speculating with it, a router;
+    and the greedy texts of one engine on it without speculation."""
+    folder = str(write_tiny_mla(tmp_path_factory.mktemp("mla-mtp"), mtp=True))
+    model = ("--model", folder, "--speculative-config", MTP)
+    decode, address = start_decode("tcp", "float32", *model)
+    prefill, prefill_url = start_prefill("tcp", 0, *model)
+    router, url = start_router(
+        [prefill_url], [address], "--model", folder, "--no-decode-only-fallback"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    engine = LLMEngine.build(EngineConfig(model=folder, dtype="float32", block_size=16))
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    outputs = engine.generate(prompts, SamplingParams(), StopConditions(max_tokens=MAX_TOKENS))
+    yield folder, address, url, [tokenizer.decode(out) for out in outputs]
+    stop(router, prefill, decode)
+
+
+def test_mtp_prefill_and_decode_equal_one_engine(mtp_stack):
+    folder, address, url, expected = mtp_stack
+    assert _texts(url, folder) == expected
+    metrics = metrics_url(address)
+    assert counter(metrics, "tandem_decode_spec_draft_tokens_total") > 0
+    model_per_token = 3 * 1 * 40 * 4  # three layers' latent rows, float32
+    per_token = model_per_token + SpeculativeKv.parse(MTP_KV).bytes_per_token
+    sent = counter(metrics, "tandem_decode_transfer_bytes_total")
+    assert sent == _prompt_tokens() * per_token
     assert decode_pool_free(address) is not None

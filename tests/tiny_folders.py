@@ -4,7 +4,9 @@ suites that serve them through the router (which tokenizes with the folder's tok
   attention takes), what the tensor-parallel suites split over 2 and 4 ranks (engine preset
   `tiny-kv4` is its shape);
 - `write_tiny_mla`: a DeepSeek-V3 (MLA + MoE: a dense first layer, 8 routed experts and a
-  shared one, a q bottleneck), whose 4 heads and expert channels split over 2 ranks."""
+  shared one, a q bottleneck), whose 4 heads and expert channels split over 2 ranks; with an
+  MTP layer for the speculative suites;
+- `write_vllm_mla`: a DeepSeek-V3 that stock vLLM's CPU build serves (a 512 + 64 latent)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from engine.tests.tiny_hf import MLA_MOE, add_mtp_layer, randomize
 from tests.servers import MODEL
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=32,
@@ -25,6 +28,29 @@ MLA = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_h
            first_k_dense_replace=1, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8,
            qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=2048,
            tie_word_embeddings=False)  # fmt: skip
+# What vLLM's CPU build serves: its CPU_MLA backend reads only DeepSeek-V3's latent (512 + 64),
+# it loads the router's correction bias only for noaux_tc, and its CPU rotary kernel is right
+# for MLA's q_pe and k_pe views only through YaRN's torch code (tests/vllm_mla_test.py).
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+            original_max_position_embeddings=256, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+            mscale_all_dim=1.0)  # fmt: skip
+VLLM_MLA = dict(
+    MLA_MOE,
+    vocab_size=49152,  # SmolLM2's tokenizer
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    q_lora_rank=48,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    max_position_embeddings=1024,
+    rope_parameters=YARN,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def write_tiny_kv4(out: Path, num_kv_heads: int = 4) -> Path:
@@ -34,14 +60,30 @@ def write_tiny_kv4(out: Path, num_kv_heads: int = 4) -> Path:
     return _save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)), out)
 
 
-def write_tiny_mla(out: Path) -> Path:
-    """The DeepSeek-V3 folder, in `out`; weights: transformers' random initialization."""
+def write_tiny_mla(out: Path, mtp: bool = False) -> Path:
+    """The DeepSeek-V3 folder, in `out`; weights: transformers' random initialization. `mtp`:
+    with one multi-token-prediction layer (random, seeded) as DeepSeek-V3 checkpoints carry."""
     smollm2 = _smollm2_config()
     config = transformers.DeepseekV3Config(
         **MLA, vocab_size=smollm2["vocab_size"], bos_token_id=smollm2["bos_token_id"],
         eos_token_id=smollm2["eos_token_id"],
     )  # fmt: skip
-    return _save(transformers.DeepseekV3ForCausalLM(config), out)
+    _save(transformers.DeepseekV3ForCausalLM(config), out)
+    if mtp:
+        add_mtp_layer(out)
+    return out
+
+
+def write_vllm_mla(out: Path, mtp: bool = False) -> Path:
+    """A DeepSeek-V3 that vLLM's CPU build serves (VLLM_MLA), in `out`; weights: random, seeded;
+    `mtp`: with one multi-token-prediction layer."""
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**VLLM_MLA))
+    randomize(hf.eval()).save_pretrained(out)
+    _copy_tokenizer(out)
+    if mtp:
+        add_mtp_layer(out)
+    return out
 
 
 def _smollm2_config() -> dict:
@@ -52,6 +94,10 @@ def _save(model: transformers.PreTrainedModel, out: Path) -> Path:
     torch.manual_seed(0)
     model.init_weights()  # seeded: the same weights in every suite
     model.save_pretrained(out)
+    _copy_tokenizer(out)
+    return out
+
+
+def _copy_tokenizer(out: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(MODEL) / name, out / name)
-    return out

@@ -20,44 +20,20 @@ goes through DeepseekScalingRotaryEmbedding's torch code instead.
 from __future__ import annotations
 
 import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 import pytest
-import torch
-import transformers
 
-from engine.tests.tiny_hf import MLA_MOE, randomize
 from prefill.vllm_launch import READY, free_port, vllm_args
-from tests.servers import MODEL, counter
+from tests.servers import counter
+from tests.tiny_folders import write_vllm_mla
 from tests.vllm_servers import stop
 from tools.launch import start
 
 LAYERS, LATENT = 3, 512 + 64
 KV_BYTES_PER_TOKEN = LAYERS * LATENT * 4  # float32
 NEW_TOKENS = 12
-YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-            original_max_position_embeddings=256, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
-            mscale_all_dim=1.0)  # fmt: skip
-DEEPSEEK = dict(
-    MLA_MOE,
-    vocab_size=49152,  # SmolLM2's tokenizer
-    kv_lora_rank=512,  # vLLM's CPU_MLA reads only DeepSeek-V3's latent: 512 + 64
-    qk_rope_head_dim=64,
-    q_lora_rank=48,
-    n_shared_experts=1,
-    n_group=2,
-    topk_group=1,
-    first_k_dense_replace=1,
-    topk_method="noaux_tc",  # vLLM loads the router's correction bias only for this one
-    scoring_func="sigmoid",
-    max_position_embeddings=1024,
-    rope_parameters=YARN,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = {
     "short": "The capital of France is",  # inside one vLLM block
@@ -70,14 +46,7 @@ PROMPTS = {
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    """A tiny random DeepSeek-V3 folder, as save_pretrained writes it, with a tokenizer."""
-    folder = tmp_path_factory.mktemp("deepseek-v3-tiny")
-    torch.manual_seed(0)
-    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK))
-    randomize(hf.eval()).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(MODEL) / name, folder)
-    return str(folder)
+    return str(write_vllm_mla(tmp_path_factory.mktemp("deepseek-v3-tiny")))
 
 
 def _start_vllm_alone(model: str):

@@ -6,6 +6,8 @@ ports, with the bundled SmolLM2 unless --model names a Hugging Face folder.
     ./bazelw run //tools:serve -- --prefill vllm    # stock vLLM prefills, with tandem's connector
     ./bazelw run //tools:serve -- --aggregated      # router + decode only: decode prefills too
     ./bazelw run //tools:serve -- --model DIR --decode-tp 2 --prefill-tp 2   # tensor-parallel
+    ./bazelw run //tools:serve -- --model DIR --speculative-config '{"method": "mtp",
+        "num_speculative_tokens": 3}'    # the prefill sends the MTP layers' prompt KV
 
 Prints `tandem ready: http://HOST:PORT` once the router answers (and the decode servers'
 Prometheus /metrics URLs; the router serves its own at /metrics); Ctrl-C (or SIGTERM) stops every
@@ -15,6 +17,7 @@ component. If one cannot start, or dies, everything stops with its last words.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -39,14 +42,28 @@ def _model_folder(model: str) -> str:
         sys.exit(f"serve: {e}")
 
 
-def _start_vllm(model: str, host: str, dtype: str, transport: str, kv_cache_gb: str, *extra: str):
-    """Stock vLLM with tandem's connector; its KV cache size, on the CPU build, in whole GiB."""
+def _start_vllm(
+    model: str, host: str, dtype: str, transport: str, kv_cache_gb: str, spec: list, *extra: str
+):
+    """Stock vLLM with tandem's connector; its KV cache size, on the CPU build, in whole GiB;
+    `spec`: [] or ["--speculative-config", JSON]."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(float(kv_cache_gb)))))
     # vLLM's automatic CPU binding wants a NUMA node per tensor-parallel rank.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     port = free_port(host)
-    proc, _ = start(vllm_args(model, host, port, dtype, transport, *extra), READY, timeout=900)
+    speculative = spec[1] if spec else None
+    args = vllm_args(model, host, port, dtype, transport, *extra, speculative_config=speculative)
+    proc, _ = start(args, READY, timeout=900)
     return proc, f"http://{host}:{port}"
+
+
+def _proposer_needs_prompt_kv(speculative_config: str | None) -> bool:
+    """Whether the decode's proposer reads a prompt KV of its own (a draft model, MTP layers),
+    which the prefill must compute and send; a malformed JSON is the decode server's to refuse."""
+    try:
+        return json.loads(speculative_config or "{}").get("method") in ("draft_model", "mtp")
+    except (ValueError, AttributeError):
+        return False
 
 
 def main() -> None:
@@ -68,6 +85,9 @@ def main() -> None:
                         help="each prefill's tensor-parallel size (vLLM's too)")  # fmt: skip
     parser.add_argument("--kv-cache-gb", default="1")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8 (every engine's)")
+    parser.add_argument("--speculative-config", default=None,
+                        help="JSON, the decode's (and, for draft_model and mtp, the prefill's: "
+                             "it sends the proposer's prompt KV)")  # fmt: skip
     parser.add_argument("--tool-call-parser", default=None, help="the router's (hermes, ...)")
     parser.add_argument("--reasoning-parser", default=None, help="the router's (qwen3, ...)")
     args = parser.parse_args()
@@ -81,6 +101,9 @@ def main() -> None:
     common = ["--model", model, "--host", args.host, "--device", args.device, "--dtype", dtype,
               "--transport", args.transport, "--kv-cache-gb", args.kv_cache_gb,
               "--kv-cache-dtype", args.kv_cache_dtype]  # fmt: skip
+    spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    # A draft model or MTP layers need the prompt's KV of their own, which the prefill computes.
+    prefill_spec = spec if _proposer_needs_prompt_kv(args.speculative_config) else []
     procs = []
     stopping = threading.Event()
 
@@ -101,7 +124,7 @@ def main() -> None:
         prefills = ["--aggregated"] if args.aggregated else []  # the router's prefill arguments
         for _ in range(args.num_decode):
             proc, m = start(["decode.server", *common, "--grpc-port", "0", "--metrics-port", "0",
-                             "--tensor-parallel-size", str(args.decode_tp)],
+                             "--tensor-parallel-size", str(args.decode_tp), *spec],
                             r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
                             timeout=900)  # fmt: skip
             procs.append(proc)
@@ -111,10 +134,11 @@ def main() -> None:
             prefill_tp = ["--tensor-parallel-size", str(args.prefill_tp)]
             if args.prefill == "vllm":
                 proc, url = _start_vllm(model, args.host, dtype, args.transport,
-                                        args.kv_cache_gb, "--kv-cache-dtype",
+                                        args.kv_cache_gb, prefill_spec, "--kv-cache-dtype",
                                         args.kv_cache_dtype, *prefill_tp)  # fmt: skip
             else:
-                proc, m = start(["prefill.server", *common, "--port", "0", *prefill_tp],
+                proc, m = start(["prefill.server", *common, "--port", "0", *prefill_tp,
+                                 *prefill_spec],
                                 r"serving on (http://\S+)", timeout=900)  # fmt: skip
                 url = m.group(1)
             procs.append(proc)

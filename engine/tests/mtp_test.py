@@ -9,21 +9,17 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.mtp import MtpLayer
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 from engine.speculative import SpeculativeConfig
-from engine.tests.tiny_hf import hf_deepseek
-from engine.weights import hf_state_dict, init_random_weights
+from engine.tests.tiny_hf import add_mtp_layer, hf_deepseek
 
 MTP = SpeculativeConfig("mtp", 3)
 # Token ids within every model's vocabulary here (the Hugging Face folder's is 96).
@@ -121,18 +117,7 @@ def test_mtp_layer_loads_from_a_checkpoint_folder(tmp_path):
     model.layers.<num_layers>. (its copy of the embedding too, left out): the engine's layer
     holds exactly those tensors, and decodes greedy as without speculation."""
     hf_deepseek(q_lora_rank=24).save_pretrained(tmp_path)
-    config_path = tmp_path / "config.json"
-    hf_config = json.loads(config_path.read_text())
-    config = ModelConfig.from_hf_dict(hf_config)
-    with torch.device("meta"):
-        layer = MtpLayer(dataclasses.replace(config, num_mtp_layers=1), 0)
-    init_random_weights(layer, seed=5, dtype=torch.float32, device="cpu")
-    prefix = f"model.layers.{config.num_layers}."
-    tensors = load_file(tmp_path / "model.safetensors")
-    tensors |= {prefix + name: t.contiguous() for name, t in hf_state_dict(layer).items()}
-    tensors[prefix + "embed_tokens.weight"] = torch.zeros_like(tensors["model.embed_tokens.weight"])
-    save_file(tensors, tmp_path / "model.safetensors")
-    config_path.write_text(json.dumps({**hf_config, "num_nextn_predict_layers": 1}))
+    layer = add_mtp_layer(tmp_path)
     loaded = _engine(model=str(tmp_path), speculative_config=MTP)
     ours = dict(loaded.proposer.layers[0].named_parameters())
     for name, param in layer.named_parameters():

@@ -1,15 +1,19 @@
 """Builders shared by the model and weights tests: tiny Hugging Face models and a paged runner."""
 
+import dataclasses
+import json
 from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.weights import load_weights
+from engine.mtp import MtpLayer
+from engine.weights import hf_state_dict, init_random_weights, load_weights
 
 VOCAB = 96
 
@@ -147,6 +151,26 @@ def hf_deepseek_v2(seed: int = 0) -> transformers.PreTrainedModel:
     )
     torch.manual_seed(seed)
     return randomize(transformers.DeepseekV2ForCausalLM(config).eval())
+
+
+def add_mtp_layer(folder: Path, seed: int = 5) -> MtpLayer:
+    """Adds one random multi-token-prediction layer to a DeepSeek-V3 folder, as DeepSeek-V3's
+    checkpoints carry it: its tensors under model.layers.<num_layers>. (with their identical
+    copy of the embedding) and num_nextn_predict_layers 1 in config.json. Returns the layer,
+    float32, whose parameters were written."""
+    config_path = folder / "config.json"
+    hf_config = json.loads(config_path.read_text())
+    config = ModelConfig.from_hf_dict(hf_config)
+    with torch.device("meta"):
+        layer = MtpLayer(dataclasses.replace(config, num_mtp_layers=1), 0)
+    init_random_weights(layer, seed=seed, dtype=torch.float32, device="cpu")
+    prefix = f"model.layers.{config.num_layers}."
+    tensors = load_file(folder / "model.safetensors")
+    tensors |= {prefix + name: t.contiguous() for name, t in hf_state_dict(layer).items()}
+    tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config_path.write_text(json.dumps({**hf_config, "num_nextn_predict_layers": 1}))
+    return layer
 
 
 def hf_logits(model: transformers.PreTrainedModel, tokens: list[int]) -> torch.Tensor:
