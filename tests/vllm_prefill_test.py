@@ -4,10 +4,10 @@ decode server -> POST /v1/completions to vLLM with the ticket, max_tokens=1 -> G
 
 The greedy tokens must equal vLLM's own (vLLM without the connector, run first in this file)
 for concurrent prompts of different lengths, one prefilled in several chunks and one hitting
-vLLM's prefix cache; the decode server must have had exactly the prompt's KV committed; a
-request without a ticket must be served as if the connector were absent; a decode server whose
-KV dtype differs must be refused, the request failing at once; and `//tools:serve --prefill
-vllm` must answer as vLLM alone does."""
+vLLM's prefix cache; the decode server must have had exactly the prompt's KV committed, and one
+speculating with n-gram lookup must answer the same; a request without a ticket must be served
+as if the connector were absent; a decode server whose KV dtype differs must be refused, the
+request failing at once; and `//tools:serve --prefill vllm` must answer as vLLM alone does."""
 
 from __future__ import annotations
 
@@ -177,6 +177,23 @@ def test_vllm_prefill_and_tandem_decode_equal_vllm_alone(stack, prompts, referen
     assert committed == sent * KV_BYTES_PER_TOKEN
     stats = stub.Stats(decode_pb2.StatsRequest())
     assert stats.kv_blocks_free == stats.kv_blocks_total and stats.reserved == 0
+
+
+def test_an_ngram_decode_behind_vllm_equals_vllm_alone(stack, prompts, reference):
+    """n-gram speculation needs no prompt KV of its own: a decode server speculating with it
+    takes vLLM's tickets as they are, and its greedy tokens stay vLLM's."""
+    _, _, _, http = stack
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    decode, address = start_decode("tcp", "float32", "--speculative-config", spec)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            outs = {name: _disaggregated(stub, http, address, f"ngram-{name}", prompts[name])
+                    for name in ("short", "long")}  # fmt: skip
+        assert outs == {name: reference[name] for name in outs}
+        assert counter(metrics_url(address), "tandem_decode_spec_draft_tokens_total") > 0
+    finally:
+        stop(decode)
 
 
 def test_a_request_without_a_ticket_is_untouched(stack, prompts, reference):
