@@ -8,7 +8,10 @@
 A registered instance is probed at once (a decode server's Stats, a prefill's /health) and takes
 requests once it has answered; one that does not answer is kept, marked down, and probed with
 the others until it does (POST answers 201 either way, saying which). Removing an instance stops
-new requests going to it; those it runs finish there. A malformed body gets 400 with OpenAI's
+new requests going to it; those it runs finish there. DELETE answers once no request is on its
+way to the instance any more (`settled`; false if one still was after SETTLE_TIMEOUT_S): an
+instance that deregisters itself before it drains (rpc/registration.py) then refuses nothing a
+router sent it. A malformed body gets 400 with OpenAI's
 error body, an instance registered twice 409, an unknown one removed 404, a prefill on an
 aggregated router 409.
 """
@@ -25,6 +28,9 @@ from router.errors import RequestError
 from router.orchestrator import Orchestrator
 
 PATH = "/admin/instances"
+SETTLE_TIMEOUT_S = 30.0
+"""How long a DELETE waits for the requests on their way to the instance (`settled` false
+after that)."""
 
 
 def add_routes(app: FastAPI, orchestrator: Orchestrator) -> None:
@@ -54,9 +60,11 @@ class AdminApi:
 
     async def deregister(self, request: Request) -> dict:
         role, address = _instance(await request.body())
-        if not self.orchestrator.remove_instance(role, address):
+        removed = self.orchestrator.remove_instance(role, address)
+        if removed is None:
             raise RequestError(404, f"{role} {address} is not registered", "address")
-        return {"role": role, "address": address, "status": "removed"}
+        settled = await self.orchestrator.settle(removed, SETTLE_TIMEOUT_S)
+        return {"role": role, "address": address, "status": "removed", "settled": settled}
 
 
 def _instance(body: bytes) -> tuple[str, str]:

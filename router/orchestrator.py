@@ -12,10 +12,8 @@ instance whose RPC fails with UNAVAILABLE is marked down until a Stats probe ans
 is not draining (a decode server shutting down refuses new requests so); a Reserve that fails
 so is sent to another decode instance, nothing having been sent anywhere yet. A prefill
 instance that cannot be reached or answers 503 (its engine failed) is marked down until its
-health check answers 200. Every PROBE_INTERVAL_S every instance is asked (Stats, the health
-check), so one that begins to drain leaves the rotation before a request must find it out, and
-one restarted on its address comes back; with no decode instance up, a request asks the down
-ones again before it is refused.
+health check answers 200. Which instances there are and which are up: router/membership.py;
+with no decode instance up, a request asks the down ones again before it is refused.
 
 Aggregated (every request), or while no prefill instance is healthy (the decode-only fallback,
 counted and logged: router/decode_only.py), a request skips Reserve and the prefill: its decode
@@ -43,8 +41,7 @@ from router.decode_only import DecodeOnly
 from router.errors import BackendError
 from router.generation import Finished, GenerationRequest, Tokens
 from router.logprobs import LogprobsError, first_token_logprobs
-
-PROBE_INTERVAL_S = 2.0
+from router.membership import DecodeInstance, Membership, PrefillInstance
 
 
 class PrefillFailed(BackendError):
@@ -57,22 +54,6 @@ class PrefillFailed(BackendError):
         self.ticket_delivered = ticket_delivered
 
 
-@dataclass
-class PrefillInstance:
-    url: str
-    in_flight: int = 0
-    healthy: bool = True
-
-
-@dataclass
-class DecodeInstance:
-    address: str
-    outstanding_tokens: int = 0
-    healthy: bool = True
-    max_model_len: int = 0
-    """The longest sequence it decodes, as its Stats said; 0 until it answered."""
-
-
 _FINISH = {
     decode_pb2.FINISH_REASON_STOP: "stop",
     decode_pb2.FINISH_REASON_LENGTH: "length",
@@ -80,7 +61,7 @@ _FINISH = {
 }
 
 
-class Orchestrator:
+class Orchestrator(Membership):
     def __init__(
         self,
         prefill_urls: Sequence[str],
@@ -113,10 +94,11 @@ class Orchestrator:
         decode.outstanding_tokens += outstanding
         rid = f"{request_id}-{next(self._ids)}"
         live = set(range(request.n))
+        arrival = _Arrival(decode)
         try:
             while True:
                 try:
-                    generate = await self._placed(decode, rid, request, placed)
+                    generate = await self._placed(decode, rid, request, placed, arrival)
                     break
                 except grpc.aio.AioRpcError as e:
                     # Only Reserve raises here, before anything was sent: a decode server that
@@ -124,13 +106,15 @@ class Orchestrator:
                     if e.code() != grpc.StatusCode.UNAVAILABLE:
                         raise
                     decode.healthy = False
+                    arrival.end()
                     other = await self._pick_decode()
                     decode.outstanding_tokens -= outstanding
                     other.outstanding_tokens += outstanding
-                    decode = other
+                    decode, arrival = other, _Arrival(other)
             stream = self.decode_client.generate(decode.address, generate)
             async with contextlib.aclosing(stream):
                 async for message in stream:
+                    arrival.end()  # a Generate it prefills itself was taken
                     index = message.index
                     if message.token_ids:
                         on_stop = message.finish_reason == decode_pb2.FINISH_REASON_STOP
@@ -155,21 +139,31 @@ class Orchestrator:
                 await asyncio.shield(self._abort(decode, rid, "client gone"))
             raise
         finally:
+            arrival.end()
             placed.placement = None
             decode.outstanding_tokens -= outstanding
 
     async def _placed(
-        self, decode: DecodeInstance, rid: str, request: GenerationRequest, placed: Generation
+        self,
+        decode: DecodeInstance,
+        rid: str,
+        request: GenerationRequest,
+        placed: Generation,
+        arrival: _Arrival,
     ) -> decode_pb2.GenerateRequest:
         """The request placed on `decode` as `rid`: reserved and prefilled, or, skipping both,
-        to be prefilled there; returns its Generate call."""
+        to be prefilled there; returns its Generate call. `arrival` ends once the decode server
+        has taken the request (its Reserve answered)."""
         if self.decode_only.skip_prefill(self._any_prefill_healthy()):
             placed.placement = (decode, rid)
             return _generate_request(request, rid)
-        reserved = await self.decode_client.reserve(decode.address, decode_pb2.ReserveRequest(
-            # num_senders 0: as many as the prefill has (each sender's commit names them).
-            request_id=rid, prompt_token_ids=request.prompt_ids, num_senders=0,
-            max_tokens=request.max_tokens))  # fmt: skip
+        try:
+            reserved = await self.decode_client.reserve(decode.address, decode_pb2.ReserveRequest(
+                # num_senders 0: as many as the prefill has (each sender's commit names them).
+                request_id=rid, prompt_token_ids=request.prompt_ids, num_senders=0,
+                max_tokens=request.max_tokens))  # fmt: skip
+        finally:
+            arrival.end()
         placed.placement = (decode, rid)
         try:
             firsts = await self._prefill(reserved.ticket, decode.address, request)
@@ -181,9 +175,6 @@ class Orchestrator:
                 return _generate_request(request, rid)
             raise
         return _generate_request(request, rid, reserved.ticket, firsts)
-
-    def _any_prefill_healthy(self) -> bool:
-        return any(p.healthy for p in self.prefills)
 
     async def close(self) -> None:
         await self.prefill_client.close()
@@ -211,74 +202,6 @@ class Orchestrator:
             finally:
                 prefill.in_flight -= 1
         raise BackendError(503, error)
-
-    async def probe(self) -> None:
-        """Asks every instance how it is, all at once (decode: Stats, prefill: its health
-        check): one that answers, and is not draining, is up; one that does not, or drains, is
-        down. So an instance marked down comes back once it answers, and one that begins to
-        drain leaves the rotation within PROBE_INTERVAL_S, before a request must find it out
-        (a request that does is retried elsewhere). Learns the decode servers' context
-        lengths."""
-        await asyncio.gather(
-            *(self._probe_decode(d) for d in self.decodes),
-            *(self._probe_prefill(p) for p in self.prefills),
-        )
-
-    async def _probe_decode(self, decode: DecodeInstance) -> None:
-        try:
-            stats = await self.decode_client.stats(decode.address)
-        except grpc.aio.AioRpcError:
-            decode.healthy = False
-            return
-        decode.healthy = not stats.draining
-        decode.max_model_len = stats.max_model_len
-
-    async def _probe_prefill(self, prefill: PrefillInstance) -> None:
-        prefill.healthy = await self.prefill_client.health(prefill.url)
-
-    async def probe_forever(self) -> None:
-        while True:
-            await asyncio.sleep(PROBE_INTERVAL_S)
-            await self.probe()
-
-    def add_instance(self, role: str, address: str) -> bool:
-        """Registers a prefill URL or a decode address, marked down until a probe answers;
-        False if it is registered already."""
-        if role == "prefill":
-            if any(p.url == address for p in self.prefills):
-                return False
-            self.prefills.append(PrefillInstance(address, healthy=False))
-            return True
-        if any(d.address == address for d in self.decodes):
-            return False
-        self.decodes.append(DecodeInstance(address, healthy=False))
-        return True
-
-    def remove_instance(self, role: str, address: str) -> bool:
-        """No new request goes to it (those it runs finish there); False if it is unknown."""
-        if role == "prefill":
-            kept = [p for p in self.prefills if p.url != address]
-            removed, self.prefills = len(kept) < len(self.prefills), kept
-        else:
-            kept = [d for d in self.decodes if d.address != address]
-            removed, self.decodes = len(kept) < len(self.decodes), kept
-        return removed
-
-    def max_model_len(self, configured: int) -> int:
-        """The context a request may fill: `configured` (the model's), or less where a decode
-        server said it decodes less."""
-        return min((d.max_model_len for d in self.decodes if d.max_model_len), default=configured)
-
-    async def _pick_decode(self) -> DecodeInstance:
-        """The least loaded decode instance that is up; with none up, the down ones are asked
-        again first (one may be back since the last probe, e.g. restarted on its address)."""
-        healthy = [d for d in self.decodes if d.healthy]
-        if not healthy:
-            await asyncio.gather(*(self._probe_decode(d) for d in self.decodes))
-            healthy = [d for d in self.decodes if d.healthy]
-        if not healthy:
-            raise BackendError(503, "no decode instance is available")
-        return min(healthy, key=lambda d: d.outstanding_tokens)
 
     async def _prefill(
         self, ticket: decode_pb2.Ticket, decode_address: str, request: GenerationRequest
@@ -321,12 +244,6 @@ class Orchestrator:
                 prefill.in_flight -= 1
         raise PrefillFailed(error, delivered, status)
 
-    def _prefill_order(self) -> list[PrefillInstance]:
-        """The instances to try, at most two (a failure is retried once, on another): least in
-        flight first, healthy ones before those marked down (which may be back already)."""
-        ranked = sorted(self.prefills, key=lambda p: (not p.healthy, p.in_flight))
-        return ranked[:2]
-
     def _failed(self, decode: DecodeInstance, error: grpc.aio.AioRpcError) -> BackendError:
         code = error.code()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -351,6 +268,19 @@ class Orchestrator:
             await self.decode_client.abort(decode.address, decode_pb2.AbortRequest(
                 request_id=rid, reason=reason, ticket_undelivered=ticket_undelivered,
                 choices=choices))  # fmt: skip
+
+
+class _Arrival:
+    """A request on its way to a decode instance (DecodeInstance.arriving) until `end`."""
+
+    def __init__(self, decode: DecodeInstance) -> None:
+        self._decode: DecodeInstance | None = decode
+        decode.arriving += 1
+
+    def end(self) -> None:
+        if self._decode is not None:
+            self._decode.arriving -= 1
+            self._decode = None
 
 
 class Generation:

@@ -1,11 +1,16 @@
 """The router's /admin/instances (router/admin_api.py) in-process over the fakes: instances
-registered at runtime are probed and take requests, removed ones take no more, and bad bodies,
-duplicates and unknown instances get OpenAI error bodies; the API key guards it as /v1/*."""
+registered at runtime are probed and take requests, removed ones take no more, a removal
+answers once no request is on its way to the instance (a Reserve, a prefill call), and bad
+bodies, duplicates and unknown instances get OpenAI error bodies; the API key guards it as
+/v1/*."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from router import admin_api
 from router.tests.fakes import D0, MODEL, P0, Router
 
 D1, P1 = "decode-1:50051", "http://prefill-1:8100"
@@ -39,6 +44,57 @@ def test_a_registered_decode_is_probed_and_takes_requests_and_a_removed_one_none
         generated = {address for rpc, address, _ in router.decode.calls if rpc == "Generate"}
         assert generated == {D1}
         assert (await _instances(router))["decode"] == {D1: "up"}
+
+    _run(test)
+
+
+async def _until(condition, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_removal_answers_once_no_request_is_on_its_way_to_the_instance(role):
+    """A decode server's Reserve, a prefill's call: sent before the removal, unanswered; the
+    DELETE answers after it (the instance may then refuse new work: nothing is coming)."""
+
+    async def test(router: Router):
+        gate = asyncio.Event()
+        address = D0 if role == "decode" else P0
+        if role == "decode":
+            router.decode.reserve_gate = gate
+            sent = lambda: ("Reserve", D0) in [(r, a) for r, a, _ in router.decode.calls]  # noqa: E731
+        else:
+            router.prefill.gate = gate
+            sent = lambda: ("complete", P0) in router.prefill.calls  # noqa: E731
+        completion = asyncio.create_task(router.post("/v1/completions", COMPLETION))
+        await _until(sent)
+        removal = asyncio.create_task(_admin(router, "DELETE", {"role": role, "address": address}))
+        await asyncio.sleep(0.2)
+        assert not removal.done()  # the request is still on its way
+        assert (await _instances(router))[role] == {}  # but no new one goes there
+        gate.set()
+        reply = await removal
+        assert reply.status_code == 200 and reply.json()["settled"] is True
+        assert (await completion).status_code == 200  # served there
+
+    _run(test)
+
+
+def test_a_removal_that_cannot_settle_says_so_at_its_timeout(monkeypatch):
+    monkeypatch.setattr(admin_api, "SETTLE_TIMEOUT_S", 0.2)
+
+    async def test(router: Router):
+        router.decode.reserve_gate = gate = asyncio.Event()
+        completion = asyncio.create_task(router.post("/v1/completions", COMPLETION))
+        await _until(lambda: router.orchestrator.decodes[0].arriving == 1)
+        reply = await _admin(router, "DELETE", {"role": "decode", "address": D0})
+        assert reply.status_code == 200 and reply.json()["settled"] is False
+        gate.set()
+        assert (await completion).status_code == 200
 
     _run(test)
 

@@ -90,6 +90,8 @@ class FakePrefill:
         self.prefilled: list[Prefilled] = []
         self.stall = False
         self.prefilling = asyncio.Event()
+        self.gate: asyncio.Event | None = None
+        """When set: `complete` answers only once the event is set."""
         self._script: dict[str, list[PrefillReply | PrefillCallError]] = defaultdict(list)
 
     def script(self, url: str, *outcomes: PrefillReply | PrefillCallError) -> None:
@@ -105,6 +107,8 @@ class FakePrefill:
         if self.stall:
             self.prefilling.set()
             await asyncio.Event().wait()
+        if self.gate is not None:
+            await self.gate.wait()
         choices = []
         for index in range(n):  # choice i's first token: first_token + i
             token = self.first_token + index
@@ -179,6 +183,10 @@ class FakeDecode:
         self.draining: set[str] = set()
         self.max_model_len = 0
         """What Stats reports."""
+        self.instance_id = "decode-instance-1"
+        """What Stats reports of every address."""
+        self.reserve_gate: asyncio.Event | None = None
+        """When set: Reserve answers only once the event is set."""
         self.generating = asyncio.Event()
         """Set once a Generate stream has sent its tokens."""
         self.calls: list[tuple[str, str, object]] = []
@@ -200,6 +208,8 @@ class FakeDecode:
 
     async def reserve(self, address, request) -> decode_pb2.ReserveResponse:
         self._call("Reserve", address, request)
+        if self.reserve_gate is not None:
+            await self.reserve_gate.wait()
         self._generation += 1
         self.reserved[request.request_id] = address
         ticket = decode_pb2.Ticket(
@@ -254,7 +264,9 @@ class FakeDecode:
     async def stats(self, address) -> decode_pb2.StatsResponse:
         self._call("Stats", address, decode_pb2.StatsRequest())
         return decode_pb2.StatsResponse(
-            max_model_len=self.max_model_len, draining=address in self.draining
+            max_model_len=self.max_model_len,
+            draining=address in self.draining,
+            instance_id=self.instance_id,
         )
 
     async def close(self) -> None:
@@ -286,7 +298,7 @@ def cancel_once(event: asyncio.Event, generation) -> None:
 
 
 MODEL = "tiny"
-P0, D0 = "http://prefill-0", "decode-0:50051"
+P0, D0 = "http://prefill-0:8100", "decode-0:50051"
 
 
 class Router:
