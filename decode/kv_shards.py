@@ -45,14 +45,17 @@ def ticket_destination(
     shards: list[decode_pb2.KvShard],
     kv_cache: KVCache,
     proposer_cache: KVCache | None = None,
+    instance_id: str = "",
 ) -> decode_pb2.Ticket:
-    """What every ticket of this server says of where its KV goes: the layout, the shards and
-    the caches' strides (a reservation adds the request, its blocks and deadline)."""
+    """What every ticket of this server says of where its KV goes: the layout, the shards, the
+    caches' strides and this server process's instance id (a reservation adds the request, its
+    blocks and deadline)."""
     ticket = decode_pb2.Ticket(
         block_stride_bytes=kv_cache.block_stride_bytes,
         head_stride_bytes=kv_cache.head_stride_bytes,
         shards=shards,
         layout=layout,
+        decode_instance_id=instance_id,
     )
     if proposer_cache is not None:
         ticket.speculative_block_stride_bytes = proposer_cache.block_stride_bytes

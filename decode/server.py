@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -121,7 +122,8 @@ class DecodeServer:
         shards = [kv_shard(0, heads, endpoint, cache, proposer_cache)]
         if self.engine.tp_workers is not None:
             shards += [decode_pb2.KvShard.FromString(i) for i in self.engine.tp_workers.infos]
-        destination = ticket_destination(layout, shards, cache, proposer_cache)
+        self.instance_id = uuid.uuid4().hex
+        destination = ticket_destination(layout, shards, cache, proposer_cache, self.instance_id)
         pool = self.engine.pool
         self.metrics = DecodeMetrics(
             {

@@ -63,6 +63,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self._tokens_generated = 0
         self.draining = False
         """Set by the server's drain: new requests are refused, live ones run to their end."""
+        self.drain_refusals = 0
+        """New requests refused while draining: a router that was told first (its instance
+        deregistered before the drain) sends none."""
         self._handover = threading.Lock()
         """Held by Generate from take() to submit() and by an abort's look-up (see the
         module's docstring)."""
@@ -176,10 +179,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             layout=self.layout,
             max_model_len=self.admission.max_model_len,
             draining=self.draining,
+            instance_id=self.destination.decode_instance_id,
         )
 
     def _refuse_if_draining(self, context) -> None:
         if self.draining:
+            self.drain_refusals += 1
             context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 "draining: this decode server is shutting down; send new requests to another",

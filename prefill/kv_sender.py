@@ -83,6 +83,10 @@ class _Decode:
         self.retry_at = 0.0
         self.unreachable = False
         """The last Hello found no server answering (not a refusal)."""
+        self.instance_id = ""
+        """The server process the Hello went to, as its tickets name it."""
+        self.endpoints: set[bytes] = set()
+        """Its transport endpoints this sender connected to (dropped when it restarts)."""
 
 
 class KvSender:
@@ -147,6 +151,8 @@ class KvSender:
             decode = self._decoders.get(transfer.decode_address)
             if decode is None:
                 decode = self._decoders[transfer.decode_address] = _Decode(transfer.decode_address)
+            if ticket.decode_instance_id != decode.instance_id:
+                self._restarted_locked(decode, ticket.decode_instance_id)
             if error:
                 session._unreachable = decode.unreachable  # a commit could only hang there
                 self._settle(session, SessionState.FAILED, error)
@@ -199,6 +205,17 @@ class KvSender:
         for decode in self._decoders.values():
             decode.channel.close()
 
+    def _restarted_locked(self, decode: _Decode, instance_id: str) -> None:
+        """Another server process answers at the decode's address (a restart, or the first
+        ticket): what was learned of the old one, its Hello's outcome and transport peers, is
+        dropped, so the new one is asked again and connected to afresh."""
+        decode.instance_id = instance_id
+        decode.hello, decode.retry_at, decode.unreachable = None, 0.0, False
+        for endpoint in decode.endpoints:
+            self._peers.pop(endpoint, None)
+            self._peer_failures.pop(endpoint, None)
+        decode.endpoints.clear()
+
     # -- connect pool -------------------------------------------------------------------------
 
     def _say_hello(self, decode: _Decode) -> str:
@@ -239,6 +256,10 @@ class KvSender:
             if first >= end:
                 continue
             peer = self._peer(shard.endpoint.metadata, session.deadline)
+            with self._lock:
+                self._decoders[session.transfer.decode_address].endpoints.add(
+                    shard.endpoint.metadata
+                )
             if isinstance(peer, str):
                 return peer
             local = range(first - mine.start, end - mine.start)

@@ -63,7 +63,7 @@ def source():
     agent.close()
 
 
-def _transfer(decode, request_id: str = "t") -> KvTransfer:
+def _transfer(decode, request_id: str = "t", instance_id: str = "") -> KvTransfer:
     agent, cache, _, address = decode
     regions = [
         layout_pb2.LayerRegions(
@@ -79,6 +79,7 @@ def _transfer(decode, request_id: str = "t") -> KvTransfer:
         shards=[decode_pb2.KvShard(rank=0, heads=layout_pb2.HeadRange(start=0, end=HEADS),
                                    endpoint=endpoint, layers=regions)],
         layout=_layout(), num_senders=1, deadline_unix_ms=int((time.time() + 30) * 1000),
+        decode_instance_id=instance_id,
     )  # fmt: skip
     return KvTransfer(ticket, address)
 
@@ -156,4 +157,35 @@ def test_a_refused_hello_is_remembered_then_retried_after_the_back_off(decode, s
     clock.now += 5.0
     retried = sender.finish(sender.open(_transfer(decode, "c"))).result(timeout=10)
     assert service.hellos == 2 and "kv_dtype" not in retried.error
+    sender.close()
+
+
+def test_a_decode_server_restarted_on_its_address_is_asked_again_and_connected_afresh(
+    decode, source
+):
+    """Tickets name the decode server's instance: while it stays the same, Hello and the
+    transport peer are reused; a ticket of another instance at that address (a restart) gets
+    a new Hello at once, whatever the old one answered, and a new connection."""
+    _, _, service, _ = decode
+    connects = []
+    agent = source[0]
+    connect = agent.connect
+    agent.connect = lambda *args: connects.append(args) or connect(*args)
+    sender = _sender(source)
+
+    def send(request_id: str, instance_id: str):
+        session = sender.open(_transfer(decode, request_id, instance_id))
+        for layer in range(LAYERS):
+            sender.post(session, _layer(source, session, layer), completes_layer=layer)
+        return sender.finish(session).result(timeout=10)
+
+    assert send("a", "one").error == "" and send("b", "one").error == ""
+    assert (service.hellos, len(connects)) == (1, 1)
+    assert send("c", "two").error == ""
+    assert (service.hellos, len(connects)) == (2, 2)
+    # A refusal is remembered for its instance only: the restarted one is asked at once.
+    service.layout = _layout("bfloat16")
+    assert "kv_dtype" in send("d", "three").error
+    service.layout = _layout()
+    assert send("e", "four").error == "" and service.hellos == 4
     sender.close()
