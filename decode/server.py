@@ -34,7 +34,7 @@ from engine.tensor_parallel import cache_heads, kv_replicas
 from prefill.engine_layout import engine_layout
 from prefill.ticket import DECODE_LAYOUT, SpeculativeKv
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
-from rpc import health, keepalive
+from rpc import health, keepalive, registration
 from tools import preflight
 from transport.config import KvTransportConfig
 
@@ -203,6 +203,7 @@ def cli_parser() -> argparse.ArgumentParser:
     """The decode server's command line (also what deploy/ manifests are checked against)."""
     parser = argparse.ArgumentParser(prog="python -m decode.server", description=__doc__)
     DecodeServerConfig.add_cli_args(parser)
+    registration.add_cli_args(parser)
     preflight.add_cli_args(parser)
     return parser
 
@@ -211,12 +212,15 @@ def main() -> None:
     args = cli_parser().parse_args()
     preflight.check_server(args, "decode.server")
     try:
+        registration.check_args(args)
         server = DecodeServer(DecodeServerConfig.from_cli_args(args))
         server.start()
     except (ValueError, OSError, FileNotFoundError) as e:
         sys.exit(f"decode.server: cannot start: {e}")
     metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
     print(f"decode.server: serving gRPC on {args.host}:{server.port}{metrics}", flush=True)
+    routers = registration.Registration.from_args(args, "decode", server.port, "decode.server")
+    routers.start()
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: terminated.set())
     try:
@@ -224,9 +228,13 @@ def main() -> None:
     except KeyboardInterrupt:
         server.stop()
         return
+    # Routers first: each answers once nothing it sent is still on its way here.
+    routers.withdraw()
     print("decode.server: draining (SIGTERM): new requests refused", flush=True)
     left = server.drain()
-    print(f"decode.server: stopped, {left} request(s) cut at the end of the grace", flush=True)
+    refused = server.servicer.drain_refusals
+    print(f"decode.server: stopped, {left} request(s) cut at the end of the grace, {refused} "
+          "refused while draining", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

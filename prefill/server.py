@@ -44,6 +44,7 @@ from prefill.publisher import KvPublisher
 from prefill.rank_sends import PrefillRankAgent, RankSender
 from prefill.ticket import PREFILL_LAYOUT, KvTransfer, TicketError
 from prefill.worker import Job, PrefillError, PrefillWorker, Result
+from rpc import registration
 from tools import preflight
 from transport.config import KvTransportConfig
 
@@ -132,6 +133,11 @@ class PrefillServer:
         self.tokenizer = _tokenizer(config.engine.model)
         self.draining = False
         """Set by SIGTERM: /health and new requests answer 503 (the router goes elsewhere)."""
+        self.drain_refusals = 0
+        """New requests refused while draining: a router that was told first (this server
+        deregistered before the drain) sends none."""
+        self.instance_id = uuid.uuid4().hex
+        """New at every start (/health): a server restarted on its address has another."""
         self._in_flight = 0
         self.app = self._routes()
 
@@ -146,6 +152,7 @@ class PrefillServer:
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
+            self.drain_refusals += 1
             raise PrefillError(503, "draining: this prefill server is shutting down; send new "
                                "requests to another")  # fmt: skip
 
@@ -162,7 +169,7 @@ class PrefillServer:
                 return _error(503, self.worker.failure)
             if self.draining:
                 return _error(503, "draining")
-            return {"status": "ok"}
+            return {"status": "ok", "instance_id": self.instance_id}
 
         @app.get("/v1/models")
         async def models() -> dict:
@@ -334,6 +341,7 @@ def cli_parser() -> argparse.ArgumentParser:
     """The prefill server's command line (also what deploy/ manifests are checked against)."""
     parser = argparse.ArgumentParser(prog="python -m prefill.server", description=__doc__)
     PrefillServerConfig.add_cli_args(parser)
+    registration.add_cli_args(parser)
     preflight.add_cli_args(parser)
     return parser
 
@@ -346,17 +354,23 @@ def main() -> None:
     except OSError as e:
         sys.exit(f"prefill.server: cannot listen on {args.host}:{args.port}: {e}")
     try:
+        registration.check_args(args)
         server = PrefillServer(PrefillServerConfig.from_cli_args(args))
     except (ValueError, OSError) as e:
         sys.exit(f"prefill.server: cannot start: {e}")
     port = sock.getsockname()[1]
     print(f"prefill.server: serving on http://{args.host}:{port}", flush=True)
     http = _HttpServer(uvicorn.Config(server.app, log_level="warning"))
+    # A router probes at once and marks it down until it answers: uvicorn starts right after.
+    routers = registration.Registration.from_args(args, "prefill", port, "prefill.server")
+    routers.start()
 
     def drain() -> None:
+        routers.withdraw()  # each router answers once nothing it sent is on its way here
         print("prefill.server: draining (SIGTERM): new requests refused", flush=True)
         left = server.drain()
-        print(f"prefill.server: stopped, {left} request(s) cut at the end of the grace", flush=True)
+        print(f"prefill.server: stopped, {left} request(s) cut at the end of the grace, "
+              f"{server.drain_refusals} refused while draining", flush=True)  # fmt: skip
         http.should_exit = True
 
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=drain, daemon=True).start())

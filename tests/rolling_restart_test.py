@@ -1,10 +1,12 @@
 """A rolling restart under load, with real processes (the bundled SmolLM2 on the CPU, over tcp):
 two decode and two prefill servers behind the router serve 8 clients asking for greedy
-completions back to back, while each server in turn is sent SIGTERM (it drains: a decode server
+completions back to back, while each server in turn is sent SIGTERM (it deregisters from the
+router, which answers once nothing it sent is on its way there; then it drains: a decode server
 refuses new requests and finishes its streams, a prefill server stops taking requests and
-finishes the ones it has), exits 0, and is started again on its address, the next one only once
-the router has it back. Not one request fails, every answer is the same text, and both decode
-servers end with their block pools all free.
+finishes the ones it has), exits 0, and is started again on its address, registering itself,
+the next one only once the router has it back. Not one request fails, every answer is the same
+text, no server refused a request while draining (the router never sent one to a draining
+server), and both decode servers end with their block pools all free.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ import time
 
 import httpx
 
-from tests.servers import MODEL, decode_pool_free, start_decode, start_prefill, start_router
+from prefill.vllm_launch import free_port
+from tests.servers import (
+    MODEL,
+    decode_pool_free,
+    exit_line,
+    start_decode,
+    start_prefill,
+    start_router,
+)
 
 CLIENTS = 8
 PROMPT = "The capital of France is"
@@ -38,14 +48,19 @@ def _router_has(url: str, role: str, address: str, timeout: float = 60) -> None:
 
 def test_draining_and_restarting_every_server_in_turn_fails_no_request():
     procs: dict[str, object] = {}
+    port = free_port("127.0.0.1")
+    # Each server registers itself (the router, started after them, has them already: 409).
+    register = ("--register-with", f"http://127.0.0.1:{port}")
     try:
         decodes, prefills = [], []  # the addresses the servers picked: each restarts on its own
         for i in range(2):
-            procs[f"decode{i}"], address = start_decode("tcp", "float32", "--drain-grace-s", "30")
+            procs[f"decode{i}"], address = start_decode(
+                "tcp", "float32", "--drain-grace-s", "30", *register
+            )
             decodes.append(address)
-            procs[f"prefill{i}"], prefill_url = start_prefill("tcp")
+            procs[f"prefill{i}"], prefill_url = start_prefill("tcp", 0, *register)
             prefills.append(prefill_url)
-        procs["router"], url = start_router(prefills, decodes)
+        procs["router"], url = start_router(prefills, decodes, "--port", str(port))
         expected = _ask(url)
         assert expected.status_code == 200, expected.text
         text = expected.json()["choices"][0]["text"]
@@ -72,13 +87,15 @@ def test_draining_and_restarting_every_server_in_turn_fails_no_request():
                 served = len(answers)
                 procs[name].send_signal(signal.SIGTERM)
                 assert procs[name].wait(timeout=60) == 0, f"{name} did not drain cleanly"
-                port = address.rsplit(":", 1)[1]
+                stopped = exit_line(procs[name], r"stopped, (\d+) .* (\d+) refused while draining")
+                assert stopped.groups() == ("0", "0"), stopped.group(0)
+                own = address.rsplit(":", 1)[1]
                 if role == "decode":
                     procs[name], again = start_decode(
-                        "tcp", "float32", "--drain-grace-s", "30", "--grpc-port", port
+                        "tcp", "float32", "--drain-grace-s", "30", "--grpc-port", own, *register
                     )
                 else:
-                    procs[name], again = start_prefill("tcp", int(port))
+                    procs[name], again = start_prefill("tcp", int(own), *register)
                 assert again == address
                 _router_has(url, role, address)
                 assert len(answers) > served  # the others served meanwhile

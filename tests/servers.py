@@ -37,6 +37,17 @@ def start_decode(backend: str, dtype: str = "float32", *extra: str) -> tuple[sub
     return proc, address
 
 
+def exit_line(proc: subprocess.Popen, pattern: str, timeout: float = 10) -> re.Match:
+    """The match of `pattern` in what an exited server (tools.launch.start's) said last."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in list(proc.last_lines):
+            if match := re.search(pattern, line):
+                return match
+        time.sleep(0.05)
+    raise AssertionError(f"no line matching {pattern!r} in: {''.join(proc.last_lines)}")
+
+
 def metrics_url(decode_address: str) -> str:
     """The /metrics URL of the decode server started at `decode_address`."""
     return _METRICS[decode_address]

@@ -309,8 +309,9 @@ class Router:
         self.orchestrator = Orchestrator([P0], [D0], self.prefill, self.decode)
         self.prompts = PromptTokenizer(SegmentTokenizer(CharTokenizer()), self.orchestrator)
         served = ServedModel(MODEL, max_model_len=64, vocab_size=0x110000)  # code points
-        app = create_app(self.orchestrator, self.prompts, served, api_key, max_queue)
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://r")
+        self.app = create_app(self.orchestrator, self.prompts, served, api_key, max_queue)
+        transport = httpx.ASGITransport(self.app)
+        self.client = httpx.AsyncClient(transport=transport, base_url="http://r")
 
     async def post(self, path: str, body: dict, **kwargs) -> httpx.Response:
         return await self.client.post(path, json=body, **kwargs)
