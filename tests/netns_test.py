@@ -12,7 +12,6 @@ The namespaces go at the end, and their links with them.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -21,71 +20,22 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from rpc import keepalive
+from tests.netns import Network
 from tests.servers import COMMON, MODEL, complete, running_backends, start_router, stream_long
 from tools.launch import start
 
-TAG = f"td{os.getpid() % 10000}"
-SUBNET = f"10.{77 + os.getpid() % 100}.{os.getpid() % 250}"
 HOSTS = {"router": 1, "prefill0": 2, "prefill1": 3, "decode0": 4, "decode1": 5}
 DECODES = ("decode0", "decode1")
-TEST_HOST = 254
 DECODE_GRPC, DECODE_METRICS, PREFILL_PORT, ROUTER_PORT = 50051, 9100, 8100, 8000
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-def _address(host: str) -> str:
-    return f"{SUBNET}.{HOSTS[host]}"
-
-
-def _link(host: str) -> str:
-    """The switch's end of a host's link (at most 15 characters, as Linux wants)."""
-    return f"{TAG}{host[0]}{host[-1]}"
-
-
-def _make_network() -> None:
-    """A bridge in a namespace of its own (the switch), one namespace per host linked to it,
-    and this process's host linked to it too."""
-    switch = f"{TAG}-switch"
-    _ip("netns", "add", switch)
-    _ip("-n", switch, "link", "add", "br0", "type", "bridge")
-    _ip("-n", switch, "link", "set", "br0", "up")
-    for host, number in HOSTS.items():
-        ns = f"{TAG}-{host}"
-        _ip("netns", "add", ns)
-        _ip("link", "add", _link(host), "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _ip("link", "set", _link(host), "netns", switch)
-        _ip("-n", switch, "link", "set", _link(host), "master", "br0", "up")
-        _ip("-n", ns, "addr", "add", f"{SUBNET}.{number}/24", "dev", "eth0")
-        _ip("-n", ns, "link", "set", "eth0", "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-    _ip("link", "add", f"{TAG}t", "type", "veth", "peer", "name", f"{TAG}t-h", "netns", switch)
-    _ip("-n", switch, "link", "set", f"{TAG}t-h", "master", "br0", "up")
-    _ip("addr", "add", f"{SUBNET}.{TEST_HOST}/24", "dev", f"{TAG}t")
-    _ip("link", "set", f"{TAG}t", "up")
-
-
-def _remove_network() -> None:
-    """Each namespace, and with it the links it holds (and their peers)."""
-    for name in (*HOSTS, "switch"):
-        subprocess.run(["ip", "netns", "del", f"{TAG}-{name}"], capture_output=True)
-
-
-def _cut(host: str, down: bool) -> None:
-    _ip("-n", f"{TAG}-switch", "link", "set", _link(host), "down" if down else "up")
-
-
-def _on(host: str) -> tuple[str, ...]:
-    return ("ip", "netns", "exec", f"{TAG}-{host}")
+NETWORK = Network("td", HOSTS)
+_address, _on = NETWORK.address, NETWORK.on
 
 
 @pytest.fixture(scope="module", params=["tcp", "mooncake"])
 def stack(request):
     """The five hosts' stack over the KV transport `request.param`: (router URL, transport)."""
     transport = request.param
-    _make_network()
+    NETWORK.make()
     procs = []
     try:
         for host in DECODES:
@@ -114,7 +64,7 @@ def stack(request):
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=30)
-        _remove_network()
+        NETWORK.remove()
 
 
 def _decode_metrics(host: str) -> dict[str, float]:
@@ -180,7 +130,7 @@ def test_a_cut_link_ends_the_stream_with_an_error_and_frees_the_blocks(stack):
 
     def cut_the_serving_host():
         host = _serving()
-        _cut(host, down=True)
+        NETWORK.cut(host, down=True)
         cuts.append((host, time.monotonic()))
 
     _, error, _ = stream_long(stack, 2000, cut_the_serving_host)
@@ -200,7 +150,7 @@ def test_a_cut_link_ends_the_stream_with_an_error_and_frees_the_blocks(stack):
         time.sleep(1)
     assert metrics["tandem_decode_running"] == 0
     assert metrics["tandem_decode_kv_blocks_free"] == metrics["tandem_decode_kv_blocks_total"]
-    _cut(cut, down=False)
+    NETWORK.cut(cut, down=False)
     # The router probes it back: two requests at once go to the two hosts (least loaded).
     served = _decode_metrics(cut)["tandem_decode_tokens_generated_total"]
     deadline = time.monotonic() + 60
