@@ -43,6 +43,8 @@ class Finished:
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    spec_decode: tuple[list[int], int] | None = None
+    """Speculating: the choice's (acceptance histogram, draft tokens)."""
 
 
 @dataclass(frozen=True)
@@ -307,7 +309,12 @@ class EngineLoop(EngineThread):
         del self._live[seq_id]
         if not any(other in self._live for other in self._groups[live.group]):
             del self._groups[live.group]
-        finished = Finished(reason, live.seq.num_prompt_tokens, live.seq.num_output_tokens)
+        seq = live.seq
+        spec = None
+        if self.engine.proposer is not None:
+            k = self.engine.config.num_speculative_tokens
+            spec = (seq.acceptance_histogram or [0] * (k + 1), seq.num_draft_tokens)
+        finished = Finished(reason, seq.num_prompt_tokens, seq.num_output_tokens, spec)
         return _Delivery(live.stream, live.index, token_id, logprobs, finished)
 
     def _publish(self, delivered: list[_Delivery]) -> None:

@@ -330,6 +330,10 @@ def _response(tokens: Tokens) -> decode_pb2.GenerateResponse:
         message.finish_reason = _FINISH[finished.reason]
         message.usage.prompt_tokens = finished.prompt_tokens
         message.usage.completion_tokens = finished.completion_tokens
+        if finished.spec_decode is not None:
+            histogram, drafted = finished.spec_decode
+            message.spec_decode.acceptance_histogram.extend(histogram)
+            message.spec_decode.num_draft_tokens = drafted
     return message
 
 

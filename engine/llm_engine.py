@@ -359,8 +359,12 @@ class LLMEngine:
         for item in plan.scheduled:
             if item.draft:
                 kept = accepted[item.seq.seq_id]
-                item.seq.num_draft_tokens += len(item.draft)
-                item.seq.num_accepted_tokens += kept
+                seq = item.seq
+                seq.num_draft_tokens += len(item.draft)
+                seq.num_accepted_tokens += kept
+                if seq.acceptance_histogram is None:
+                    seq.acceptance_histogram = [0] * (self.config.num_speculative_tokens + 1)
+                seq.acceptance_histogram[kept] += 1
                 self.spec_stats.record(len(item.draft), kept)
 
     def _settle_idle_step(self) -> None:

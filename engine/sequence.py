@@ -110,6 +110,9 @@ class Sequence:
         """Draft tokens proposed for it so far (speculative decoding)."""
         self.num_accepted_tokens = 0
         """Of those, the ones the target accepted."""
+        self.acceptance_histogram: list[int] | None = None
+        """Speculative decoding: [j] = its verify steps that accepted exactly j drafts (length
+        num_speculative_tokens + 1; vLLM's per-request acceptance_histogram)."""
         self.grammar: Any = None
         """A constrained sequence's xgrammar.GrammarMatcher (set by the engine): it has accepted
         every output token, and masks the logits of the next one (engine/grammar.py)."""

@@ -47,3 +47,6 @@ class Finished:
     """The choice's own."""
     index: int = 0
     """The choice that finished."""
+    spec_decode: decode_pb2.SpecDecodeStats | None = None
+    """Its speculative decoding, when its decode server speculates (and it ended there, not
+    on a stop string the router found)."""

@@ -189,8 +189,9 @@ class OpenAIApi:
             parsers = tuple(self.parsing.start(request.tools, prompt_ids,
                                                request.skip_special_tokens, kwargs)
                             for _ in range(request.n))  # fmt: skip
+        spec = self.model.spec_metrics and request.n == 1
         return StreamResponse(request.endpoint, response_id, self.model.name, int(time.time()),
-                              request.include_usage, logprobs, parsers)  # fmt: skip
+                              request.include_usage, logprobs, parsers, spec)  # fmt: skip
 
     async def _prompt_ids(self, request: ApiRequest) -> list[int]:
         try:

@@ -125,8 +125,9 @@ class Orchestrator(Membership):
                         # NOTE: consumers close the stream after the last Finished, without
                         # reading past it: that is no client gone, and nothing is left to abort.
                         live.discard(index)
+                        spec = message.spec_decode if message.HasField("spec_decode") else None
                         yield Finished(_FINISH[message.finish_reason], usage.prompt_tokens,
-                                       usage.completion_tokens, index)  # fmt: skip
+                                       usage.completion_tokens, index, spec)  # fmt: skip
                         if not live:
                             return
             raise BackendError(502, f"decode server {decode.address} ended the stream early")

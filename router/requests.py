@@ -86,6 +86,9 @@ class ServedModel:
     """Token ids are below this (the model's embedding rows)."""
     auto_tools: bool = False
     """tool_choice "auto" is served (a --tool-call-parser is configured)."""
+    spec_metrics: bool = False
+    """One-choice responses carry their speculative decoding (vLLM's
+    --per-request-spec-decode-metrics summary)."""
 
 
 @dataclass(frozen=True)

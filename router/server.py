@@ -55,6 +55,8 @@ class RouterConfig:
     """DNS names (name:port) whose addresses are decode servers, re-resolved (router.discovery)."""
     prefill_services: tuple[str, ...] = ()
     """The same for prefill servers (http://name:port)."""
+    spec_metrics: bool = False
+    """One-choice responses carry their speculative decoding under `metrics`."""
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -100,6 +102,9 @@ def cli_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tool-call-parser", default=None,
                         help="vLLM's parser of tool calls in the output (hermes, llama3_json, "
                         "pythonic, ...); needed for tool_choice auto")  # fmt: skip
+    parser.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary"],
+                        default="none", help="summary: a one-choice response carries its "
+                        "speculative decoding under metrics (vLLM's)")  # fmt: skip
     parser.add_argument(
         "--reasoning-parser",
         default=None,
@@ -113,7 +118,8 @@ def config_of(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(args.model, tuple(args.prefill), tuple(args.decode), args.host,
                         args.port, args.served_model_name, args.api_key, args.max_queue,
                         args.aggregated, not args.no_decode_only_fallback,
-                        tuple(args.decode_service), tuple(args.prefill_service))  # fmt: skip
+                        tuple(args.decode_service), tuple(args.prefill_service),
+                        args.per_request_spec_decode_metrics == "summary")  # fmt: skip
 
 
 def main() -> None:
@@ -135,6 +141,7 @@ def main() -> None:
         config.served_model_name or config.model,
         max_model_len=int(hf_config.get("max_position_embeddings", 4096)),
         vocab_size=int(hf_config.get("vocab_size") or len(tokenizer.tokenizer)),
+        spec_metrics=config.spec_metrics,
     )
     orchestrator = Orchestrator(config.prefill, config.decode, HttpPrefillClient(),
                                 GrpcDecodeClient(), config.aggregated,

@@ -80,19 +80,21 @@ class ChoiceText:
 
     def end(self, finished: Finished) -> list[Delta | Finished]:
         """The choice's end, as the decode server reported it."""
-        return self._last(self._held + self.detok.flush(), finished.finish_reason)
+        text = self._held + self.detok.flush()
+        return self._last(text, finished.finish_reason, finished.spec_decode)
 
     def _delta(self, cut: int) -> Delta:
         delta = Delta(self._held[:cut], self._ids, self._pending, self.index)
         self._held, self._ids, self._pending = self._held[cut:], [], []
         return delta
 
-    def _last(self, text: str, reason: str) -> list[Delta | Finished]:
+    def _last(self, text: str, reason: str, spec=None) -> list[Delta | Finished]:
         self.done = True
         events: list[Delta | Finished] = []
         if text or self._ids:
             events.append(Delta(text, self._ids, self._pending, self.index))
-        return [*events, Finished(reason, self.prompt_tokens, self.completion, self.index)]
+        finished = Finished(reason, self.prompt_tokens, self.completion, self.index, spec)
+        return [*events, finished]
 
 
 async def text_events(
@@ -137,6 +139,9 @@ class Response:
     parsers: tuple[ChoiceParser, ...] = ()
     """Chat: one per choice, splitting its text into content, reasoning and tool calls
     (router/output_parsing.py); none: the text is the content."""
+    spec_metrics: bool = False
+    """A one-choice response carries its speculative decoding under `metrics` (vLLM's
+    --per-request-spec-decode-metrics summary): the body's, or the usage chunk's."""
 
     def head(self, chunk: bool) -> dict:
         kind = self.endpoint.chunk_object if chunk else self.endpoint.value
@@ -174,7 +179,8 @@ async def sse(events: AsyncIterator[Delta | Finished], response: Response) -> As
                     yield _event({**head, "choices": [choice]})
                     started.add(event.index)
         if response.include_usage:
-            yield _event({**head, "choices": [], "usage": _usage(finished)})
+            usage = {**head, "choices": [], "usage": _usage(finished)}
+            yield _event({**usage, **_metrics(response, finished)})
     except BackendError as e:
         yield _event(error_body(e.status, str(e)))
     yield "data: [DONE]\n\n"
@@ -196,8 +202,9 @@ async def collect(events: AsyncIterator[Delta | Finished]) -> list[tuple[Delta, 
 def completion_body(response: Response, choices: list[tuple[Delta, Finished]]) -> dict:
     """The non-streaming response."""
     bodies = [_whole_choice(response, whole, finish) for whole, finish in choices]
-    usage = _usage([finish for _, finish in choices])
-    return {**response.head(chunk=False), "choices": bodies, "usage": usage}
+    finished = [finish for _, finish in choices]
+    body = {**response.head(chunk=False), "choices": bodies, "usage": _usage(finished)}
+    return {**body, **_metrics(response, finished)}
 
 
 def _joined(deltas: list[Delta], index: int) -> Delta:
@@ -257,6 +264,28 @@ def _usage(finished: list[Finished]) -> dict:
     completion = sum(f.completion_tokens for f in finished)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}  # fmt: skip
+
+
+def _metrics(response: Response, finished: list[Finished]) -> dict:
+    """{"metrics": {"speculative_decoding": ...}} as vLLM's per-request summary has it, for a
+    one-choice response whose decode server speculated; {} otherwise."""
+    if not (response.spec_metrics and len(finished) == 1 and finished[0].spec_decode):
+        return {}
+    stats = finished[0].spec_decode
+    histogram = list(stats.acceptance_histogram)
+    steps = sum(histogram)
+    accepted = sum(j * count for j, count in enumerate(histogram))
+    drafted = stats.num_draft_tokens
+    spec = {
+        "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "acceptance_histogram": histogram,
+        "num_spec_steps": steps,
+        "num_accepted_draft_tokens": accepted,
+        "num_draft_tokens": drafted,
+        "num_spec_tokens": len(histogram) - 1,
+    }
+    return {"metrics": {"speculative_decoding": spec}}
 
 
 def _event(payload: dict) -> str:

@@ -65,8 +65,11 @@ def stack():
     drafting, drafting_url = start_prefill("tcp", 0, "--speculative-config", SELF_DRAFT)
     router, url = start_router([prefill_url], [ngram_address])
     refused, refused_url = start_router([prefill_url], [draft_address], "--no-decode-only-fallback")
-    sent, sent_url = start_router([drafting_url], [draft_address], "--no-decode-only-fallback")
-    aggregated, aggregated_url = start_router([], [draft_address], "--aggregated")
+    per_request = ("--per-request-spec-decode-metrics", "summary")
+    sent, sent_url = start_router(
+        [drafting_url], [draft_address], "--no-decode-only-fallback", *per_request
+    )
+    aggregated, aggregated_url = start_router([], [draft_address], "--aggregated", *per_request)
     yield {
         "ngram": (ngram_address, url),
         "draft": (draft_address, refused_url, aggregated_url),
@@ -91,13 +94,19 @@ def _complete(url: str, prompt: str, model: str = MODEL) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
-def _texts(url: str, model: str = MODEL) -> list[str]:
-    """Every prompt's greedy completion through the router at `url`."""
+def _texts(url: str, model: str = MODEL, every_draft_accepted: bool = False) -> list[str]:
+    """Every prompt's greedy completion through the router at `url`; `every_draft_accepted`:
+    and each reply's speculative decoding (the router's per-request metrics) says so."""
     texts = []
     for prompt in PROMPTS:
         reply = _complete(url, prompt, model)
         assert reply.status_code == 200, reply.text
         texts.append(reply.json()["choices"][0]["text"])
+        if every_draft_accepted:
+            spec = reply.json()["metrics"]["speculative_decoding"]
+            assert spec["num_draft_tokens"] > 0 and spec["draft_acceptance_rate"] == 1.0, spec
+            assert spec["num_accepted_draft_tokens"] == spec["num_draft_tokens"], spec
+            assert sum(spec["acceptance_histogram"]) == spec["num_spec_steps"] > 0, spec
     return texts
 
 
@@ -141,7 +150,7 @@ def test_a_prefill_without_the_drafts_kv_is_refused_at_hello(stack):
 
 def test_draft_model_decode_prefilling_itself_accepts_every_proposal(stack, reference):
     address, _, aggregated_url = stack["draft"]
-    assert _texts(aggregated_url) == reference
+    assert _texts(aggregated_url, every_draft_accepted=True) == reference
     metrics = metrics_url(address)
     drafted = counter(metrics, "tandem_decode_spec_draft_tokens_total")
     assert drafted > 0
@@ -160,7 +169,7 @@ def test_behind_a_prefill_that_sends_the_drafts_kv_every_proposal_is_accepted(st
     sent_before = counter(metrics, "tandem_decode_transfer_bytes_total")
     drafted_before = counter(metrics, "tandem_decode_spec_draft_tokens_total")
     accepted_before = counter(metrics, "tandem_decode_spec_accepted_tokens_total")
-    assert _texts(sent_url) == reference
+    assert _texts(sent_url, every_draft_accepted=True) == reference
     drafted = counter(metrics, "tandem_decode_spec_draft_tokens_total") - drafted_before
     accepted = counter(metrics, "tandem_decode_spec_accepted_tokens_total") - accepted_before
     assert drafted > 0 and accepted == drafted

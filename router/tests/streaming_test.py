@@ -5,6 +5,7 @@ non-streaming bodies are exactly what clients get."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 from proto.tandem.v1 import decode_pb2
@@ -271,3 +272,25 @@ def test_the_whole_body_lists_the_choices_in_order():
     assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
         (0, "Hi!Bye", "length"), (1, "Hostop", "stop")]  # fmt: skip
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 17, "total_tokens": 19}
+
+
+def test_a_one_choice_response_carries_its_speculative_decoding_as_vllm_does():
+    """vLLM's per-request summary (--per-request-spec-decode-metrics summary): the body's
+    `metrics`, the usage chunk's when streamed; from the decode server's histogram."""
+    stats = decode_pb2.SpecDecodeStats(acceptance_histogram=[1, 0, 2, 1], num_draft_tokens=12)
+    finish = Finished("length", 0, 0, spec_decode=stats)
+    spec = {
+        "mean_acceptance_length": 1 + 7 / 4, "draft_acceptance_rate": 7 / 12,
+        "acceptance_histogram": [1, 0, 2, 1], "num_spec_steps": 4,
+        "num_accepted_draft_tokens": 7, "num_draft_tokens": 12, "num_spec_tokens": 3,
+    }  # fmt: skip
+    on = Response(CHAT, "id-1", "tiny", 1700, include_usage=True, spec_metrics=True)
+    choices = asyncio.run(collect(_text(Upstream(["Hi"], finish).stream(), 2)))
+    assert completion_body(on, choices)["metrics"] == {"speculative_decoding": spec}
+    lines = asyncio.run(_list(sse(_text(Upstream(["Hi"], finish).stream(), 2), on)))
+    usage_chunk = json.loads(lines[-2][len("data: ") :])
+    assert usage_chunk["choices"] == [] and usage_chunk["metrics"]["speculative_decoding"] == spec
+    off = Response(CHAT, "id-1", "tiny", 1700)  # the router's default, as vLLM's
+    assert "metrics" not in completion_body(off, choices)
+    second = (Delta("Ho", ids("Ho"), [], 1), dataclasses.replace(finish, index=1))
+    assert "metrics" not in completion_body(on, [*choices, second])  # n > 1: none
