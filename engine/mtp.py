@@ -109,11 +109,14 @@ class MtpProposer:
         layers: list[MtpLayer],
         target: DeepseekForCausalLM,
         kv_cache: KVCache,
+        max_chunk: int,
         graphs: list[DecodeGraphs] | None = None,
     ) -> None:
-        """`graphs`: one per layer (new_kv_first, its `forward` the layer's `predict`), for
-        steps of up to their max_batch rows; the rest runs eagerly."""
+        """`max_chunk`: rows of one sequence a catch-up forward feeds at most (the engine's
+        max_num_batched_tokens); `graphs`: one per layer (new_kv_first, its `forward` the
+        layer's `predict`), for steps of up to their max_batch rows; the rest runs eagerly."""
         self.layers = layers
+        self.max_chunk = max_chunk
         self.target = target
         self.kv_cache = kv_cache
         self.graphs = graphs
@@ -171,21 +174,32 @@ class MtpProposer:
     def _catch_up(
         self, seqs: list[Sequence], logits: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feeds each sequence's pending positions (j with token j + 1, h_j), a row each: g
-        and the greedy draft 1 after each one's last (`logits`: else no draft)."""
-        ids, positions, tables, last = [], [], [], []
+        """Feeds each sequence's pending positions (j with token j + 1, h_j), a row each, at
+        most max_chunk rows of a sequence a forward (a whole prompt's would not fit): g and the
+        greedy draft 1 after each one's last (`logits`: else no draft)."""
+        while behind := [seq for seq in seqs if len(seq.draft_hidden) > self.max_chunk]:
+            self._feed(behind, self.max_chunk, logits=False)
+        return self._feed(seqs, None, logits)
+
+    def _feed(
+        self, seqs: list[Sequence], limit: int | None, logits: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `limit` (None: all) pending positions of each sequence."""
+        ids, positions, tables, last, previous = [], [], [], [], []
         for seq in seqs:
-            start, end = seq.num_draft_computed, seq.num_tokens - 1
-            ids.extend(seq.token_ids[start + 1 : end + 1])
-            positions.extend(range(start, end))
-            tables.extend([seq.block_ids] * (end - start))
+            start = seq.num_draft_computed
+            count = len(seq.draft_hidden) if limit is None else limit
+            ids.extend(seq.token_ids[start + 1 : start + count + 1])
+            positions.extend(range(start, start + count))
+            tables.extend([seq.block_ids] * count)
             last.append(len(ids) - 1)
-        previous = torch.cat([seq.draft_hidden for seq in seqs])
+            previous.append(seq.draft_hidden[:count])
         last_rows = torch.tensor(last if logits else [], dtype=torch.long, device=self.device)
-        g, greedy = self._rows(0, ids, positions, tables, previous, last_rows)
+        g, greedy = self._rows(0, ids, positions, tables, torch.cat(previous), last_rows)
         for seq in seqs:
-            seq.num_draft_computed = seq.num_tokens - 1
-            seq.draft_hidden = None
+            count = len(seq.draft_hidden) if limit is None else limit
+            seq.num_draft_computed += count
+            seq.draft_hidden = seq.draft_hidden[count:] if count < len(seq.draft_hidden) else None
         return g[last_rows], greedy
 
     def _rows(

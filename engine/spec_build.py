@@ -164,7 +164,7 @@ def build_mtp(
             )
             for i, layer in enumerate(layers)
         ]
-    return MtpProposer(layers, model, kv_cache, graphs)
+    return MtpProposer(layers, model, kv_cache, config.max_num_batched_tokens, graphs)
 
 
 def _mtp_forward(layer: MtpLayer, target: CausalLM, cache: tuple[torch.Tensor]) -> HiddenForward:

@@ -264,13 +264,29 @@ class WorkerSide:
                 self._send(session, layer, plan.start, plan.end)
 
     def step_done(self) -> None:
-        """After the step's forward: requests whose prompt is complete are committed once
-        their writes have ended."""
+        """After the step's forward (and the drafter's): requests whose prompt is complete are
+        committed once their writes have ended."""
+        unsent = self._proposer_layers_unsaved()
+        for plan, session in self._step:
+            if unsent and plan.end > plan.start:
+                # vLLM skips its drafter for a step whose sequences do not fit the draft
+                # model's context: the decode would lack the proposer's KV of these tokens.
+                why = (f"vLLM's speculative drafter wrote none of its layers {unsent} in this step "
+                       "(does the prompt fit the draft model's max_model_len?)")  # fmt: skip
+                self.sender.fail(session, why)
         for plan, session in self._step:
             if plan.final:
                 self.sender.finish(session).add_done_callback(partial(_log_failure, session))
                 del self._sessions[plan.req_id]
         self._step = []
+
+    def _proposer_layers_unsaved(self) -> list[int]:
+        """The proposer's layers (numbered after the model's) this step did not save."""
+        if self._proposer is None or self.sender is None:
+            return []
+        first = self._num_model_layers
+        layers = range(first, first + len(self._proposer.views))
+        return [layer for layer in layers if layer not in self._saved]
 
     def close(self) -> None:
         if self.sender is not None:

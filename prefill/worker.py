@@ -198,10 +198,11 @@ class PrefillWorker(EngineThread):
             if out.logprobs is not None:
                 job.logprobs.append(out.logprobs)
             if out.finish_reason is not None:
-                del self._live[out.seq_id]
                 finished.append((job, out.finish_reason.value))
+        # Live until then: should the fill fail, the engine's failure fails them too.
         self._send_proposer_kv([job for job, _ in finished if job.send is not None])
         for job, finish_reason in finished:
+            del self._live[job.request_id]
             self._finish(job, finish_reason)
 
     def _send_proposer_kv(self, jobs: list[Job]) -> None:

@@ -30,9 +30,12 @@ PROPOSERS = {
 
 
 def _engine(model: str, spec: SpeculativeConfig) -> LLMEngine:
+    """16 tokens a step: a prompt prefills in chunks, and the proposer's KV of it is computed
+    in chunks too."""
     config = EngineConfig(
-        model=model, dtype="float32", block_size=8, kv_cache_gb=0.01, speculative_config=spec
-    )
+        model=model, dtype="float32", block_size=8, kv_cache_gb=0.01, speculative_config=spec,
+        max_num_batched_tokens=16, max_num_seqs=4,
+    )  # fmt: skip
     return LLMEngine.build(config)
 
 

@@ -2,7 +2,9 @@
 vLLM cannot run on a GPU here, so this is where the GPU path is checked): a chunked prompt is
 converted to the decode layout (other block size, one tensor-parallel rank's heads), written
 over a real transport into a decode-shaped cache, and committed to a fake decode service that
-runs the decode server's own layout check. The landed KV must equal a reference gather."""
+runs the decode server's own layout check. The landed KV must equal a reference gather. A
+speculative drafter's layers land in the decode's proposer cache after the model's; a step
+whose drafter did not run fails the request naming it."""
 
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ import torch
 import transport
 from prefill.kv_writes import valid_bytes
 from prefill.tests.fake_decode import FakeDecode
+from prefill.ticket import SpeculativeKv
 from prefill.vllm_config import TandemConnectorConfig
+from prefill.vllm_layouts import cache_views
 from prefill.vllm_metadata import SendPlan, TandemMetadata
-from prefill.vllm_worker_side import WorkerFacts, WorkerSide
+from prefill.vllm_worker_side import ProposerLayers, WorkerFacts, WorkerSide
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 
 LAYERS, HEADS, DIM = 3, 4, 8  # HEADS: the model's KV heads; the sender is rank 1 of 2
@@ -211,3 +215,68 @@ def test_kv_heads_that_do_not_split_over_the_ranks_are_refused_at_start_up():
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide the model's 4"):
         WorkerFacts("m", HEADS, DIM, VLLM_BLOCK, tp_rank=0, tp_size=3)
     assert WorkerFacts("m", HEADS, DIM, VLLM_BLOCK, tp_rank=1, tp_size=2).heads == range(2, 4)
+
+
+def _proposer_stack(decode_side):
+    """A rank-1-of-1 worker with a draft model of 1 layer and 2 KV heads (FlashAttention's
+    layout) besides the model's; a ticket whose shard lists a proposer cache for it."""
+    agent, dst, service, address = decode_side
+    spec = SpeculativeKv("draft_model", "hnd", 1, 2, DIM, "float32")
+    service.layout.speculative_kv = str(spec)
+    proposer_dst = torch.zeros(1, 2, 16, 2, DECODE_BLOCK, DIM)
+    agent.register(proposer_dst.data_ptr(), proposer_dst.numel() * 4)
+    ticket = _ticket(agent, dst)
+    ticket.num_senders = 1
+    ticket.layout.speculative_kv = str(spec)
+    ticket.speculative_block_stride_bytes = proposer_dst.stride(2) * 4
+    ticket.speculative_head_stride_bytes = proposer_dst.stride(3) * 4
+    region = lambda plane: layout_pb2.KvRegion(  # noqa: E731
+        addr=proposer_dst[0, plane].data_ptr(), nbytes=proposer_dst[0, 0].numel() * 4
+    )
+    ticket.shards[0].endpoint.metadata = agent.endpoint()
+    ticket.shards[0].speculative_layers.append(layout_pb2.LayerRegions(k=region(0), v=region(1)))
+    torch.manual_seed(1)
+    model = torch.randn(LAYERS, 2, 16, HEADS, KERNEL_BLOCK, DIM)
+    draft = torch.randn(1, 2, 16, 2, KERNEL_BLOCK, DIM)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    caches = [_flash_kv_first(model[i, 0], model[i, 1]) for i in range(LAYERS)]
+    draft_cache = _flash_kv_first(draft[0, 0], draft[0, 1])
+    views = [cache_views("FLASH_ATTN", draft_cache, 2, DIM)]
+    proposer = ProposerLayers("draft_model", ["draft_model.model.layers.0.self_attn.attn"],
+                              views, "hnd", 2, DIM)  # fmt: skip
+    config = TandemConnectorConfig(staging_mb=1.0, staging_slots=4)
+    worker = WorkerSide(config, WorkerFacts("m", HEADS, DIM, VLLM_BLOCK, 0, 1),
+                        transport.create("tcp"))  # fmt: skip
+    worker.register(list(zip(names, caches, strict=True)), "FLASH_ATTN", proposer=proposer)
+    plan = SendPlan("vllm-1", 0, PROMPT, SRC_BLOCKS, final=True,
+                    ticket=ticket.SerializeToString(), decode_address=address)  # fmt: skip
+    return worker, plan, names + proposer.names, draft, proposer_dst, service
+
+
+def test_the_drafters_layers_go_after_the_models_into_the_proposer_cache(decode_side):
+    worker, plan, names, draft, proposer_dst, service = _proposer_stack(decode_side)
+    worker.bind(TandemMetadata([plan]))
+    for name in [*names, names[-1]]:  # a deeper draft runs the drafter's layer again
+        worker.save_layer(name)
+    worker.step_done()
+    commit = _wait_for_commit(service)
+    assert commit.error == "" and commit.layers_written == LAYERS + 1
+    model_bytes = valid_bytes(PROMPT, HEADS, DIM * 4, LAYERS)
+    assert commit.bytes_written == model_bytes + valid_bytes(PROMPT, 2, DIM * 4, 1)
+    kernel_blocks = _kernel_blocks()
+    for t in range(PROMPT):
+        src = draft[0, :, kernel_blocks[t // KERNEL_BLOCK], :, t % KERNEL_BLOCK]
+        landed = proposer_dst[0, :, DST_BLOCKS[t // DECODE_BLOCK], :, t % DECODE_BLOCK]
+        assert torch.equal(landed, src), t
+    worker.close()
+
+
+def test_a_step_whose_drafter_did_not_run_fails_the_request_naming_it(decode_side):
+    worker, plan, names, _, _, service = _proposer_stack(decode_side)
+    worker.bind(TandemMetadata([plan]))
+    for name in names[:-1]:  # vLLM skipped its drafter for this step
+        worker.save_layer(name)
+    worker.step_done()
+    commit = _wait_for_commit(service)
+    assert "drafter wrote none of its layers [3]" in commit.error, commit.error
+    worker.close()
