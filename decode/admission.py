@@ -101,6 +101,7 @@ class Admission:
         self.pool = pool
         self.block_size = block_size
         self.num_layers = num_layers
+        """Layers every sender writes: the model's, and its speculative proposer's if any."""
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
         self.default_timeout_s = default_timeout_s
@@ -378,7 +379,7 @@ class Admission:
     def _commit_problem_locked(self, res: Reservation, rank: int, layers: int) -> str | None:
         """Why the commit just recorded does not fit the ticket; None if it does."""
         if layers != self.num_layers:
-            return f"sender {rank} wrote {layers} layers, the model has {self.num_layers}"
+            return f"sender {rank} wrote {layers} layers, this server has {self.num_layers}"
         total = sum(res.committed.values())
         if len(res.committed) == res.num_senders and total != res.expected_bytes:
             return (

@@ -87,6 +87,8 @@ class _Decode:
         """The server process the Hello went to, as its tickets name it."""
         self.endpoints: set[bytes] = set()
         """Its transport endpoints this sender connected to (dropped when it restarts)."""
+        self.retired: set[str] = set()
+        """Instance ids it had before restarts: a late ticket of one fails at once."""
 
 
 class KvSender:
@@ -151,7 +153,11 @@ class KvSender:
             decode = self._decoders.get(transfer.decode_address)
             if decode is None:
                 decode = self._decoders[transfer.decode_address] = _Decode(transfer.decode_address)
-            if ticket.decode_instance_id != decode.instance_id:
+            if ticket.decode_instance_id in decode.retired:  # issued before its restart
+                error = error or (
+                    f"decode server {transfer.decode_address} restarted since it issued this ticket"
+                )
+            elif ticket.decode_instance_id != decode.instance_id:
                 self._restarted_locked(decode, ticket.decode_instance_id)
             if error:
                 session._unreachable = decode.unreachable  # a commit could only hang there
@@ -209,6 +215,8 @@ class KvSender:
         """Another server process answers at the decode's address (a restart, or the first
         ticket): what was learned of the old one, its Hello's outcome and transport peers, is
         dropped, so the new one is asked again and connected to afresh."""
+        if decode.instance_id:
+            decode.retired.add(decode.instance_id)
         decode.instance_id = instance_id
         decode.hello, decode.retry_at, decode.unreachable = None, 0.0, False
         for endpoint in decode.endpoints:

@@ -74,15 +74,13 @@ class LayerwiseSend:
         )  # fmt: skip
 
     def _proposer_ops(self, layer: int, target: Target) -> list[WriteOp]:
-        """The proposer runs on one rank: all of its heads go to the shard that lists its
-        layers."""
-        if not target.shard.speculative_layers:
+        regions = target.proposer_layer(layer)
+        if regions is None:
             return []
         cache = self.proposer_cache
         return self._layer_ops(
-            cache.kv_caches[layer], target.shard.speculative_layers[layer],
-            _block_layout(cache), self.session.proposer_dst_layout,
-            range(cache.storage.shape[3]), 0,
+            cache.kv_caches[layer], regions, _block_layout(cache),
+            self.session.proposer_dst_layout, range(cache.storage.shape[3]), 0,
         )  # fmt: skip
 
     def _layer_ops(self, planes, dst, src_layout, dst_layout, heads, dst_head_offset):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from prefill.kv_writes import BlockLayout
 from prefill.ticket import KvTransfer
-from proto.tandem.v1 import decode_pb2
+from proto.tandem.v1 import decode_pb2, layout_pb2
 from transport.base import Peer, Transfer, WriteOp
 
 
@@ -31,6 +31,13 @@ class Target:
     """This sender's head indices (0 = its first head) that the shard stores."""
     dst_head_offset: int
     """Destination head = sender head - dst_head_offset."""
+
+    def proposer_layer(self, layer: int) -> layout_pb2.LayerRegions | None:
+        """The regions of the decode's speculative proposer cache's `layer` in this shard, or
+        None if it holds none. The proposer runs on one rank: every head of it goes to the
+        shard that lists its layers, at its own index."""
+        layers = self.shard.speculative_layers
+        return layers[layer] if layers else None
 
 
 BuildOps = Callable[[Target], list[WriteOp]]

@@ -29,6 +29,7 @@ from prefill.ticket import KV_FORMAT_HND, KV_FORMAT_MLA_LATENT
 from prefill.vllm_config import TandemConnectorConfig
 from prefill.vllm_layouts import (
     CPU_LATENT_BACKENDS,
+    LATENT_CACHE_DTYPES,
     cache_views,
     check_latent_write,
     latent_views,
@@ -140,6 +141,12 @@ class TandemConnector(KVConnectorBase_V1):
             return None
         names = [name for name, _ in extra]
         attention = context[names[0]]
+        if attention.kv_cache_dtype not in LATENT_CACHE_DTYPES:
+            logger.warning(
+                "TandemConnector: the %s layers' %s KV cache is not sent (an fp8 proposer "
+                "cache is not supported)", method, attention.kv_cache_dtype,
+            )  # fmt: skip
+            return None
         backend = attention.attn_backend.get_name()
         facts = self._worker.facts
         if method == "mtp":  # the model's own layers: its cache format

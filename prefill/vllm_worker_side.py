@@ -376,8 +376,7 @@ class _StagedRun:
         heads, offset = target.heads, target.dst_head_offset
         if self.proposer_heads is None:
             regions = target.shard.layers[self.layer]
-        elif target.shard.speculative_layers:
-            regions = target.shard.speculative_layers[self.layer]
+        elif (regions := target.proposer_layer(self.layer)) is not None:
             heads, offset = self.proposer_heads, 0
         else:
             return []

@@ -149,6 +149,10 @@ class Membership:
         ranked = sorted(self.prefills, key=lambda p: (not p.healthy, p.in_flight))
         return ranked[:2]
 
+    def _listed(self, prefill: PrefillInstance) -> bool:
+        """Whether `prefill` is still one of the instances (not removed since it was picked)."""
+        return any(p is prefill for p in self.prefills)
+
     def _any_prefill_healthy(self) -> bool:
         return any(p.healthy for p in self.prefills)
 

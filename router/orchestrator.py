@@ -186,6 +186,8 @@ class Orchestrator(Membership):
         retried once, on another instance, as the prefill itself is."""
         error = "no prefill instance is available"
         for prefill in self._prefill_order():
+            if not self._listed(prefill):  # removed while the one before was asked
+                continue
             prefill.in_flight += 1
             try:
                 reply = await self.prefill_client.tokenize(prefill.url, body)
@@ -214,6 +216,8 @@ class Orchestrator(Membership):
         delivered = False
         status = 503
         for prefill in self._prefill_order():
+            if not self._listed(prefill):  # removed while the one before was asked
+                continue
             prefill.in_flight += 1
             try:
                 reply = await self.prefill_client.complete(prefill.url, request.prompt_ids,

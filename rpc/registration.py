@@ -8,9 +8,11 @@ deregistered before it drains, so that no router sends it a request it would ref
     server.drain()            # only now refuse new work
 
 A router that cannot be reached yet is asked again every RETRY_S (routers and servers start in
-any order); one that refuses the registration (a bad address, a wrong API key) is named in the
-log and not asked again. The API key is the environment's TANDEM_ROUTER_API_KEY, never a
-command-line argument (which other users of the host can read).
+any order), and one that has the server is asked every CHECK_S whether it still does (a
+restarted router has forgotten it); one that refuses the registration (a bad address, a wrong
+API key, an aggregated router and a prefill) is named in the log and not asked again. The API
+key is the environment's TANDEM_ROUTER_API_KEY, never a command-line argument (which other
+users of the host can read).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import httpx
 API_KEY_ENV = "TANDEM_ROUTER_API_KEY"
 PATH = "/admin/instances"
 RETRY_S = 2.0
+CHECK_S = 10.0
+"""How often a router that has this server is asked whether it still has it."""
 CALL_TIMEOUT_S = 5.0
 WITHDRAW_TIMEOUT_S = 40.0
 """Longer than a router waits for the requests on their way here (its SETTLE_TIMEOUT_S)."""
@@ -94,30 +98,52 @@ class Registration:
                 list(pool.map(self._deregister, routers))
 
     def _register_loop(self) -> None:
-        pending = list(self.routers)
-        while pending and not self._stop.is_set():
-            pending = [router for router in pending if not self._register(router)]
-            self._stop.wait(RETRY_S)
+        """Until withdrawn: each router that does not list this server is asked to; every
+        RETRY_S while one could not be reached, else every CHECK_S (a router restarted has
+        forgotten its registrations)."""
+        refused: set[str] = set()
+        while not self._stop.is_set():
+            outcomes = {r: self._ensure(r) for r in self.routers if r not in refused}
+            refused |= {router for router, outcome in outcomes.items() if outcome == "refused"}
+            unreached = any(outcome == "unreached" for outcome in outcomes.values())
+            self._stop.wait(RETRY_S if unreached else CHECK_S)
 
-    def _register(self, router: str) -> bool:
-        """True once `router` has this server, or refused it for good."""
+    def _ensure(self, router: str) -> str:
+        """ "listed" (the router has this server), "refused" (for good) or "unreached"."""
         try:
+            if self._listed(router):
+                return "listed"
             reply = httpx.post(
                 router + PATH, json=self.body, headers=self.headers, timeout=CALL_TIMEOUT_S
             )
         except httpx.HTTPError as e:
             self._log(f"router {router} not reached ({e}); registering again in {RETRY_S} s")
-            return False
-        if reply.status_code in (201, 409):  # 409: it has this address already
+            return "unreached"
+        # 409 naming the address: it has this address already (e.g. on its command line).
+        if reply.status_code == 201 or _error_param(reply) == (409, "address"):
             with self._lock:
                 self.registered.add(router)
             self._log(f"registered with router {router} as {self.body['address']}")
-            return True
+            return "listed"
         if reply.status_code >= 500:
-            return False
+            return "unreached"
         self._log(f"router {router} refused the registration: {reply.status_code} "
                   f"{reply.text[:300]}")  # fmt: skip
-        return True
+        return "refused"
+
+    def _listed(self, router: str) -> bool:
+        """Whether the router lists this server (as registered here or on its command line)."""
+        reply = httpx.get(router + PATH, headers=self.headers, timeout=CALL_TIMEOUT_S)
+        try:
+            listed = reply.status_code == 200 and self.body["address"] in reply.json().get(
+                self.body["role"], {}
+            )
+        except ValueError:
+            return False
+        if listed:
+            with self._lock:
+                self.registered.add(router)
+        return listed
 
     def _deregister(self, router: str) -> None:
         try:
@@ -136,3 +162,12 @@ class Registration:
 
     def _log(self, line: str) -> None:
         print(f"{self.server}: {line}", flush=True)
+
+
+def _error_param(reply: httpx.Response) -> tuple[int, str | None]:
+    """(status, the OpenAI error body's `param`)."""
+    try:
+        param = reply.json().get("error", {}).get("param")
+    except (ValueError, AttributeError):
+        param = None
+    return reply.status_code, param

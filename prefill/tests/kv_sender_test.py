@@ -183,6 +183,9 @@ def test_a_decode_server_restarted_on_its_address_is_asked_again_and_connected_a
     assert (service.hellos, len(connects)) == (1, 1)
     assert send("c", "two").error == ""
     assert (service.hellos, len(connects)) == (2, 2)
+    # A ticket the old instance issued, arriving late, fails at once and changes nothing.
+    assert "restarted since it issued this ticket" in send("late", "one").error
+    assert send("c2", "two").error == "" and (service.hellos, len(connects)) == (2, 2)
     # A refusal is remembered for its instance only: the restarted one is asked at once.
     service.layout = _layout("bfloat16")
     assert "kv_dtype" in send("d", "three").error

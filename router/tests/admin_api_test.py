@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from router import admin_api
-from router.tests.fakes import D0, MODEL, P0, Router
+from router.tests.fakes import D0, MODEL, P0, Router, refused
 
 D1, P1 = "decode-1:50051", "http://prefill-1:8100"
 COMPLETION = {"model": MODEL, "prompt": "Capital?", "max_tokens": 8}
@@ -143,3 +143,19 @@ def test_the_api_key_guards_the_admin_api():
         assert (await _admin(router, "POST", body, headers=key)).status_code == 201
 
     _run(test, api_key="s3cret")
+
+
+def test_a_prefill_removed_while_another_is_asked_gets_no_retry():
+    async def test(router: Router):
+        assert (await _admin(router, "POST", {"role": "prefill", "address": P1})).status_code == 201
+        router.prefill.gate = gate = asyncio.Event()
+        router.prefill.script(P0, refused())  # the first one asked fails: a retry is due
+        completion = asyncio.create_task(router.post("/v1/completions", COMPLETION))
+        await _until(lambda: ("complete", P0) in router.prefill.calls)
+        removal = await _admin(router, "DELETE", {"role": "prefill", "address": P1})
+        assert removal.json()["settled"] is True  # nothing was on its way to P1
+        gate.set()
+        await completion
+        assert ("complete", P1) not in router.prefill.calls
+
+    _run(test)

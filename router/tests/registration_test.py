@@ -123,3 +123,34 @@ def test_an_unspecified_bind_address_needs_an_advertised_one():
     registration.check_args(args)
     member = Registration.from_args(args, "decode", 50051, "decode.server")
     assert member.body == {"role": "decode", "address": "10.0.0.7:50051"}
+
+
+def test_a_router_that_forgot_the_server_has_it_again(monkeypatch):
+    """A restarted router has lost its registrations: the server, asking every CHECK_S
+    whether it is listed, registers again."""
+    monkeypatch.setattr(registration, "CHECK_S", 0.1)
+    served = _Served(_free_port())
+    try:
+        member = Registration([f"http://127.0.0.1:{served.server.config.port}"], "decode", D1)
+        member.start()
+        _until(lambda: D1 in served.decodes())
+        served.router.orchestrator.remove_instance("decode", D1)  # as a restart would
+        _until(lambda: D1 in served.decodes())
+        member.withdraw()
+        assert served.decodes() == [D0]
+    finally:
+        served.close()
+
+
+def test_an_aggregated_router_refuses_a_prefill_for_good(capsys):
+    served = _Served(_free_port())
+    served.router.orchestrator.decode_only.aggregated = True
+    try:
+        url = f"http://127.0.0.1:{served.server.config.port}"
+        member = Registration([url], "prefill", "http://127.0.0.1:8199")
+        member.start()
+        _until(lambda: "refused the registration: 409" in capsys.readouterr().out)
+        assert member.registered == set()
+        member.withdraw()
+    finally:
+        served.close()
