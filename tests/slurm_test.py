@@ -100,21 +100,21 @@ def _cluster(nodes: list[tuple[str, str, tuple[str, ...]]], controller: str):
         )
     )
     env = {**os.environ, "SLURM_CONF": str(conf)}
-    subprocess.run(
-        [_daemon("munged"), "--force", f"--socket={root}/munge.sock", f"--key-file={key}",
-         f"--pid-file={root}/munged.pid", f"--log-file={root}/log/munged.log",
-         f"--seed-file={root}/munge.seed"],
-        check=True, env=env,
-    )  # fmt: skip
-    subprocess.run([_daemon("slurmctld"), "-f", str(conf)], check=True, env=env)
-    for name, _, prefix in nodes:
-        (root / "spool" / name).mkdir()
-        done = subprocess.run([*prefix, _daemon("slurmd"), "-f", str(conf), "-N", name],
-                              env=env, capture_output=True, text=True)  # fmt: skip
-        log = root / "log" / f"slurmd-{name}.log"
-        assert done.returncode == 0, (done.stderr, log.exists() and log.read_text()[-2000:])
     pid_files = [root / "slurmctld.pid", *(root / f"slurmd-{name}.pid" for name, _, _ in nodes)]
-    try:
+    try:  # from the first daemon on: whatever fails, every daemon started is stopped
+        subprocess.run(
+            [_daemon("munged"), "--force", f"--socket={root}/munge.sock", f"--key-file={key}",
+             f"--pid-file={root}/munged.pid", f"--log-file={root}/log/munged.log",
+             f"--seed-file={root}/munge.seed"],
+            check=True, env=env,
+        )  # fmt: skip
+        subprocess.run([_daemon("slurmctld"), "-f", str(conf)], check=True, env=env)
+        for name, _, prefix in nodes:
+            (root / "spool" / name).mkdir()
+            done = subprocess.run([*prefix, _daemon("slurmd"), "-f", str(conf), "-N", name],
+                                  env=env, capture_output=True, text=True)  # fmt: skip
+            log = root / "log" / f"slurmd-{name}.log"
+            assert done.returncode == 0, (done.stderr, log.exists() and log.read_text()[-2000:])
         idle = ["idle", str(len(nodes))]  # one line: the state, how many nodes are in it
         _wait(lambda: _out(["sinfo", "-h", "-o", "%T %D"], env).split() == idle, 60,
               f"{len(nodes)} node(s) idle")  # fmt: skip
