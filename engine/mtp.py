@@ -185,19 +185,18 @@ class MtpProposer:
         self, seqs: list[Sequence], limit: int | None, logits: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `limit` (None: all) pending positions of each sequence."""
-        ids, positions, tables, last, previous = [], [], [], [], []
-        for seq in seqs:
+        counts = [len(seq.draft_hidden) if limit is None else limit for seq in seqs]
+        ids, positions, tables, last = [], [], [], []
+        for seq, count in zip(seqs, counts, strict=True):
             start = seq.num_draft_computed
-            count = len(seq.draft_hidden) if limit is None else limit
             ids.extend(seq.token_ids[start + 1 : start + count + 1])
             positions.extend(range(start, start + count))
             tables.extend([seq.block_ids] * count)
             last.append(len(ids) - 1)
-            previous.append(seq.draft_hidden[:count])
+        previous = torch.cat([seq.draft_hidden[:n] for seq, n in zip(seqs, counts, strict=True)])
         last_rows = torch.tensor(last if logits else [], dtype=torch.long, device=self.device)
-        g, greedy = self._rows(0, ids, positions, tables, torch.cat(previous), last_rows)
-        for seq in seqs:
-            count = len(seq.draft_hidden) if limit is None else limit
+        g, greedy = self._rows(0, ids, positions, tables, previous, last_rows)
+        for seq, count in zip(seqs, counts, strict=True):
             seq.num_draft_computed += count
             seq.draft_hidden = seq.draft_hidden[count:] if count < len(seq.draft_hidden) else None
         return g[last_rows], greedy

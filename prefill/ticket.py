@@ -37,6 +37,9 @@ KV_FORMAT_MLA_LATENT = "mla-latent"
 """ModelFingerprint.kv_format: per layer one MLA latent plane, described as one head."""
 
 
+PROPOSER_KV_METHODS = ("draft_model", "mtp")
+"""Speculative methods whose proposer keeps a KV cache of its own, whose prompt rows a prefill
+sends (n-gram lookup needs none)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}
 """Bytes per element of the KV dtypes a descriptor names (`dtype_name`)."""
 

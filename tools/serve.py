@@ -25,6 +25,7 @@ import sys
 import threading
 from pathlib import Path
 
+from prefill.ticket import PROPOSER_KV_METHODS
 from prefill.vllm_launch import READY, free_port, vllm_args
 from tools.launch import start
 
@@ -61,7 +62,7 @@ def _proposer_needs_prompt_kv(speculative_config: str | None) -> bool:
     """Whether the decode's proposer reads a prompt KV of its own (a draft model, MTP layers),
     which the prefill must compute and send; a malformed JSON is the decode server's to refuse."""
     try:
-        return json.loads(speculative_config or "{}").get("method") in ("draft_model", "mtp")
+        return json.loads(speculative_config or "{}").get("method") in PROPOSER_KV_METHODS
     except (ValueError, AttributeError):
         return False
 

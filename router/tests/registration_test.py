@@ -7,13 +7,13 @@ deregisters from each router that has the server."""
 from __future__ import annotations
 
 import argparse
-import socket
 import threading
 import time
 
 import pytest
 import uvicorn
 
+from prefill.vllm_launch import free_port
 from router.tests.fakes import D0, Router
 from rpc import registration
 from rpc.registration import Registration
@@ -41,12 +41,6 @@ class _Served:
         self.thread.join(timeout=10)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _until(condition, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -61,7 +55,7 @@ def quick_retries(monkeypatch):
 
 
 def test_a_router_that_starts_later_has_the_server_once_it_answers(capsys):
-    port = _free_port()
+    port = free_port("127.0.0.1")
     member = Registration([f"http://127.0.0.1:{port}"], "decode", D1, "decode.server")
     member.start()
     time.sleep(0.3)
@@ -79,7 +73,7 @@ def test_a_router_that_starts_later_has_the_server_once_it_answers(capsys):
 
 
 def test_an_address_the_router_has_already_counts_as_registered():
-    served = _Served(_free_port())
+    served = _Served(free_port("127.0.0.1"))
     try:
         url = f"http://127.0.0.1:{served.server.config.port}"
         member = Registration([url], "decode", D0)  # on the router's command line already
@@ -92,7 +86,7 @@ def test_an_address_the_router_has_already_counts_as_registered():
 
 
 def test_a_refusal_is_named_and_not_asked_again(monkeypatch, capsys):
-    served = _Served(_free_port(), api_key="s3cret")
+    served = _Served(free_port("127.0.0.1"), api_key="s3cret")
     try:
         url = f"http://127.0.0.1:{served.server.config.port}"
         member = Registration([url], "decode", D1)
@@ -129,7 +123,7 @@ def test_a_router_that_forgot_the_server_has_it_again(monkeypatch):
     """A restarted router has lost its registrations: the server, asking every CHECK_S
     whether it is listed, registers again."""
     monkeypatch.setattr(registration, "CHECK_S", 0.1)
-    served = _Served(_free_port())
+    served = _Served(free_port("127.0.0.1"))
     try:
         member = Registration([f"http://127.0.0.1:{served.server.config.port}"], "decode", D1)
         member.start()
@@ -143,7 +137,7 @@ def test_a_router_that_forgot_the_server_has_it_again(monkeypatch):
 
 
 def test_an_aggregated_router_refuses_a_prefill_for_good(capsys):
-    served = _Served(_free_port())
+    served = _Served(free_port("127.0.0.1"))
     served.router.orchestrator.decode_only.aggregated = True
     try:
         url = f"http://127.0.0.1:{served.server.config.port}"
