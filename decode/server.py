@@ -171,9 +171,10 @@ class DecodeServer:
             )
             self.metrics_port = server.server_port
 
-    def stop(self) -> None:
+    def stop(self, grace: float | None = None) -> None:
+        """Stops at once (grace None) or lets the RPCs under way finish for up to `grace` s."""
         self._stop.set()
-        self._grpc.stop(grace=None).wait()
+        self._grpc.stop(grace=grace).wait()
         self.loop.stop()
         self.engine.close()
         self.transport.close()
@@ -187,7 +188,9 @@ class DecodeServer:
         while self.admission.num_live and time.monotonic() < deadline:
             time.sleep(0.05)
         left = self.admission.num_live
-        self.stop()
+        # A request leaves num_live when its last token is sampled, before its stream has
+        # sent it: the RPCs under way get the rest of the grace (at least a second) to end.
+        self.stop(grace=max(deadline - time.monotonic(), 1.0))
         return left
 
     def _serving(self) -> bool:

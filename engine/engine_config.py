@@ -15,6 +15,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # KV cache element types besides "auto" (the model's dtype), by vLLM's names: e4m3 with one
 # scale for the whole cache, KV_SCALE, as vLLM's `fp8` without calibrated scales.
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+LOAD_FORMATS = ("auto", "dummy")
 KV_SCALE = 1.0  # an fp8 cache's stored value times KV_SCALE is the value
 
 
@@ -57,6 +58,10 @@ class EngineConfig:
     benchmark_mode: bool = False
     """Allows what only a benchmark may do: simulated draft acceptance (output tokens are then
     not the model's)."""
+    load_format: str = "auto"
+    """"auto": a folder's weights from its safetensors; "dummy": random weights of the folder's
+    config.json (as vLLM's `--load-format dummy`: a real model's shape and tokenizer, no
+    checkpoint). A `random:<preset>` model is always random."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (engine/tensor_parallel.py), one process each: this one is
     rank 0; on CUDA rank r runs on the device r past `device`'s. kv_cache_gb is per rank."""
@@ -70,6 +75,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of auto, "
                 f"{', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format: {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}"
             )
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb: {self.kv_cache_gb} must be positive")
@@ -103,6 +112,11 @@ class EngineConfig:
             )
 
     @property
+    def random_weights(self) -> bool:
+        """Whether the weights are drawn (seeded) instead of read from a checkpoint."""
+        return self.model.startswith("random:") or self.load_format == "dummy"
+
+    @property
     def kv_dtype(self) -> torch.dtype:
         """The KV cache's torch dtype."""
         return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or DTYPES[self.dtype]
@@ -124,6 +138,12 @@ class EngineConfig:
             required=True,
             help="HF folder, or random:<preset> (tiny, llama3-8b, qwen3-8b, smollm2-135m, "
             "deepseek-tiny)",
+        )
+        parser.add_argument(
+            "--load-format",
+            default="auto",
+            choices=LOAD_FORMATS,
+            help="dummy: random weights of the folder's config.json (its shape and tokenizer)",
         )
         parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
         parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
@@ -188,6 +208,7 @@ class EngineConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(
             model=args.model,
+            load_format=args.load_format,
             device=args.device,
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,

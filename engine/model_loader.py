@@ -92,7 +92,7 @@ def _load_tp_model(
     ops = tp_ops(model_ops(config), tp.group, model_config.vocab_size)
     with torch.device("meta"):
         model = apply_tp(build(shape.local_config, ops), shape, tp.group)
-    if config.model.startswith("random:"):
+    if config.random_weights:
         with torch.device("meta"):
             whole = build(model_config, model_ops(config))
         names, tensors = random_checkpoint(whole, config.seed, dtype, config.device)
@@ -116,7 +116,7 @@ def model_ops(config: EngineConfig) -> ModelOps:
 def _fill(model: CausalLM, config: EngineConfig) -> CausalLM:
     """Materializes the meta-device model: random weights, or the folder's."""
     dtype = DTYPES[config.dtype]
-    if config.model.startswith("random:"):
+    if config.random_weights:
         init_random_weights(model, config.seed, dtype, config.device)
     else:
         load_weights(model, config.model, dtype, config.device)
@@ -147,7 +147,7 @@ def fill(model: torch.nn.Module, config: EngineConfig, seed_offset: int = 0) -> 
     seed_offset), or, for an MTP layer (engine.mtp), its checkpoint layer's."""
     from engine.weights import load_mtp_weights
 
-    if config.model.startswith("random:"):
+    if config.random_weights:
         init_random_weights(model, config.seed + seed_offset, DTYPES[config.dtype], config.device)
     else:
         load_mtp_weights(model, config.model, DTYPES[config.dtype], config.device)

@@ -348,3 +348,11 @@ PRESETS["deepseek-v2-lite-mtp"] = dataclasses.replace(PRESETS["deepseek-v2-lite"
 # deepseek-tiny's projections and routed experts in fp8 (32x32 blocks: partial blocks in the
 # 40-row latent projection and the fused q_a + latent rows), for CPU tests.
 PRESETS["deepseek-tiny-fp8"] = dataclasses.replace(PRESETS["deepseek-tiny"], fp8=Fp8Scheme(32, 32))
+
+# Llama-3-8B's KV shape (32 layers of 8 KV heads of 128, 128 KiB a token in bf16) on small
+# matrices: what a handover costs in descriptors, posts and RPCs, without the 8B's compute
+# (CPU handover benches).
+PRESETS["llama3-8b-kv"] = dataclasses.replace(
+    PRESETS["llama3-8b"], vocab_size=4096, hidden_size=256, intermediate_size=512, num_heads=8,
+    eos_token_ids=(2,), bos_token_id=1,
+)  # fmt: skip

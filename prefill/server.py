@@ -208,7 +208,7 @@ class PrefillServer:
 
         return app
 
-    async def _complete(self, request: Request) -> dict:
+    async def _complete(self, request: Request) -> JSONResponse:
         """POST /v1/completions."""
         body = await _json(request)
         jobs = self._jobs(body)
@@ -221,7 +221,10 @@ class PrefillServer:
         # Any choice failing fails the request: the first failure is the answer.
         futures = self.worker.submit(jobs)
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        return self._reply(results, body.get("return_tokens_as_token_ids"))
+        reply = self._reply(results, body.get("return_tokens_as_token_ids"))
+        # Choice 0's phases (the one that sends), as the Server-Timing header lists them.
+        timing = ", ".join(f"{name};dur={ms:.3f}" for name, ms in results[0].timing.items())
+        return JSONResponse(reply, headers={"Server-Timing": timing})
 
     def _reply(self, results: list[Result], as_token_ids: bool | None) -> dict:
         """The completion: one choice per result, in order; the prompt is counted once, and the

@@ -19,6 +19,7 @@ If the engine raises (a CUDA error, a bug), its state is lost: every job's futur
 from __future__ import annotations
 
 import contextlib
+import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -67,6 +68,8 @@ class Job:
     seq: Sequence | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     """Each generated token's, when sampling.logprobs is set."""
+    times: dict[str, float] = field(default_factory=lambda: {"submitted": time.monotonic()})
+    """When it was submitted, admitted by the engine thread and sampled (time.monotonic())."""
 
     def fail(self, error: PrefillError) -> None:
         """Fails the job's future, unless its caller has given up on it (cancelled it)."""
@@ -78,10 +81,22 @@ class Job:
         seq = self.seq
         logprobs = self.logprobs if self.sampling.logprobs is not None else None
         result = Result(
-            seq.output_ids, finish_reason, seq.num_prompt_tokens, kv_transfer_params, logprobs
-        )
+            seq.output_ids, finish_reason, seq.num_prompt_tokens, kv_transfer_params, logprobs,
+            self._timing(),
+        )  # fmt: skip
         with contextlib.suppress(InvalidStateError):
             self.future.set_result(result)
+
+    def _timing(self) -> dict[str, float]:
+        """Milliseconds in each phase: queued for the engine thread, admitted to sampled (the
+        forward, and waiting for a batch slot), sampled to resolved (the KV send's tail and
+        commit)."""
+        t, now = self.times, time.monotonic()
+        admitted, sampled = t.get("admitted", now), t.get("sampled", now)
+        phases = {"queue": admitted - t["submitted"], "forward": sampled - admitted}
+        if self.transfer is not None:
+            phases["send"] = now - sampled
+        return {name: seconds * 1000 for name, seconds in phases.items()}
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,8 @@ class Result:
     kv_transfer_params: dict | None
     logprobs: list[TokenLogprobs] | None = None
     """One per token_ids entry when the request's sampling.logprobs is set, else None."""
+    timing: dict[str, float] = field(default_factory=dict)
+    """Milliseconds by phase (Job._timing), for the reply's Server-Timing header."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +174,7 @@ class PrefillWorker(EngineThread):
             self._admit_job(job)
 
     def _admit_job(self, job: Job) -> None:
+        job.times["admitted"] = time.monotonic()
         job.request_id = f"p{next(self._ids)}"
         if job.transfer is not None:
             session = self.sender.open(job.transfer)
@@ -198,6 +216,7 @@ class PrefillWorker(EngineThread):
             if out.logprobs is not None:
                 job.logprobs.append(out.logprobs)
             if out.finish_reason is not None:
+                job.times["sampled"] = time.monotonic()
                 finished.append((job, out.finish_reason.value))
         # Live until then: should the fill fail, the engine's failure fails them too.
         self._send_proposer_kv([job for job, _ in finished if job.send is not None])

@@ -17,6 +17,10 @@ transport) and, for each prompt length, times:
                     decode server once it admitted the request): what a client waits on top of
                     disagg_ttft_ms for its first token
   handover_ms       prefill reply -> the first token computed by the decode server
+  forward_alone_ms, forward_ms   the prefill's own Server-Timing: admitted to first token
+                    sampled, alone and with the ticket (what sending beside the forward costs it)
+  send_tail_ms      the prefill's Server-Timing: first token sampled -> writes landed and committed
+  rpc_ms            a Stats round trip to the decode server just before Reserve (gRPC's floor)
 Median of `--repeats` after a warm-up; prints a table and writes JSON. With both `--kv-send`
 modes it also shows what sending each layer as it is computed buys over sending after the
 whole forward.
@@ -41,11 +45,26 @@ from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tools.launch import start
 
 
+def server_timing(reply: httpx.Response) -> dict[str, float]:
+    """The Server-Timing header's phases, in ms: "queue;dur=0.1, forward;dur=30.2" -> {...}."""
+    phases = {}
+    for part in reply.headers.get("server-timing", "").split(","):
+        name, _, duration = part.strip().partition(";dur=")
+        if name and duration:
+            phases[name] = float(duration)
+    return phases
+
+
 def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
     start = time.perf_counter()
     reply = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
     reply.raise_for_status()
     alone = time.perf_counter() - start
+    forward_alone = server_timing(reply)["forward"]
+
+    start = time.perf_counter()
+    stub.Stats(decode_pb2.StatsRequest(), timeout=60)
+    rpc = time.perf_counter() - start
 
     start = time.perf_counter()
     request = decode_pb2.ReserveRequest(
@@ -59,6 +78,7 @@ def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
     reply.raise_for_status()
     ttft = time.perf_counter() - start
     kv = reply.json()["kv_transfer_params"]
+    timing = server_timing(reply)
     replied = time.perf_counter()
     stream = stub.Generate(decode_pb2.GenerateRequest(
         request_id=tag, generation=ticket.generation, first_token_id=kv["first_token_id"],
@@ -76,6 +96,10 @@ def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
         "disagg_ttft_ms": ttft * 1e3,
         "overhead_ms": (ttft - alone) * 1e3,
         "reserve_ms": (reserved - start) * 1e3,
+        "rpc_ms": rpc * 1e3,
+        "forward_alone_ms": forward_alone,
+        "forward_ms": timing["forward"],
+        "send_tail_ms": timing["send"],
         "transfer_tail_ms": kv["transfer_ms"],
         "send_wait_ms": kv["send_wait_ms"],
         "commit_ms": kv["commit_ms"],
@@ -147,7 +171,10 @@ def bench_point(stub, http, address: str, prompt: list[int], mode: str, args) ->
         f"{mode:>13} prompt {n:>6}: prefill alone {row['prefill_alone_ms']:8.1f} ms  "
         f"disaggregated TTFT {row['disagg_ttft_ms']:8.1f} ms  "
         f"overhead {row['overhead_ms']:6.1f} ms ({row['overhead_pct']:.1f}%)  "
-        f"reserve {row['reserve_ms']:5.1f} ms  transfer {row['transfer_tail_ms']:6.1f} ms  "
+        f"forward {row['forward_alone_ms']:6.1f} alone {row['forward_ms']:6.1f} sending  "
+        f"send tail {row['send_tail_ms']:5.1f} ms  "
+        f"reserve {row['reserve_ms']:5.1f} ms (rpc {row['rpc_ms']:4.1f})  "
+        f"transfer {row['transfer_tail_ms']:6.1f} ms  "
         f"send wait {row['send_wait_ms']:5.1f} ms  commit {row['commit_ms']:5.1f} ms  "
         f"(descriptors: {row['write_ops']:.0f}, built in {row['prepare_ms']:.1f} ms, posted in "
         f"{row['post_ms']:.1f} ms)  "

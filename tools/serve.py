@@ -84,6 +84,9 @@ def main() -> None:
                         help="each decode server's tensor-parallel size (ranks, GPUs)")  # fmt: skip
     parser.add_argument("--prefill-tp", type=int, default=1,
                         help="each prefill's tensor-parallel size (vLLM's too)")  # fmt: skip
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights of the folder's shape")  # fmt: skip
+    parser.add_argument("--max-model-len", default=None, help="default: the model's")
     parser.add_argument("--kv-cache-gb", default="1")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8 (every engine's)")
     parser.add_argument("--speculative-config", default=None,
@@ -102,6 +105,11 @@ def main() -> None:
     common = ["--model", model, "--host", args.host, "--device", args.device, "--dtype", dtype,
               "--transport", args.transport, "--kv-cache-gb", args.kv_cache_gb,
               "--kv-cache-dtype", args.kv_cache_dtype]  # fmt: skip
+    # Flags vLLM takes under the same names.
+    shared = ["--load-format", args.load_format]
+    if args.max_model_len:
+        shared += ["--max-model-len", args.max_model_len]
+    common += shared
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
     # A draft model or MTP layers need the prompt's KV of their own, which the prefill computes.
     prefill_spec = spec if _proposer_needs_prompt_kv(args.speculative_config) else []
@@ -136,7 +144,7 @@ def main() -> None:
             if args.prefill == "vllm":
                 proc, url = _start_vllm(model, args.host, dtype, args.transport,
                                         args.kv_cache_gb, prefill_spec, "--kv-cache-dtype",
-                                        args.kv_cache_dtype, *prefill_tp)  # fmt: skip
+                                        args.kv_cache_dtype, *shared, *prefill_tp)  # fmt: skip
             else:
                 proc, m = start(["prefill.server", *common, "--port", "0", *prefill_tp,
                                  *prefill_spec],

@@ -148,3 +148,27 @@ def test_state_dict_round_trip_through_hugging_face_names(kind, tmp_path):
     # Views, not copies: the fused projection's rows are the exported q/k/v tensors.
     q = exported["model.layers.0.self_attn.q_proj.weight"]
     assert q.data_ptr() == model.model.layers[0].self_attn.qkv_proj.weight.data_ptr()
+
+
+def test_dummy_load_format_draws_the_folders_shape_and_never_reads_its_weights(
+    tmp_path, llama_folder
+):
+    from engine.engine_config import EngineConfig
+    from engine.model_loader import load_model
+
+    (tmp_path / "config.json").write_text((llama_folder / "config.json").read_text())
+    config = EngineConfig(model=str(tmp_path), dtype="float32", load_format="dummy")
+    shape, model = load_model(config)
+    assert shape == ModelConfig.from_hf_folder(llama_folder)
+    again = load_model(config)[1].state_dict()
+    # The folder with weights, loaded dummy: the same draws, not the checkpoint's tensors.
+    ignored = load_model(dataclasses.replace(config, model=str(llama_folder)))[1].state_dict()
+    checkpoint = load(llama_folder, torch.float32).state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, again[name]) and torch.equal(tensor, ignored[name]), name
+        if not name.endswith("norm.weight"):
+            assert not torch.equal(tensor, checkpoint[name]), name
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
+        load_model(dataclasses.replace(config, load_format="auto"))
+    with pytest.raises(ValueError, match="load_format: 'npz' is not one of auto, dummy"):
+        dataclasses.replace(config, load_format="npz")

@@ -289,3 +289,25 @@ def test_tokenize_renders_with_vllms_template_arguments(server):
     assert server.tokenizer.decode(reply.json()["tokens"]).endswith("assistant\nIt is")
     bad = TestClient(server.app).post("/tokenize", json={**body, "add_generation_prompt": True})
     assert bad.status_code == 400 and "chat template" in bad.json()["error"]["message"]
+
+
+def _phases(reply) -> dict[str, float]:
+    parts = (part.strip().partition(";dur=") for part in reply.headers["server-timing"].split(","))
+    return {name: float(ms) for name, _, ms in parts}
+
+
+def test_a_reply_times_its_phases_in_server_timing(server, decode):
+    service, ticket = decode
+    service.commit_delay_s = 0.3
+    client, prompt = TestClient(server.app), list(range(1, 11))
+    alone = _bounded(lambda: client.post("/v1/completions", json={"prompt": prompt}))
+    assert set(_phases(alone)) == {"queue", "forward"}, alone.headers
+    body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": ticket(len(prompt))}
+    started = time.monotonic()
+    sent = _bounded(lambda: client.post("/v1/completions", json=body))
+    elapsed_ms = (time.monotonic() - started) * 1000
+    phases = _phases(sent)
+    assert set(phases) == {"queue", "forward", "send"}, sent.headers
+    assert all(ms >= 0 for ms in phases.values()), phases
+    assert 300 <= phases["send"] <= elapsed_ms  # the commit's wait is the send's tail
+    assert phases["forward"] < 300 and sum(phases.values()) <= elapsed_ms
