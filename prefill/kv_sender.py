@@ -32,12 +32,21 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 
 from prefill.kv_writes import BlockLayout, valid_bytes
-from prefill.send_session import BuildOps, SendSession, SendStats, SessionState, Target
+from prefill.send_session import (
+    BuildOps,
+    Finish,
+    Post,
+    Resume,
+    SendSession,
+    SendStats,
+    SessionState,
+    Target,
+    joins,
+)
 from prefill.ticket import KvTransfer, SpeculativeKv, kv_planes, ticket_problem
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 from rpc import keepalive
@@ -46,29 +55,6 @@ from transport.base import Peer, Transport, TransportError
 HELLO_TIMEOUT_S = 5.0
 COMMIT_TIMEOUT_S = 10.0
 DEADLINE_PASSED = "the ticket's deadline passed before its KV was written"
-
-
-@dataclass(frozen=True)
-class _Post:
-    session: SendSession
-    build: BuildOps
-    ready: object | None
-    """A torch.cuda.Event recorded after the KV was written (CUDA): waited for before posting."""
-    completes_layer: int | None
-    future: Future
-
-
-@dataclass(frozen=True)
-class _Resume:
-    """The session's connect ended (either way): post what waited for it."""
-
-    session: SendSession
-
-
-@dataclass(frozen=True)
-class _Finish:
-    session: SendSession
-    future: Future
 
 
 class _Decode:
@@ -182,14 +168,14 @@ class KvSender:
         layer whose last tokens these writes carry. The Future resolves, once posted or
         skipped, with the list of Transfers (wait on them to know the writes ended)."""
         future: Future = Future()
-        self._queue.put(_Post(session, build, ready, completes_layer, future))
+        self._queue.put(Post(session, build, ready, completes_layer, future))
         return future
 
     def finish(self, session: SendSession) -> Future:
         """After the session's last post: the Future resolves with SendStats once it is
         committed (or its failure is)."""
         future: Future = Future()
-        self._queue.put(_Finish(session, future))
+        self._queue.put(Finish(session, future))
         return future
 
     def fail(self, session: SendSession, reason: str) -> None:
@@ -201,7 +187,7 @@ class KvSender:
             connecting = session.state is SessionState.CONNECTING
             self._settle(session, SessionState.FAILED, reason)
         if connecting:
-            self._queue.put(_Resume(session))
+            self._queue.put(Resume(session))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -248,13 +234,13 @@ class KvSender:
         targets = refusal or problem or self._targets(session)
         with self._lock:
             if session.state is not SessionState.CONNECTING:
-                return  # failed meanwhile: its _Resume is queued already
+                return  # failed meanwhile: its Resume is queued already
             if isinstance(targets, str):
                 self._settle(session, SessionState.FAILED, targets)
             else:
                 session.targets = targets
                 self._settle(session, SessionState.SENDING)
-        self._queue.put(_Resume(session))
+        self._queue.put(Resume(session))
 
     def _targets(self, session: SendSession) -> list[Target] | str:
         """The shards holding this sender's heads, each with a connected peer; or why not."""
@@ -297,31 +283,41 @@ class KvSender:
     # -- the poster thread --------------------------------------------------------------------
 
     def _post_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
+        held = []  # an item taken from the queue while batching, handled next
+        while (item := held.pop() if held else self._queue.get()) is not None:
             session = item.session
-            if isinstance(item, _Resume):
+            if isinstance(item, Resume):
                 deferred, session._deferred = session._deferred, []
                 for post in deferred:
-                    self._post(post)
+                    self._post([post])
                 if session._finish is not None:
                     self._committer.submit(self._commit, session, session._finish)
                     session._finish = None
             elif session.state is SessionState.CONNECTING or session._deferred:
-                if isinstance(item, _Finish):
+                if isinstance(item, Finish):
                     session._finish, session._finish_called = item.future, self.clock()
                 else:
                     session._deferred.append(item)
-            elif isinstance(item, _Finish):
+            elif isinstance(item, Finish):
                 session._finish_called = self.clock()
                 self._committer.submit(self._commit, session, item.future)
             else:
-                self._post(item)
+                batch = [item]
+                while not held:
+                    try:
+                        following = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    (batch if joins(batch[0], following) else held).append(following)
+                self._post(batch)
 
-    def _post(self, item: _Post) -> None:
-        session, transfers = item.session, []
+    def _post(self, batch: list[Post]) -> None:
+        """Posts one session's writes of `batch` as one write per target: a poster that fell
+        behind the forward (short layers) catches up in fewer, larger posts."""
+        session, transfers = batch[0].session, []
         if session.state is SessionState.SENDING:
-            if item.ready is not None:
-                item.ready.synchronize()
+            if batch[-1].ready is not None:  # one stream: the last event implies the others
+                batch[-1].ready.synchronize()
             if self.clock() >= session.deadline:
                 self.fail(session, DEADLINE_PASSED)
             if session._started is None:
@@ -329,7 +325,7 @@ class KvSender:
             try:
                 for target in session.targets if session.state is SessionState.SENDING else ():
                     preparing = time.monotonic()
-                    ops = item.build(target)
+                    ops = [op for item in batch for op in item.build(target)]
                     posting = time.monotonic()
                     transfers.append(self.agent.write(target.peer, ops, session.deadline))
                     session._prepare += posting - preparing
@@ -337,10 +333,12 @@ class KvSender:
                     session._ops += len(ops)
             except TransportError as e:
                 self.fail(session, f"KV transport: {e}")
-            if session.state is SessionState.SENDING and item.completes_layer is not None:
-                session._layers_done.add(item.completes_layer)
+            if session.state is SessionState.SENDING:
+                layers = (item.completes_layer for item in batch)
+                session._layers_done.update(layer for layer in layers if layer is not None)
         session._transfers += transfers
-        item.future.set_result(transfers)
+        for item in batch:
+            item.future.set_result(transfers)
 
     def _valid_bytes(self, session: SendSession, layers: int) -> int:
         """The prompt's bytes in `layers` layers sent: the model's, then the proposer's."""

@@ -95,3 +95,41 @@ class SendSession:
     @property
     def ticket(self) -> decode_pb2.Ticket:
         return self.transfer.ticket
+
+
+# What the engine thread queues for the poster thread (prefill.kv_sender).
+
+
+@dataclass(frozen=True)
+class Post:
+    session: SendSession
+    build: BuildOps
+    ready: object | None
+    """A torch.cuda.Event recorded after the KV was written (CUDA): waited for before posting."""
+    completes_layer: int | None
+    future: Future
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The session's connect ended (either way): post what waited for it."""
+
+    session: SendSession
+
+
+@dataclass(frozen=True)
+class Finish:
+    session: SendSession
+    future: Future
+
+
+def joins(first: Post, item: object) -> bool:
+    """Whether `item` can be posted with `first`: the same sending session's next writes,
+    already computed (their event has completed), so that nothing waits for them."""
+    return (
+        isinstance(item, Post)
+        and item.session is first.session
+        and first.session.state is SessionState.SENDING
+        and not first.session._deferred
+        and (item.ready is None or item.ready.query())
+    )

@@ -3,6 +3,7 @@ while its decode server has not answered, and how a refused Hello is remembered 
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -191,4 +192,37 @@ def test_a_decode_server_restarted_on_its_address_is_asked_again_and_connected_a
     assert "kv_dtype" in send("d", "three").error
     service.layout = _layout()
     assert send("e", "four").error == "" and service.hellos == 4
+    sender.close()
+
+
+def test_posts_queued_behind_a_busy_poster_go_as_one_write(decode, source):
+    cache = decode[1]
+    sender = _sender(source)
+    session = sender.open(_transfer(decode))
+    deadline = time.monotonic() + 10
+    while session.state is SessionState.CONNECTING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    writes, write = [], sender.agent.write
+    sender.agent.write = lambda peer, ops, *rest: writes.append(len(ops)) or write(peer, ops, *rest)
+    building, released = threading.Event(), threading.Event()
+
+    def slow(target):  # holds the poster while the next layers queue up behind it
+        building.set()
+        released.wait(10)
+        return _layer(source, session, 0)(target)
+
+    first = sender.post(session, slow, completes_layer=0)
+    assert building.wait(10)
+    behind = [sender.post(session, _layer(source, session, i), completes_layer=i) for i in (1, 0)]
+    committed = sender.finish(session)
+    released.set()
+    stats = committed.result(timeout=10)
+    assert stats.error == "" and stats.layers == LAYERS
+    layer_ops = writes[0]
+    assert writes == [layer_ops, 2 * layer_ops]  # layer 0, then layers 1 and 0 in one write
+    assert behind[0].result() is behind[1].result() and first.result() is not behind[0].result()
+    kv = source[1]
+    for t in range(TOKENS):
+        want = kv[:, :, t // BLOCK, :, t % BLOCK]
+        assert torch.equal(cache[:, :, [2, 0, 3][t // BLOCK], :, t % BLOCK], want), t
     sender.close()

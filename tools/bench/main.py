@@ -61,8 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.tokenizer and (user_dir / args.tokenizer).exists():  # else a Hugging Face hub id
         args.tokenizer = str(user_dir / args.tokenizer)
     if args.compare:
-        a, b = (json.loads((user_dir / path).read_text()) for path in args.compare)
-        print(scenarios.compare_table(a, b, *(Path(path).stem for path in args.compare)))
+        runs = [json.loads((user_dir / path).read_text()) for path in args.compare]
+        for path, run in zip(args.compare, runs, strict=True):
+            if "levels" not in run:
+                sys.exit(f"bench: --compare: {path} is not a scenario run's result (run it "
+                         "with --scenario and --result-json)")  # fmt: skip
+        print(scenarios.compare_table(*runs, *(Path(path).stem for path in args.compare)))
         return
     try:
         config = BenchConfig.from_cli_args(args)

@@ -82,3 +82,13 @@ def test_compare_shows_the_levels_both_runs_have_with_b_over_a():
     assert throughput.split()[-3:] == ["100.00", "120.00", "1.200"]
     ttft = next(line for line in lines if "TTFT p50" in line)
     assert ttft.split()[-1] == "0.800"
+
+
+def test_compare_refuses_a_result_that_is_not_a_sweep_naming_it(tmp_path):
+    from tools.bench.main import main
+
+    sweep, single = tmp_path / "sweep.json", tmp_path / "single.json"
+    sweep.write_text(json.dumps(_run({1: (100.0, 50.0)})))
+    single.write_text(json.dumps({"summary": {}}))
+    with pytest.raises(SystemExit, match="single.json is not a scenario run's result"):
+        main(["--compare", str(sweep), str(single)])
