@@ -41,6 +41,14 @@ class RouterMetrics:
         self.prefill_load = Gauge("tandem_router_prefill_in_flight",
                                   "prefill calls in flight, per prefill instance", ["instance"],
                                   registry=r)  # fmt: skip
+        self.phases = Histogram(
+            "tandem_router_phase_seconds", "a disaggregated request's steps as the router waits "
+            "on them: reserve (the decode server's Reserve), prefill (the prefill's reply: its "
+            "forward, KV send and commit), first_message (Generate to its first message), "
+            "local_prefill (the same where the decode server prefills: aggregated)",
+            ["phase"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        orchestrator.on_phase = lambda phase, seconds: self.phases.labels(phase).observe(seconds)
         r.register(_FallbackCollector(orchestrator))
 
     def count_response(self, endpoint: str, status: int) -> None:

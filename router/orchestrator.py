@@ -29,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -79,6 +80,8 @@ class Orchestrator(Membership):
         self.decode_client = decode_client
         self.decode_only = DecodeOnly(aggregated, decode_only_fallback)
         self._ids = itertools.count(1)
+        self.on_phase: Callable[[str, float], None] = lambda phase, seconds: None
+        """Told how long each step of a request took (router.metrics' phase histogram)."""
 
     def generate(self, request: GenerationRequest, request_id: str) -> Generation:
         """The request's generation, started when first iterated: Tokens as the decode server
@@ -112,8 +115,14 @@ class Orchestrator(Membership):
                     other.outstanding_tokens += outstanding
                     decode, arrival = other, _Arrival(other)
             stream = self.decode_client.generate(decode.address, generate)
+            called = time.monotonic()
             async with contextlib.aclosing(stream):
                 async for message in stream:
+                    if called:  # with the prompt's prefill where the decode server does it
+                        local = generate.HasField("local_prefill")
+                        phase = "local_prefill" if local else "first_message"
+                        self.on_phase(phase, time.monotonic() - called)
+                        called = 0.0
                     arrival.end()  # a Generate it prefills itself was taken
                     index = message.index
                     if message.token_ids:
@@ -158,6 +167,7 @@ class Orchestrator(Membership):
         if self.decode_only.skip_prefill(self._any_prefill_healthy()):
             placed.placement = (decode, rid)
             return _generate_request(request, rid)
+        started = time.monotonic()
         try:
             reserved = await self.decode_client.reserve(decode.address, decode_pb2.ReserveRequest(
                 # num_senders 0: as many as the prefill has (each sender's commit names them).
@@ -166,8 +176,11 @@ class Orchestrator(Membership):
         finally:
             arrival.end()
         placed.placement = (decode, rid)
+        reserved_at = time.monotonic()
+        self.on_phase("reserve", reserved_at - started)
         try:
             firsts = await self._prefill(reserved.ticket, decode.address, request)
+            self.on_phase("prefill", time.monotonic() - reserved_at)
         except PrefillFailed as e:
             undelivered = not e.ticket_delivered
             await asyncio.shield(self._abort(decode, rid, "prefill failed", undelivered))
