@@ -291,11 +291,13 @@ class LLMEngine:
         self._settle_idle_step()
         return aborted
 
-    def step(self, before_run: Callable[[StepPlan], None] | None = None) -> list[StepOutput]:
+    def step(self, before_run: Callable[[StepPlan], bool] | None = None) -> list[StepOutput]:
         """Runs one forward; returns the token each sampling sequence generated (with its
         log-probabilities, for a sequence that asks). `before_run` sees the plan first (the
         prefill server arms its per-layer KV sends with it; it turns async scheduling off for
-        the step, since the caller acts on the plan once it returns).
+        the step, since the caller acts on the plan once it returns) and returns whether the
+        step must run eagerly: the hooks of its layers' Python code (the per-layer sends) run
+        in an eager forward, never in a CUDA graph's replay.
 
         With async scheduling, the decode step after this one is launched before this one's
         tokens are read: the call returns with it running, and the next call returns its
@@ -307,15 +309,14 @@ class LLMEngine:
                 self.tp_workers.raise_if_one_exits(error)
             raise
 
-    def _step(self, before_run: Callable[[StepPlan], None] | None) -> list[StepOutput]:
+    def _step(self, before_run: Callable[[StepPlan], bool] | None) -> list[StepOutput]:
         launched, self._in_flight = self._in_flight, None
         if launched is None:
             plan = self.scheduler.schedule()
             if plan is None:
                 return []
-            if before_run is not None:
-                before_run(plan)
-            launched = self.runner.launch(self._with_drafts(plan))
+            eager = before_run is not None and bool(before_run(plan))
+            launched = self.runner.launch(self._with_drafts(plan), eager=eager)
         if self.async_scheduling and before_run is None:
             ahead = self.scheduler.schedule_ahead(launched.plan)
             if ahead is not None:

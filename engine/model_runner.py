@@ -158,13 +158,17 @@ class ModelRunner:
         """Decode steps that feed drafts, up to its max_batch rows (a row per fed token)."""
         return self.executor.verify_graphs
 
-    def launch(self, plan: StepPlan, feed: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(
+        self, plan: StepPlan, feed: LaunchedStep | None = None, eager: bool = False
+    ) -> LaunchedStep:
         """Queues one forward over the plan and the sampling of every sequence that samples.
-        `feed`: the step before a step planned ahead, whose tokens are this one's input ids."""
+        `feed`: the step before a step planned ahead, whose tokens are this one's input ids.
+        `eager`: no graph replay, even for a decode-only plan (a prompt's last one-token chunk
+        whose layers the prefill sends as they are written)."""
         sampling = [item for item in plan.scheduled if item.samples]
         fed = None if feed is None else self._fed_ids(plan, feed)
         greedy = None
-        if self.graphs is not None and plan.is_decode_only:
+        if not eager and self.graphs is not None and plan.is_decode_only:
             logits, greedy, hidden = self._decode_with_graph(plan, fed)
             if len(sampling) < len(plan.scheduled):  # a one-token prompt chunk rode along
                 sampling_rows = torch.tensor(
@@ -172,7 +176,7 @@ class ModelRunner:
                     device=self.device,
                 )
                 logits, greedy = logits[sampling_rows], greedy[sampling_rows]
-        elif self._verifies_in_graph(plan):
+        elif not eager and self._verifies_in_graph(plan):
             logits, hidden = self._verify_with_graph(plan)
         else:
             hidden, sample_rows = self._forward_eager(plan, fed)

@@ -245,8 +245,10 @@ class PrefillWorker(EngineThread):
             for job in item.jobs:
                 job.fail(PrefillError(503, failure))
 
-    def _arm(self, plan: StepPlan) -> None:
-        """Before a forward: the sends of prompts that complete in it post each layer."""
+    def _arm(self, plan: StepPlan) -> bool:
+        """Before a forward: the sends of prompts that complete in it post each layer; returns
+        whether the forward must run eagerly (a prompt's last chunk of one token, alone, is a
+        decode step, whose CUDA graph would write the KV without calling the layers' hooks)."""
         armed, rank_armed = [], []
         for item in plan.scheduled:
             job = self._live.get(item.seq.seq_id)
@@ -265,6 +267,7 @@ class PrefillWorker(EngineThread):
             self.publisher.armed = armed
         else:
             self._after_forward = armed
+        return self.layerwise and bool(armed)
 
     def _finish(self, job: Job, finish_reason: str) -> None:
         if job.send is None:

@@ -21,7 +21,10 @@ from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.servers import start
 
 OPTIONS = ["--device", "cuda", "--dtype", "float32", "--block-size", "16"]
-PROMPTS = [[5, 17, 3, 99, 4], list(range(1, 200)), [7] * 33]
+# The prefill takes 128 tokens a forward: the last prompt's last chunk is one token, alone a
+# decode step, which runs eagerly there so that its layers are sent as they are written.
+CHUNK = 128
+PROMPTS = [[5, 17, 3, 99, 4], list(range(1, 200)), [7] * 33, list(range(2, 3 + CHUNK))]
 NEW_TOKENS = 16
 
 
@@ -35,11 +38,13 @@ def stack(request):
         timeout=300,
     )
     address = f"127.0.0.1:{m.group(1)}"
+    chunked = ["--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8"]
     prefill, m = start(
-        ["prefill.server", *args, "--transport", "nixl", "--kv-cache-gb", "0.05", "--port", "0"],
+        ["prefill.server", *args, "--transport", "nixl", "--kv-cache-gb", "0.05", "--port", "0",
+         *chunked],
         r"serving on (http://[\d.:]+)",
         timeout=300,
-    )
+    )  # fmt: skip
     channel = grpc.insecure_channel(address)
     stub = decode_pb2_grpc.DecodeServiceStub(channel)
     yield stub, httpx.Client(base_url=m.group(1)), address, model

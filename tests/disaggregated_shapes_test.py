@@ -182,8 +182,7 @@ def _record_forwards(server: PrefillServer) -> list[list[int]]:
     def recording_step(before_run=None):
         def arm(plan):
             forwards.append([item.num_new_tokens for item in plan.scheduled])
-            if before_run is not None:
-                before_run(plan)
+            return before_run is not None and before_run(plan)
 
         return step(before_run=arm)
 

@@ -90,5 +90,5 @@ def test_compare_refuses_a_result_that_is_not_a_sweep_naming_it(tmp_path):
     sweep, single = tmp_path / "sweep.json", tmp_path / "single.json"
     sweep.write_text(json.dumps(_run({1: (100.0, 50.0)})))
     single.write_text(json.dumps({"summary": {}}))
-    with pytest.raises(SystemExit, match="single.json is not a scenario run's result"):
+    with pytest.raises(SystemExit, match=r"single\.json is not a scenario run's result"):
         main(["--compare", str(sweep), str(single)])
