@@ -44,6 +44,10 @@ class BenchConfig:
     """Asks the server (`ignore_eos`, a vLLM extension) to generate exactly `max_tokens`."""
     timeout_s: float = 600.0
     """Per request: connecting, and waiting for each chunk."""
+    num_warmups: int = 1
+    """Requests sent one at a time before the timed run and left out of its figures (the
+    first conversations' first turns): a server's first requests pay its one-time costs
+    (kernels compiled for new shapes, connections made)."""
     result_json: str | None = None
     """Where to write the JSON results."""
     plot: str | None = None
@@ -66,6 +70,8 @@ class BenchConfig:
             raise ValueError(f"max_concurrency: {self.max_concurrency} must be >= 1")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate: {self.request_rate} must be > 0 (inf: all at once)")
+        if self.num_warmups < 0:
+            raise ValueError(f"num_warmups: {self.num_warmups} must be >= 0")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: {self.timeout_s} must be > 0")
 
@@ -100,6 +106,8 @@ class BenchConfig:
         add("--ignore-eos", action=argparse.BooleanOptionalAction, default=d.ignore_eos,
             help="generate exactly max_tokens (default: on)")  # fmt: skip
         add("--timeout-s", type=float, default=d.timeout_s, help="per request and per chunk")
+        add("--num-warmups", type=int, default=d.num_warmups,
+            help="untimed requests first, one at a time (default: 1)")  # fmt: skip
         add("--result-json", default=d.result_json, help="write the results here")
         add("--plot", default=d.plot, help="write a PNG of the latency CDFs here")
 

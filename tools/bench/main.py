@@ -151,7 +151,7 @@ async def _bench(config: BenchConfig, conversations: list) -> tuple[str, RunResu
             fields["ignore_eos"] = True
         progress = Progress(sum(len(c.turns) for c in conversations))
         load = Load(config.max_concurrency, config.request_rate, config.seed)
-        result = await run(http, conversations, load, fields, progress)
+        result = await run(http, conversations, load, fields, progress, config.num_warmups)
         progress.close()
     return model, result
 

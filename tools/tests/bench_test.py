@@ -115,6 +115,19 @@ def test_random_requests_stream_with_usage_and_ask_for_the_output_length():
         assert 0 <= r.ttft <= r.e2e and r.tpot is not None
 
 
+def test_warmups_go_first_one_at_a_time_and_stay_out_of_the_results():
+    conversations = agentic_dataset(WordText(), 3, num_turns=2, system_len=0, turn_len=10,
+                                    output_len=2, seed=0)  # fmt: skip
+    server = FakeServer()
+    result = server.run(conversations, Load(None, float("inf"), 0), warmups=2)
+    firsts = [{"role": "user", "content": c.turns[0].text} for c in conversations[:2]]
+    assert [b["messages"][-1] for b in server.bodies[:2]] == firsts  # before any timed one
+    assert len(server.bodies) == 2 + 6 and len(result.results) == 6
+    assert sorted((r.conversation, r.turn) for r in result.results) == [
+        (c, t) for c in range(3) for t in range(2)
+    ]
+
+
 def test_agentic_turns_carry_the_whole_history_with_the_actual_replies():
     conversations = agentic_dataset(WordText(), 3, num_turns=4, system_len=50, turn_len=20,
                                     output_len=3, seed=0)  # fmt: skip

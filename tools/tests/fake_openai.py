@@ -37,12 +37,12 @@ class FakeServer:
         sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
         return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
 
-    async def serve(self, conversations, load: Load) -> RunResult:
+    async def serve(self, conversations, load: Load, warmups: int = 0) -> RunResult:
         """The benchmark's runner, its requests answered here."""
         transport = httpx.MockTransport(self.handle)
         async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
             progress = Progress(sum(len(c.turns) for c in conversations), out=io.StringIO())
-            return await run(http, conversations, load, {"model": "m"}, progress)
+            return await run(http, conversations, load, {"model": "m"}, progress, warmups)
 
-    def run(self, conversations, load: Load) -> RunResult:
-        return asyncio.run(self.serve(conversations, load))
+    def run(self, conversations, load: Load, warmups: int = 0) -> RunResult:
+        return asyncio.run(self.serve(conversations, load, warmups))
