@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from tools.bench import datasets, scenarios
+from tools.bench import datasets, scenarios, server_phases
 from tools.bench.config import BenchConfig
 from tools.bench.progress import Progress
 from tools.bench.report import plot_cdfs, records, summarize, table, write_json
@@ -151,9 +152,11 @@ async def _bench(config: BenchConfig, conversations: list) -> tuple[str, RunResu
             fields["ignore_eos"] = True
         progress = Progress(sum(len(c.turns) for c in conversations))
         load = Load(config.max_concurrency, config.request_rate, config.seed)
+        before = await server_phases.read(http)
         result = await run(http, conversations, load, fields, progress, config.num_warmups)
+        phases = server_phases.means_ms(before, await server_phases.read(http))
         progress.close()
-    return model, result
+    return model, dataclasses.replace(result, server_phases_ms=phases)
 
 
 async def _first_model(http: httpx.AsyncClient) -> str:

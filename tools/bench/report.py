@@ -75,6 +75,7 @@ def summarize(run: RunResult, planned: int) -> dict:
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         **{f"{name}_ms": percentiles(values) for name, values in latencies.items()},
+        "server_phases_ms": run.server_phases_ms,
     }
 
 
@@ -101,6 +102,9 @@ def table(summary: dict) -> str:
     for name, label in METRICS.items():
         stats = summary[f"{name}_ms"]
         lines.append(f"{label:<10}" + "".join(f"{ms(stats[k]):>10}" for k in stats))
+    if phases := summary["server_phases_ms"]:
+        means = ", ".join(f"{phase} {value:.2f}" for phase, value in phases.items())
+        lines.append(f"{'server phases, mean ms':<28}{means}")
     return "\n".join(lines)
 
 

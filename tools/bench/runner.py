@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -38,6 +38,8 @@ class RunResult:
     """One per request sent, in completion order."""
     duration: float
     """Seconds from the first request to the last response."""
+    server_phases_ms: dict[str, float] = field(default_factory=dict)
+    """The mean of each step the server reports timing (tools/bench/server_phases.py)."""
 
 
 async def run(

@@ -97,6 +97,10 @@ def sweep_table(levels: Sequence[dict]) -> str:
             width = len(fmt.format(0))
             cells.append("-".rjust(width) if value is None else fmt.format(value))
         rows.append(" ".join(cells))
+    for level in levels:  # where the server times its steps (tandem's router)
+        if phases := level["summary"].get("server_phases_ms"):
+            means = ", ".join(f"{phase} {value:.1f}" for phase, value in phases.items())
+            rows.append(f"conc {level['concurrency']}: server phases, mean ms: {means}")
     return "\n".join(rows)
 
 

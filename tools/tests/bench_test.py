@@ -201,6 +201,10 @@ def test_random_load_against_the_tandem_stack(tmp_path, router):
                      "--random-output-len", "8", "--tokenizer", MODEL)  # fmt: skip
     _assert_sane(results, planned=12, output_len=8)
     assert all(r["prompt_tokens"] == 32 for r in results["requests"])
+    phases = results["summary"]["server_phases_ms"]  # the router's, over the 12 timed requests
+    assert set(phases) == {"reserve", "prefill", "first_message"}, phases
+    assert all(value > 0 for value in phases.values())
+    assert phases["prefill"] < results["summary"]["ttft_ms"]["mean"]
     assert results["config"]["model"] == "smollm2-135m-instruct"  # the first of GET /v1/models
 
 

@@ -1,0 +1,48 @@
+"""What the server says each request's steps took: tandem's router exports a histogram
+`tandem_router_phase_seconds{phase=...}` (reserve, prefill, first_message, local_prefill) on
+/metrics; the benchmark reads it before and after a run and reports each phase's mean over the
+run's requests. A server without it (vLLM, or no /metrics) reports none."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+
+PHASE_METRIC = "tandem_router_phase_seconds"
+_SAMPLE = re.compile(PHASE_METRIC + r'_(sum|count)\{phase="([^"]+)"\} (\S+)$')
+
+Totals = dict[str, tuple[float, float]]
+"""phase -> (seconds summed, requests counted)."""
+
+
+def parse(text: str) -> Totals:
+    """The phases' sums and counts in a Prometheus text exposition."""
+    found: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if m := _SAMPLE.match(line):
+            found.setdefault(m.group(2), {})[m.group(1)] = float(m.group(3))
+    return {
+        phase: (values["sum"], values["count"])
+        for phase, values in found.items()
+        if "sum" in values and "count" in values
+    }
+
+
+def means_ms(before: Totals, after: Totals) -> dict[str, float]:
+    """Each phase's mean in milliseconds over what was counted between the two readings."""
+    means = {}
+    for phase, (seconds, count) in sorted(after.items()):
+        seconds_before, count_before = before.get(phase, (0.0, 0.0))
+        if count > count_before:
+            means[phase] = 1000 * (seconds - seconds_before) / (count - count_before)
+    return means
+
+
+async def read(http: httpx.AsyncClient) -> Totals:
+    """The server's phase totals now; none where it exports no such metric."""
+    try:
+        response = await http.get("/metrics")
+    except httpx.HTTPError:
+        return {}
+    return parse(response.text) if response.status_code == 200 else {}
