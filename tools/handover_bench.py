@@ -125,13 +125,19 @@ def main() -> None:
         "--kv-send", default="layerwise,after-forward",
         help="prefill send modes to compare: layerwise, after-forward",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None,
+        help="the prefill's tokens a forward (default: the longest prompt, one forward each; "
+        "tools/serve's servers take 2048)",
+    )  # fmt: skip
     parser.add_argument("--out", default="handover.json")
     args = parser.parse_args()
     lens = [int(n) for n in args.prompt_lens.split(",")]
+    chunk = args.max_num_batched_tokens or max(lens)
     common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
               "--kv-cache-gb", args.kv_cache_gb, "--transport", args.transport,
-              "--max-model-len", str(max(lens) + 64), "--max-num-batched-tokens",
-              str(max(lens))]  # fmt: skip
+              "--max-model-len", str(max(lens) + 64), "--max-num-batched-tokens", str(chunk),
+              "--max-num-seqs", str(min(256, chunk))]  # fmt: skip
     decode, m = start(["decode.server", *common], r"serving gRPC on [\d.]+:(\d+)", 600)
     address = f"127.0.0.1:{m.group(1)}"
     stub = decode_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(address))
