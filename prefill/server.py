@@ -39,6 +39,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SAMPLING_FIELDS, SamplingParams
 from engine.sequence import StopConditions
+from prefill import server_timing
 from prefill.engine_layout import engine_layout
 from prefill.publisher import KvPublisher
 from prefill.rank_sends import PrefillRankAgent, RankSender
@@ -222,8 +223,8 @@ class PrefillServer:
         futures = self.worker.submit(jobs)
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         reply = self._reply(results, body.get("return_tokens_as_token_ids"))
-        # Choice 0's phases (the one that sends), as the Server-Timing header lists them.
-        timing = ", ".join(f"{name};dur={ms:.3f}" for name, ms in results[0].timing.items())
+        # Choice 0's phases (the one that sends).
+        timing = server_timing.header(results[0].timing)
         return JSONResponse(reply, headers={"Server-Timing": timing})
 
     def _reply(self, results: list[Result], as_token_ids: bool | None) -> dict:

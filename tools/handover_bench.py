@@ -40,19 +40,10 @@ import time
 import grpc
 import httpx
 
+from prefill import server_timing
 from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tools.launch import start
-
-
-def server_timing(reply: httpx.Response) -> dict[str, float]:
-    """The Server-Timing header's phases, in ms: "queue;dur=0.1, forward;dur=30.2" -> {...}."""
-    phases = {}
-    for part in reply.headers.get("server-timing", "").split(","):
-        name, _, duration = part.strip().partition(";dur=")
-        if name and duration:
-            phases[name] = float(duration)
-    return phases
 
 
 def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
@@ -60,7 +51,7 @@ def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
     reply = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
     reply.raise_for_status()
     alone = time.perf_counter() - start
-    forward_alone = server_timing(reply)["forward"]
+    forward_alone = server_timing.parse(reply.headers["server-timing"])["forward"]
 
     start = time.perf_counter()
     stub.Stats(decode_pb2.StatsRequest(), timeout=60)
@@ -78,7 +69,7 @@ def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
     reply.raise_for_status()
     ttft = time.perf_counter() - start
     kv = reply.json()["kv_transfer_params"]
-    timing = server_timing(reply)
+    timing = server_timing.parse(reply.headers["server-timing"])
     replied = time.perf_counter()
     stream = stub.Generate(decode_pb2.GenerateRequest(
         request_id=tag, generation=ticket.generation, first_token_id=kv["first_token_id"],

@@ -24,6 +24,7 @@ from engine.llm_engine import EngineConfig
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.sequence import StopConditions
+from prefill import server_timing
 from prefill.server import PrefillServer, PrefillServerConfig
 from prefill.tests.fake_decode import FakeDecode
 from prefill.ticket import DECODE_LAYOUT, layout_descriptor, transfer_params
@@ -292,8 +293,7 @@ def test_tokenize_renders_with_vllms_template_arguments(server):
 
 
 def _phases(reply) -> dict[str, float]:
-    parts = (part.strip().partition(";dur=") for part in reply.headers["server-timing"].split(","))
-    return {name: float(ms) for name, _, ms in parts}
+    return server_timing.parse(reply.headers["server-timing"])
 
 
 def test_a_reply_times_its_phases_in_server_timing(server, decode):
