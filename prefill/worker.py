@@ -68,8 +68,11 @@ class Job:
     seq: Sequence | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     """Each generated token's, when sampling.logprobs is set."""
-    times: dict[str, float] = field(default_factory=lambda: {"submitted": time.monotonic()})
-    """When it was submitted, admitted by the engine thread and sampled (time.monotonic())."""
+    submitted: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
+    """When the engine thread took it (time.monotonic(), as `submitted` and `sampled`)."""
+    sampled: float | None = None
+    """When its first token was sampled."""
 
     def fail(self, error: PrefillError) -> None:
         """Fails the job's future, unless its caller has given up on it (cancelled it)."""
@@ -91,9 +94,9 @@ class Job:
         """Milliseconds in each phase: queued for the engine thread, admitted to sampled (the
         forward, and waiting for a batch slot), sampled to resolved (the KV send's tail and
         commit)."""
-        t, now = self.times, time.monotonic()
-        admitted, sampled = t.get("admitted", now), t.get("sampled", now)
-        phases = {"queue": admitted - t["submitted"], "forward": sampled - admitted}
+        now = time.monotonic()
+        admitted, sampled = self.admitted or now, self.sampled or now
+        phases = {"queue": admitted - self.submitted, "forward": sampled - admitted}
         if self.transfer is not None:
             phases["send"] = now - sampled
         return {name: seconds * 1000 for name, seconds in phases.items()}
@@ -174,7 +177,7 @@ class PrefillWorker(EngineThread):
             self._admit_job(job)
 
     def _admit_job(self, job: Job) -> None:
-        job.times["admitted"] = time.monotonic()
+        job.admitted = time.monotonic()
         job.request_id = f"p{next(self._ids)}"
         if job.transfer is not None:
             session = self.sender.open(job.transfer)
@@ -216,7 +219,7 @@ class PrefillWorker(EngineThread):
             if out.logprobs is not None:
                 job.logprobs.append(out.logprobs)
             if out.finish_reason is not None:
-                job.times["sampled"] = time.monotonic()
+                job.sampled = time.monotonic()
                 finished.append((job, out.finish_reason.value))
         # Live until then: should the fill fail, the engine's failure fails them too.
         self._send_proposer_kv([job for job, _ in finished if job.send is not None])
