@@ -5,12 +5,10 @@ run's requests. A server without it (vLLM, or no /metrics) reports none."""
 
 from __future__ import annotations
 
-import re
-
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 PHASE_METRIC = "tandem_router_phase_seconds"
-_SAMPLE = re.compile(PHASE_METRIC + r'_(sum|count)\{phase="([^"]+)"\} (\S+)$')
 
 Totals = dict[str, tuple[float, float]]
 """phase -> (seconds summed, requests counted)."""
@@ -19,9 +17,13 @@ Totals = dict[str, tuple[float, float]]
 def parse(text: str) -> Totals:
     """The phases' sums and counts in a Prometheus text exposition."""
     found: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        if m := _SAMPLE.match(line):
-            found.setdefault(m.group(2), {})[m.group(1)] = float(m.group(3))
+    for family in text_string_to_metric_families(text):
+        if family.name != PHASE_METRIC:
+            continue
+        for sample in family.samples:
+            kind = sample.name.removeprefix(PHASE_METRIC + "_")
+            if kind in ("sum", "count") and "phase" in sample.labels:
+                found.setdefault(sample.labels["phase"], {})[kind] = sample.value
     return {
         phase: (values["sum"], values["count"])
         for phase, values in found.items()
