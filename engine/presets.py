@@ -216,10 +216,10 @@ def _deepseek_shape(
     )
 
 
-# deepseek-ai/DeepSeek-V2-Lite (15.7B total, 2.4B active), as the DeepSeek-V3 architecture:
-# softmax scoring, greedy top-6 of 64 experts, two shared, no q bottleneck.
+# deepseek-ai/DeepSeek-V2-Lite (15.7B total, 2.4B active): softmax scoring, greedy top-6 of 64
+# experts, never renormalized, two shared, no q bottleneck.
 PRESETS["deepseek-v2-lite"] = _deepseek_shape(
-    "DeepseekV3ForCausalLM",
+    "DeepseekV2ForCausalLM",
     layers=27,
     hidden=2048,
     heads=16,
