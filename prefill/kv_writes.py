@@ -67,9 +67,12 @@ def layer_ops(
     heads: range,
     dst_head_offset: int = 0,
     pad_tail: bool = True,
+    start: int = 0,
 ) -> list[WriteOp]:
-    """Writes of tokens [0, num_tokens) of `heads` (sender head indices) for each plane of one
-    layer (src and dst must have the same planes); the destination head is h - dst_head_offset.
+    """Writes of tokens [start, num_tokens) of `heads` (sender head indices) for each plane of
+    one layer (src and dst must have the same planes); the destination head is h -
+    dst_head_offset. `start` is a multiple of both sides' block sizes (blocks the sequence's
+    earlier writes filled whole).
 
     `pad_tail`: a partly filled last block may be written whole (its rows past num_tokens are
     the sequence's own and never read before they are rewritten). False when those rows belong
@@ -80,15 +83,17 @@ def layer_ops(
         and dst_layout.head_stride == dst_layout.head_block_bytes
     )
     full = num_tokens if pad_tail else num_tokens - num_tokens % dst_layout.block_size
+    full = max(full, start)
+    assert start % src_layout.block_size == 0 and start % dst_layout.block_size == 0, start
     assert len(src.planes) == len(dst.planes), (src, dst)
     ops = []
     for src_base, dst_base in zip(src.planes, dst.planes, strict=True):
         sides = (src_base, dst_base, src_layout, dst_layout, src_blocks, dst_blocks)
         if whole_blocks:
-            ops += _block_runs(*sides, full, heads, dst_head_offset)
+            ops += _block_runs(*sides, start, full, heads, dst_head_offset)
             ops += _token_runs(*sides, num_tokens, heads, dst_head_offset, start=full)
         else:
-            ops += _token_runs(*sides, num_tokens, heads, dst_head_offset)
+            ops += _token_runs(*sides, num_tokens, heads, dst_head_offset, start=start)
     return coalesce(ops)
 
 
@@ -169,23 +174,26 @@ def _block_runs(
     dst_layout,
     src_blocks,
     dst_blocks,
+    start,
     num_tokens,
     heads,
     dst_head_offset,
 ) -> list[WriteOp]:
-    """Same block size, head-contiguous blocks: each block's heads in one run (the last block
-    whole, padding rows included: they are the sequence's own and never read). Blocks that
-    follow each other on both sides merge into one run, computed with numpy: an 8k-token prompt
-    has 512 blocks per layer, and one Python object per block cost the sender ~0.5 ms a layer."""
+    """Same block size, head-contiguous blocks: each block's heads of tokens [start,
+    num_tokens) in one run (the last block whole, padding rows included: they are the
+    sequence's own and never read). Blocks that follow each other on both sides merge into one
+    run, computed with numpy: an 8k-token prompt has 512 blocks per layer, and one Python object
+    per block cost the sender ~0.5 ms a layer."""
     first, count = heads.start, len(heads)
     nbytes = count * src_layout.head_stride
-    n = _blocks(num_tokens, src_layout)
-    assert n == _blocks(num_tokens, dst_layout)
-    if n == 0:
+    begin, end = start // src_layout.block_size, _blocks(num_tokens, src_layout)
+    assert end == _blocks(num_tokens, dst_layout)
+    n = end - begin
+    if n <= 0:
         return []
-    src = np.asarray(src_blocks[:n], dtype=np.int64) * src_layout.block_stride
+    src = np.asarray(src_blocks[begin:end], dtype=np.int64) * src_layout.block_stride
     src += src_base + first * src_layout.head_stride
-    dst = np.asarray(dst_blocks[:n], dtype=np.int64) * dst_layout.block_stride
+    dst = np.asarray(dst_blocks[begin:end], dtype=np.int64) * dst_layout.block_stride
     dst += dst_base + (first - dst_head_offset) * dst_layout.head_stride
     starts = np.flatnonzero(
         np.r_[True, (src[1:] != src[:-1] + nbytes) | (dst[1:] != dst[:-1] + nbytes)]

@@ -1,5 +1,10 @@
 """Sends each layer's KV as soon as that layer is computed.
 
+`KV_SEND_MODES` say which forwards send: by default the one that completes a prompt sends every
+layer of the whole prompt; "chunkwise", every forward of a prompt prefilled in chunks sends the
+blocks it filled whole (the last one the rest), so that only the last chunk's KV is left to move
+after the prompt's last layer.
+
 `KvPublisher` wraps the model's attention backend (engine.attention's `write_kv`, or for an MLA
 model engine.mla's `store_latent`): when layer l's KV of a step (K and V, or the latent rows) has
 been written into the local cache, every armed `LayerwiseSend` (a request whose prompt completes
@@ -12,6 +17,7 @@ records an event, which the sender's poster thread waits for before posting.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -23,6 +29,13 @@ from prefill.kv_sender import KvSender
 from prefill.kv_writes import BlockLayout, LayerKV, layer_ops
 from prefill.send_session import SendSession, Target
 from transport.base import WriteOp
+
+KV_SEND_MODES = ("layerwise", "chunkwise", "after-forward")
+"""layerwise: each layer, as the forward that completes the prompt computes it, for the whole
+prompt. chunkwise: also each earlier chunk's forward, layer by layer, for the blocks it filled
+whole (NOTE: on a CPU engine a transport that copies with the CPU then competes with the next
+chunk's compute: measured slower on 2 cores). after-forward: every layer after the forward that
+completes the prompt (to measure what sending layer by layer buys)."""
 
 
 class LayerwiseSend:
@@ -43,12 +56,38 @@ class LayerwiseSend:
         self.kv_cache = kv_cache
         self.proposer_cache = proposer_cache
         self.src_layout = _block_layout(kv_cache)
+        self.sent = 0
+        """Tokens of the prompt whose writes are posted, or armed for the next forward."""
+        self.complete = False
+        """Armed for the forward that completes the prompt: everything is sent by then."""
+        self.held: list[int] = []
+        """The engine's blocks it holds for the writes (the adapter's to take and release)."""
+        self._piece: tuple[int, int, list[int]] = (0, 0, [])
+
+    def arm(self, blocks: list[int], end: int, final: bool) -> bool:
+        """Before a forward after which tokens [0, end) of the prompt are computed, in `blocks`
+        (the sequence's, in token order): its layers will post tokens [sent, end), all the rest
+        of the prompt if `final` (the forward completes it), else those of the blocks filled
+        whole on both sides. False: nothing to post (nothing new, or complete already)."""
+        if self.complete:
+            return False
+        if final:
+            end = self.session.ticket.num_tokens
+        else:
+            end -= end % math.lcm(self.src_layout.block_size, self.session.dst_layout.block_size)
+            if end <= self.sent:
+                return False
+        self.session.src_blocks = blocks
+        self._piece = (self.sent, end, blocks)
+        self.sent, self.complete = end, final
+        return True
 
     def layer_ready(self, layer: int) -> None:
         """Called on the engine thread right after layer `layer`'s KV was written."""
-        self.sender.post(
-            self.session, partial(self._ops, layer), self._written(), completes_layer=layer
-        )
+        # The piece as armed now: the next forward may arm the next one before this posts.
+        build = partial(self._ops, layer, *self._piece)
+        done = layer if self.complete else None
+        self.sender.post(self.session, build, self._written(), completes_layer=done)
 
     def proposer_ready(self) -> None:
         """Called on the engine thread once the proposer's KV of the prompt was written
@@ -66,30 +105,33 @@ class LayerwiseSend:
         event.record()
         return event
 
-    def _ops(self, layer: int, target: Target) -> list[WriteOp]:
+    def _ops(
+        self, layer: int, start: int, end: int, blocks: list[int], target: Target
+    ) -> list[WriteOp]:
         dst = target.shard.layers[layer]
         return self._layer_ops(
             self.kv_cache.kv_caches[layer], dst, self.src_layout, self.session.dst_layout,
-            target.heads, target.dst_head_offset,
+            target.heads, target.dst_head_offset, blocks, start, end,
         )  # fmt: skip
 
     def _proposer_ops(self, layer: int, target: Target) -> list[WriteOp]:
         regions = target.proposer_layer(layer)
         if regions is None:
             return []
-        cache = self.proposer_cache
+        cache, session = self.proposer_cache, self.session
         return self._layer_ops(
-            cache.kv_caches[layer], regions, _block_layout(cache),
-            self.session.proposer_dst_layout, range(cache.storage.shape[3]), 0,
+            cache.kv_caches[layer], regions, _block_layout(cache), session.proposer_dst_layout,
+            range(cache.storage.shape[3]), 0, session.src_blocks, 0, session.ticket.num_tokens,
         )  # fmt: skip
 
-    def _layer_ops(self, planes, dst, src_layout, dst_layout, heads, dst_head_offset):
-        ticket = self.session.ticket
+    def _layer_ops(
+        self, planes, dst, src_layout, dst_layout, heads, dst_head_offset, blocks, start, end
+    ):
         return layer_ops(
             LayerKV(*(plane.data_ptr() for plane in planes)),
             LayerKV(dst.k.addr, dst.v.addr if dst.HasField("v") else None),
-            src_layout, dst_layout, self.session.src_blocks, list(ticket.block_ids),
-            ticket.num_tokens, heads, dst_head_offset,
+            src_layout, dst_layout, blocks, list(self.session.ticket.block_ids), end, heads,
+            dst_head_offset, start=start,
         )  # fmt: skip
 
 

@@ -90,11 +90,11 @@ class PrefillRankAgent:
     rank // replicas); the others only report each request's end."""
 
     def __init__(
-        self, kv: KvTransportConfig, layout: bytes, layerwise: bool, replicas: int, rank: int
+        self, kv: KvTransportConfig, layout: bytes, kv_send: str, replicas: int, rank: int
     ) -> None:
         self.kv = kv
         self.layout = layout_pb2.LayoutDescriptor.FromString(layout)
-        self.layerwise = layerwise
+        self.kv_send = kv_send
         self.rank = rank
         self.sends_kv = rank % replicas == 0
         self.sender_rank = rank // replicas
@@ -122,19 +122,16 @@ class PrefillRankAgent:
         sender = self._rank_sender.sender
         self.sends[request_id] = LayerwiseSend(sender, sender.open(transfer), self._cache)
 
-    def arm(self, armed: list[tuple[str, list[int]]]) -> None:
-        """Before a forward: these requests' prompts complete in it, in these blocks."""
+    def arm(self, armed: list[tuple[str, list[int], int, bool]]) -> None:
+        """Before a forward: rank 0's LayerwiseSend.arm of each request it sends from (its
+        blocks, the prompt's tokens computed after the forward, whether that completes it)."""
         if not self.sends_kv:
             return
-        sends = []
-        for request_id, blocks in armed:
-            send = self.sends[request_id]
-            send.session.src_blocks = blocks
-            sends.append(send)
-        if self.layerwise:
-            self.publisher.armed = sends
-        else:
+        sends = [self.sends[rid] for rid, *piece in armed if self.sends[rid].arm(*piece)]
+        if self.kv_send == "after-forward":
             self._after_forward = sends
+        else:
+            self.publisher.armed = sends
 
     def forward_done(self) -> None:
         """After the forward `arm` was for."""

@@ -41,7 +41,7 @@ from engine.sampling import SAMPLING_FIELDS, SamplingParams
 from engine.sequence import StopConditions
 from prefill import server_timing
 from prefill.engine_layout import engine_layout
-from prefill.publisher import KvPublisher
+from prefill.publisher import KV_SEND_MODES, KvPublisher
 from prefill.rank_sends import PrefillRankAgent, RankSender
 from prefill.ticket import PREFILL_LAYOUT, KvTransfer, TicketError
 from prefill.worker import Job, PrefillError, PrefillWorker, Result
@@ -67,14 +67,16 @@ class PrefillServerConfig:
     (the ticket's deadline also holds)."""
     port: int = 0
     served_model_name: str = ""
-    layerwise_kv: bool = True
-    """Send each layer's KV as soon as it is computed (False: after the whole forward)."""
+    kv_send: str = "layerwise"
+    """Which forwards send a request's KV, and when (prefill.publisher.KV_SEND_MODES)."""
     drain_grace_s: float = 30.0
     """After SIGTERM: how long the requests already taken may take to finish."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a port number")
+        if self.kv_send not in KV_SEND_MODES:
+            raise ValueError(f"kv_send: {self.kv_send!r} is not one of {', '.join(KV_SEND_MODES)}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -83,8 +85,10 @@ class PrefillServerConfig:
         parser.add_argument("--port", type=int, default=8100)
         parser.add_argument("--served-model-name", default="")
         parser.add_argument(
-            "--kv-send", choices=["layerwise", "after-forward"], default="layerwise",
-            help="send each layer as computed (default), or all after the forward (to compare)",
+            "--kv-send", choices=KV_SEND_MODES, default="layerwise",
+            help="layerwise: each layer as the forward completing the prompt computes it "
+            "(default); chunkwise: also each earlier prefill chunk's filled blocks; "
+            "after-forward: all after that forward (to compare)",
         )  # fmt: skip
         parser.add_argument(
             "--drain-grace-s", type=float, default=30.0,
@@ -98,7 +102,7 @@ class PrefillServerConfig:
             kv=KvTransportConfig.from_cli_args(args),
             port=args.port,
             served_model_name=args.served_model_name,
-            layerwise_kv=args.kv_send == "layerwise",
+            kv_send=args.kv_send,
             drain_grace_s=args.drain_grace_s,
         )
 
@@ -115,7 +119,7 @@ class PrefillServer:
         ranks = None
         if layout.tp_size > 1:
             ranks = partial(
-                PrefillRankAgent, config.kv, layout.SerializeToString(), config.layerwise_kv,
+                PrefillRankAgent, config.kv, layout.SerializeToString(), config.kv_send,
                 config.engine.tensor_parallel_size // layout.tp_size,
             )  # fmt: skip
         self.engine = LLMEngine.build(
@@ -128,9 +132,7 @@ class PrefillServer:
         self.sender = self.rank_sender.sender
         # An MLA latent, which every rank holds whole, is sent by rank 0 alone.
         senders = self.engine.tp_workers if layout.tp_size > 1 else None
-        self.worker = PrefillWorker(
-            self.engine, publisher, self.sender, config.layerwise_kv, senders
-        )
+        self.worker = PrefillWorker(self.engine, publisher, self.sender, config.kv_send, senders)
         self.tokenizer = _tokenizer(config.engine.model)
         self.draining = False
         """Set by SIGTERM: /health and new requests answer 503 (the router goes elsewhere)."""

@@ -31,7 +31,7 @@ from engine.scheduler import StepPlan
 from engine.sequence import Sequence, StopConditions
 from engine.tp_workers import TpWorkers
 from prefill.kv_sender import KvSender
-from prefill.publisher import KvPublisher, LayerwiseSend
+from prefill.publisher import KV_SEND_MODES, KvPublisher, LayerwiseSend
 from prefill.rank_sends import wait_for_ranks
 from prefill.send_session import SendStats, SessionState
 from prefill.ticket import KvTransfer
@@ -134,14 +134,14 @@ class PrefillWorker(EngineThread):
         engine: LLMEngine,
         publisher: KvPublisher,
         sender: KvSender,
-        layerwise: bool = True,
+        kv_send: str = "layerwise",
         senders: TpWorkers | None = None,
     ) -> None:
         self.publisher = publisher
         self.sender = sender
-        self.layerwise = layerwise
-        """False: send a request's layers only after its whole forward (to measure what sending
-        each layer as it is computed buys)."""
+        assert kv_send in KV_SEND_MODES, kv_send
+        self.kv_send = kv_send
+        """Which forwards send a request's KV, and when (publisher.KV_SEND_MODES)."""
         self._live: dict[str, Job] = {}
         self._after_forward: list[LayerwiseSend] = []
         self._ranks_armed = False
@@ -232,7 +232,7 @@ class PrefillWorker(EngineThread):
         computed now that their first token is known, posted after the model's layers."""
         if self.engine.proposer_cache is None:
             return
-        sent = [job for job in jobs if job.send.session.src_blocks]
+        sent = [job for job in jobs if job.send.complete]
         self.engine.fill_proposer([(job.seq, job.send.session.src_blocks) for job in sent])
         for job in sent:
             job.send.proposer_ready()
@@ -249,28 +249,35 @@ class PrefillWorker(EngineThread):
                 job.fail(PrefillError(503, failure))
 
     def _arm(self, plan: StepPlan) -> bool:
-        """Before a forward: the sends of prompts that complete in it post each layer; returns
-        whether the forward must run eagerly (a prompt's last chunk of one token, alone, is a
-        decode step, whose CUDA graph would write the KV without calling the layers' hooks)."""
+        """Before a forward: the sends of prompts that complete in it post each layer (and,
+        chunkwise, those of prompts it prefills a chunk of); returns whether the forward must
+        run eagerly (a prompt's last chunk of one token, alone, is a decode step, whose CUDA
+        graph would write the KV without calling the layers' hooks)."""
         armed, rank_armed = [], []
         for item in plan.scheduled:
             job = self._live.get(item.seq.seq_id)
             send = job.send if job is not None else None
-            if send is not None and item.samples and not send.session.src_blocks:
-                send.session.src_blocks = list(item.seq.block_ids)
-                # Held until the writes have ended (every rank's): the engine frees them when
-                # it finishes the sequence, right after this step.
-                self.engine.pool.incref(send.session.src_blocks)
-                armed.append(send)
-                rank_armed.append((job.request_id, send.session.src_blocks))
+            if send is None or not (item.samples or self.kv_send == "chunkwise"):
+                continue
+            blocks, end = list(item.seq.block_ids), item.start + item.num_new_tokens
+            if not send.arm(blocks, end, item.samples):
+                continue
+            # Held until the writes have ended (every rank's): the engine frees a sequence's
+            # blocks when it finishes (right after the step that samples) or is preempted.
+            held = set(send.held)
+            new = [block for block in blocks if block not in held]
+            self.engine.pool.incref(new)
+            send.held += new
+            armed.append(send)
+            rank_armed.append((job.request_id, blocks, end, item.samples))
         if rank_armed:
             self._ranks("arm", rank_armed)
             self._ranks_armed = True
-        if self.layerwise:
-            self.publisher.armed = armed
-        else:
+        if self.kv_send == "after-forward":
             self._after_forward = armed
-        return self.layerwise and bool(armed)
+        else:
+            self.publisher.armed = armed
+        return self.kv_send != "after-forward" and bool(armed)
 
     def _finish(self, job: Job, finish_reason: str) -> None:
         if job.send is None:
@@ -292,8 +299,8 @@ class PrefillWorker(EngineThread):
     def _sent(self, job: Job, finish_reason: str, stats: SendStats) -> None:
         """Once the job's writes have ended and it was committed, on every rank."""
         error = stats.error or self._wait_for_ranks(job)
-        if job.send.session.src_blocks:
-            self._put(_ReleaseBlocks(job.send.session.src_blocks))
+        if job.send.held:
+            self._put(_ReleaseBlocks(job.send.held))
         if error:
             job.fail(PrefillError(502, f"KV transfer failed: {error}"))
             return

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from decode.server import DecodeServerConfig
@@ -128,7 +129,7 @@ def test_hello_refuses_another_fp8_cache_naming_both_values(decode, sender, name
 
 
 def test_disaggregated_greedy_equals_one_engine(engine_args, decode, prefill):
-    server, stub = decode
+    server = decode[0]
     address = f"127.0.0.1:{server.port}"
     model = server.engine.model_config
     token_bytes = model.kv_bytes_per_token(server.engine.kv_cache.dtype)
@@ -136,15 +137,67 @@ def test_disaggregated_greedy_equals_one_engine(engine_args, decode, prefill):
     itemsize = 1 if engine_args.get("kv_cache_dtype") == "fp8" else 4
     assert token_bytes == (LAYERS * LATENT * 4 if mla else 2 * 2 * 2 * 16 * itemsize)
     forwards = _record_forwards(prefill)
+    outs = _serve(decode, prefill, PROMPTS, "r")
+    assert forwards[-2:] == [[CHUNK], [len(PROMPTS[2]) - CHUNK]]  # the last prompt, chunked
+    assert outs == _one_engine(engine_args, PROMPTS)
+    assert decode_pool_free(address) is not None
+
+
+def test_chunkwise_sends_each_chunks_blocks_as_computed(engine_args, decode):
+    """--kv-send chunkwise: a prompt of two chunks and one token more goes in three pieces of
+    every layer (each chunk's whole blocks as its forward computes them, then the rest), the
+    layers counted once; every token's KV lands as the prefill computed it, greedy output
+    equals one engine, the pool is free."""
+    long = [(5 * i) % 250 + 3 for i in range(2 * CHUNK + 1)]
+    kv = KvTransportConfig(backend="tcp", host="127.0.0.1")
+    engine = EngineConfig(**engine_args, max_num_batched_tokens=CHUNK, max_num_seqs=4)
+    prefill = PrefillServer(PrefillServerConfig(engine, kv, kv_send="chunkwise"))
+    try:
+        forwards, posts, sources = _record_forwards(prefill), [], {}
+        post = prefill.sender.post
+
+        def recording_post(session, build, ready=None, completes_layer=None):
+            posts.append(completes_layer)
+            sources[session.ticket.request_id] = build.args[-1]  # the piece's source blocks
+            return post(session, build, ready, completes_layer)
+
+        def landed(ticket):
+            n, src_blocks = ticket.num_tokens, sources[ticket.request_id]
+            src, dst = prefill.engine.kv_cache.kv_caches, decode[0].engine.kv_cache.kv_caches
+            for src_planes, dst_planes in zip(src, dst, strict=True):
+                for a, b in zip(src_planes, dst_planes, strict=True):
+                    assert torch.equal(_rows(a, src_blocks, n), _rows(b, ticket.block_ids, n))
+
+        prefill.sender.post = recording_post
+        outs = _serve(decode, prefill, [long, PROMPTS[0]], "c", landed)
+    finally:
+        prefill.stop()
+    assert forwards == [[CHUNK], [CHUNK], [1], [len(PROMPTS[0])]]
+    layers = list(range(decode[0].engine.model_config.num_layers))
+    assert posts == [None] * len(layers) * 2 + layers + layers  # the short prompt: one piece
+    assert outs == _one_engine(engine_args, [long, PROMPTS[0]])
+    assert decode_pool_free(f"127.0.0.1:{decode[0].port}") is not None
+
+
+def _serve(decode, prefill: PrefillServer, prompts, tag: str, landed=None) -> list[list[int]]:
+    """Each prompt as the router serves it: Reserve, the prefill with the ticket (which must
+    commit every layer and the prompt's bytes; then `landed(ticket)`), Generate; the tokens
+    generated."""
+    server, stub = decode
+    address = f"127.0.0.1:{server.port}"
+    model = server.engine.model_config
+    token_bytes = model.kv_bytes_per_token(server.engine.kv_cache.dtype)
+    mla = model.mla is not None
     client = TestClient(prefill.app)
     outs = []
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         ticket = stub.Reserve(
             decode_pb2.ReserveRequest(
-                request_id=f"r{i}", prompt_token_ids=prompt, num_senders=1, max_tokens=NEW_TOKENS
+                request_id=f"{tag}{i}", prompt_token_ids=prompt, num_senders=1,
+                max_tokens=NEW_TOKENS,
             ),
             timeout=10,
-        ).ticket
+        ).ticket  # fmt: skip
         # MLA: one region a layer, the latent's, as `k`; one head. Else K and V of 2 heads.
         layers = ticket.shards[0].layers
         assert [layer.HasField("v") for layer in layers] == [not mla] * model.num_layers
@@ -158,6 +211,8 @@ def test_disaggregated_greedy_equals_one_engine(engine_args, decode, prefill):
         kv = reply.json()["kv_transfer_params"]
         assert kv["layers"] == model.num_layers
         assert kv["bytes_written"] == len(prompt) * token_bytes
+        if landed is not None:
+            landed(ticket)
         stream = stub.Generate(
             decode_pb2.GenerateRequest(
                 request_id=ticket.request_id, generation=ticket.generation,
@@ -166,12 +221,19 @@ def test_disaggregated_greedy_equals_one_engine(engine_args, decode, prefill):
             timeout=60,
         )  # fmt: skip
         outs.append([t for message in stream for t in message.token_ids])
-    assert forwards[-2:] == [[CHUNK], [len(PROMPTS[2]) - CHUNK]]  # the last prompt, chunked
-    reference = LLMEngine.build(EngineConfig(**engine_args)).generate(
-        PROMPTS, SamplingParams(), StopConditions(NEW_TOKENS, ignore_eos=True)
+    return outs
+
+
+def _rows(plane: torch.Tensor, blocks, n: int) -> torch.Tensor:
+    """[heads, n, channels]: tokens [0, n) of a cache plane [blocks, heads, block_size, ...]."""
+    picked = plane[torch.as_tensor(list(blocks))]  # [b, heads, block_size, channels]
+    return picked.transpose(0, 1).flatten(1, 2)[:, :n]
+
+
+def _one_engine(engine_args: dict, prompts: list[list[int]]) -> list[list[int]]:
+    return LLMEngine.build(EngineConfig(**engine_args)).generate(
+        prompts, SamplingParams(), StopConditions(NEW_TOKENS, ignore_eos=True)
     )
-    assert outs == reference
-    assert decode_pool_free(address) is not None
 
 
 def _record_forwards(server: PrefillServer) -> list[list[int]]:

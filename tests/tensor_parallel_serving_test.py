@@ -2,9 +2,10 @@
 Llama of 8 heads and 4 KV heads with SmolLM2's tokenizer, as a Hugging Face folder.
 - tandem's prefill at TP 1 and 2 -> router -> decode at TP 1, 2 and 4 (P1->D2, P2->D1, P2->D2,
   P2->D4): each prefill rank writes the heads it holds into the decode ranks holding them and
-  commits for itself; greedy completions (n=1, and n=2, whose second choice copies a partial
-  block on every decode rank) equal one engine at TP 1; each sender rank's bytes counted under
-  its rank; every block free afterwards.
+  commits for itself (the TP 2 prefill chunkwise: a prompt of several 16-token chunks goes
+  a chunk's blocks at a time from every rank); greedy completions (n=1, and n=2, whose second
+  choice copies a partial block on every decode rank) equal one engine at TP 1; each sender
+  rank's bytes counted under its rank; every block free afterwards.
 - an MLA/MoE model (latent replicated on every rank): tandem's prefill at TP 1 and 2 (rank 0
   sends the latent) into decode at TP 2 (each rank receives it whole) equals one engine.
 - 2 KV heads over 4 ranks (each head replicated on two): the first prefill rank of each pair
@@ -37,7 +38,12 @@ from tests.servers import counter, decode_pool_free, stop
 from tests.tiny_folders import write_tiny_kv4, write_tiny_mla
 from tools.launch import start
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:",
+    "Count with me: one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve,"
+    " thirteen, fourteen, fifteen, sixteen, seventeen",
+]
 MAX_TOKENS = 12
 TRANSFER_TIMEOUT_S = 5
 ARGS = ["--dtype", "float32", "--block-size", "16", "--kv-cache-gb", "0.05",
@@ -71,10 +77,10 @@ def stack(folder):
                 f"127.0.0.1:{m.group(1)}",
                 f"http://127.0.0.1:{m.group(2)}/metrics",
             )
-        for tp in (1, 2):
+        for tp, kv_send in ((1, "layerwise"), (2, "chunkwise")):
             proc, m = start(
                 ["prefill.server", *model, "--tensor-parallel-size", str(tp), "--port", "0",
-                 "--max-num-batched-tokens", "16", "--max-num-seqs", "8"],
+                 "--max-num-batched-tokens", "16", "--max-num-seqs", "8", "--kv-send", kv_send],
                 r"serving on (http://[\d.:]+)",
             )  # fmt: skip
             procs.append(proc)

@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--kv-send", default="layerwise,after-forward",
-        help="prefill send modes to compare: layerwise, after-forward",
+        help="prefill send modes to compare: layerwise, chunkwise, after-forward",
     )  # fmt: skip
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=None,

@@ -92,11 +92,16 @@ def main() -> None:
     parser.add_argument("--speculative-config", default=None,
                         help="JSON, the decode's (and, for draft_model and mtp, the prefill's: "
                              "it sends the proposer's prompt KV)")  # fmt: skip
+    parser.add_argument("--kv-send", default="layerwise",
+                        help="the embedded prefill's: layerwise, chunkwise or after-forward "
+                             "(prefill.server --help)")  # fmt: skip
     parser.add_argument("--tool-call-parser", default=None, help="the router's (hermes, ...)")
     parser.add_argument("--reasoning-parser", default=None, help="the router's (qwen3, ...)")
     args = parser.parse_args()
     if min(args.num_prefill, args.num_decode, args.decode_tp, args.prefill_tp) < 1:
         sys.exit("serve: --num-prefill, --num-decode, --decode-tp and --prefill-tp must be >= 1")
+    if args.prefill == "vllm" and args.kv_send != "layerwise":
+        sys.exit("serve: --kv-send is the embedded prefill's; vLLM's connector sends each step")
     num_prefill = 0 if args.aggregated else args.num_prefill
     model = _model_folder(args.model)
     if not (Path(model) / "config.json").is_file():
@@ -147,7 +152,7 @@ def main() -> None:
                                         args.kv_cache_dtype, *shared, *prefill_tp)  # fmt: skip
             else:
                 proc, m = start(["prefill.server", *common, "--port", "0", *prefill_tp,
-                                 *prefill_spec],
+                                 *prefill_spec, "--kv-send", args.kv_send],
                                 r"serving on (http://\S+)", timeout=900)  # fmt: skip
                 url = m.group(1)
             procs.append(proc)

@@ -2,6 +2,7 @@
 every token of every head where the destination expects it."""
 
 import ctypes
+import itertools
 
 import pytest
 import torch
@@ -65,6 +66,26 @@ def test_writes_land_every_token_where_the_destination_reads_it(src_bs, dst_bs, 
     want = _tokens(src, src_blocks, src_bs, n, list(heads))
     got = _tokens(dst, dst_blocks, dst_bs, n, [h - offset for h in heads])
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("src_bs", "dst_bs"), [(16, 16), (16, 8), (8, 32)])
+def test_a_prompt_written_in_pieces_lands_each_piece_alone(src_bs, dst_bs):
+    """Chunk by chunk, each piece starting where the whole blocks of the pieces before it end:
+    a piece lands exactly its own tokens (the last one's tail block whole), nothing else."""
+    n, heads, unit = 45, range(0, 4), max(src_bs, dst_bs)
+    src = _cache(8, src_bs)
+    src_blocks = [5, 2, 7, 0, 3, 1, 6, 4][: -(-n // src_bs)]
+    dst_blocks = [9, 10, 11, 3, 4, 0, 1, 2, 13, 14][: -(-n // dst_bs)]
+    want = _tokens(src, src_blocks, src_bs, n, list(heads))
+    cuts = [0, unit, 2 * unit, n] if 2 * unit < n else [0, unit, n]
+    for start, end in itertools.pairwise(cuts):
+        dst = _cache(16, dst_bs, fill=0.0)
+        sides = (_kv(src), _kv(dst), _layout(src), _layout(dst), src_blocks, dst_blocks)
+        for op in layer_ops(*sides, end, heads, start=start):
+            ctypes.memmove(op.dst, op.src, op.nbytes)
+        got = _tokens(dst, dst_blocks, dst_bs, n, list(heads))
+        assert torch.equal(got[:, start:end], want[:, start:end]), (start, end)
+        assert torch.all(got[:, :start] == 0) and torch.all(got[:, end:] == 0), (start, end)
 
 
 def test_same_layout_adjacent_blocks_coalesce_to_one_run_per_k_and_v():
