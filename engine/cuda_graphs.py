@@ -117,7 +117,8 @@ class GraphStep(NamedTuple):
     greedy: torch.Tensor
     """[n] int64: the logits' argmax, computed inside the graph."""
     hidden: torch.Tensor
-    """[n, hidden_size]: the model's output (after its final norm), e.g. for an MTP layer."""
+    """[n, width]: what a proposer fed hidden states reads (CausalLM.proposer_hidden: the
+    model's output after its final norm for an MTP layer, aux layers' streams for EAGLE-3)."""
 
 
 class DecodeGraphs:
@@ -226,4 +227,4 @@ class DecodeGraphs:
         if self._forward is not None:
             return self._forward(input_ids, positions, meta, previous)
         hidden = self.model(input_ids, positions, self.kv_cache.kv_caches, meta)
-        return hidden, self.model.compute_logits(hidden)
+        return self.model.proposer_hidden(hidden), self.model.compute_logits(hidden)

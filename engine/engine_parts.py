@@ -16,7 +16,13 @@ from engine.engine_config import DTYPES, EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.model_loader import Backend, load_model
-from engine.spec_build import Draft, extra_kv_bytes_per_token, load_draft_model, verify_graphs
+from engine.spec_build import (
+    Draft,
+    eagle3_aux_layers,
+    extra_kv_bytes_per_token,
+    load_draft_model,
+    verify_graphs,
+)
 from engine.step_executor import StepExecutor
 from engine.tensor_parallel import TpRank
 
@@ -40,6 +46,8 @@ def build_parts(
     """The parts of rank `tp` (of the one device without it); `wrap_attention` as
     LLMEngine.build's."""
     model_config, model = load_model(config, wrap_attention, tp)
+    # Before any graph is captured: the graphs then keep them too.
+    model.model.aux_layers = eagle3_aux_layers(config, model_config)
     dtype = DTYPES[config.dtype]
     draft = load_draft_model(config, model_config)
     token_bytes = model_config.kv_bytes_per_token(config.kv_dtype)

@@ -380,6 +380,10 @@ class Decoder(nn.Module):
         self.rotary_emb = rotary_emb if rotary_emb is not None else RotaryEmbedding(config)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.aux_layers: tuple[int, ...] = ()
+        """Layers whose input stream a forward also keeps, concatenated in `aux` (an EAGLE-3
+        head reads them: engine.eagle)."""
+        self.aux: torch.Tensor | None = None
 
     def forward(
         self,
@@ -392,8 +396,14 @@ class Decoder(nn.Module):
         cos, sin = self.rotary_emb(positions, x.dtype)
         inp = self.layers[0].input_layernorm.input_of(x)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms, strict=True):
+        streams = []
+        for i, (layer, kv_cache, next_norm) in enumerate(
+            zip(self.layers, kv_caches, next_norms, strict=True)
+        ):
+            if i in self.aux_layers:  # the residual stream entering layer i
+                streams.append(inp.x if inp.residual is None else inp.x + inp.residual)
             inp = layer(inp, cos, sin, kv_cache, meta, next_norm)
+        self.aux = torch.cat(streams, dim=-1) if streams else None
         x, _ = inp.compute(self.norm.ops)
         return x
 
@@ -434,6 +444,11 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T]; kv_caches[layer] = (K, V) -> hidden states [T, hidden]."""
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def proposer_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a speculative proposer fed hidden states reads of the last forward, whose
+        output was `hidden`: its aux layers' streams if it keeps them, else `hidden`."""
+        return hidden if self.model.aux is None else self.model.aux
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -60,9 +60,9 @@ class LaunchedStep:
         self._logprobs = logprobs
         """None when no sequence asked; on the host once `_copied` has happened."""
         self.hidden: torch.Tensor | None = None
-        """The model's output for every fed row, in plan order (a sequence's rows together), set
-        by the runner: a multi-token-prediction proposer reads it (engine/mtp.py). A graph's
-        buffer: valid until the next step."""
+        """CausalLM.proposer_hidden of every fed row, in plan order (a sequence's rows
+        together), set by the runner: a proposer fed hidden states reads it
+        (engine/hidden_proposer.py). A graph's buffer: valid until the next step."""
         self._copied: torch.cuda.Event | None = None
         if host is not None:  # CUDA: the copy to pinned memory lands when the device gets there
             host.copy_(tokens, non_blocking=True)
@@ -180,6 +180,7 @@ class ModelRunner:
             logits, hidden = self._verify_with_graph(plan)
         else:
             hidden, sample_rows = self._forward_eager(plan, fed)
+            hidden = self.model.proposer_hidden(hidden)  # the graphs' hidden is that already
             if not sampling:  # a prompt chunk: its hidden states only
                 step = LaunchedStep(plan, [], None)
                 step.hidden = hidden

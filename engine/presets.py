@@ -134,6 +134,9 @@ PRESETS["tiny-kv4"] = dataclasses.replace(
 # on a block boundary (k's 32 rows after q's 64).
 PRESETS["llama3-8b-fp8"] = dataclasses.replace(PRESETS["llama3-8b"], fp8=Fp8Scheme(128, 128))
 PRESETS["tiny-fp8"] = dataclasses.replace(PRESETS["tiny"], fp8=Fp8Scheme(48, 48))
+# tiny with eight layers, whose streams entering layers 2, 4 and 5 an EAGLE-3 head of its shape
+# (random:eagle3-tiny) reads.
+PRESETS["tiny-8l"] = dataclasses.replace(PRESETS["tiny"], num_layers=8)
 # 32x32 blocks (powers of two, as real checkpoints' 128): the one-row GEMV on CUDA steps by them.
 PRESETS["tiny-fp8-b32"] = dataclasses.replace(PRESETS["tiny"], fp8=Fp8Scheme(32, 32))
 

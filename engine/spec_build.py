@@ -10,11 +10,20 @@ import torch
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs, HiddenForward
 from engine.draft_proposer import DraftModelProposer
+from engine.eagle import Eagle3Config, Eagle3Head, load_head
 from engine.engine_config import DTYPES, EngineConfig
+from engine.hidden_proposer import HiddenStateProposer
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.model_loader import fill, load_model, mla_kernels, model_ops, read_model_config
-from engine.mtp import MtpLayer, MtpProposer
+from engine.model_loader import (
+    attention_backend,
+    fill,
+    load_model,
+    mla_kernels,
+    model_ops,
+    read_model_config,
+)
+from engine.mtp import MtpLayer
 from engine.spec_acceptance import AcceptanceCurve
 from engine.speculative import NgramProposer, Proposer
 
@@ -52,8 +61,8 @@ def extra_kv_bytes_per_token(config: EngineConfig, target: ModelConfig, draft: D
     caches have the target's block count: they share block ids)."""
     if draft is not None:
         return draft[0].kv_bytes_per_token(config.kv_dtype)
-    mtp = mtp_config(config, target)
-    return 0 if mtp is None else mtp.kv_bytes_per_token(config.kv_dtype)
+    extra = mtp_config(config, target) or _eagle3_layer(config)
+    return 0 if extra is None else extra.kv_bytes_per_token(config.kv_dtype)
 
 
 def build_proposer(
@@ -70,6 +79,8 @@ def build_proposer(
         return NgramProposer(spec)
     if spec.method == "mtp":
         return build_mtp(config, target[0], target[1], num_blocks, max_model_len)
+    if spec.method == "eagle3":
+        return build_eagle3(config, target[0], target[1], num_blocks, max_model_len)
     assert draft is not None
     model_config, model = draft
     model.model.rotary_emb.cache(max_model_len, DTYPES[config.dtype])
@@ -98,6 +109,8 @@ def proposer_cache_config(config: EngineConfig) -> ModelConfig | None:
         return None
     if spec.method == "mtp":
         return mtp_config(config, read_model_config(config))
+    if spec.method == "eagle3":
+        return _eagle3_layer(config)
     return read_model_config(replace(config, model=spec.model, speculative_config=None))
 
 
@@ -137,7 +150,7 @@ def build_mtp(
     model: CausalLM,
     num_blocks: int,
     max_model_len: int,
-) -> MtpProposer:
+) -> HiddenStateProposer:
     """The MTP layers on the engine's device (random, or the checkpoint's), over a latent cache
     of their own with the target's block count."""
     latent, experts = mla_kernels(config)
@@ -149,7 +162,58 @@ def build_mtp(
         fill(layer, config, seed_offset=1 + index)
         layers.append(layer)
     mtp = mtp_config(config, target)
-    kv_cache = KVCache(mtp, num_blocks, config.block_size, config.kv_dtype, config.device)
+    return _hidden_proposer(config, model, layers, mtp, num_blocks, max_model_len)
+
+
+def eagle3_aux_layers(config: EngineConfig, target: ModelConfig) -> tuple[int, ...]:
+    """The target layers whose input streams an eagle3 config's head reads (the engine's
+    model keeps them: CausalLM.proposer_hidden); () for other methods."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "eagle3":
+        return ()
+    return Eagle3Config.load(spec.model).target_layers(target)
+
+
+def build_eagle3(
+    config: EngineConfig,
+    target: ModelConfig,
+    model: CausalLM,
+    num_blocks: int,
+    max_model_len: int,
+) -> HiddenStateProposer:
+    """The EAGLE-3 head on the engine's device, over a KV cache of its own with the target's
+    block count; its `fc` prepares the target's recorded aux states."""
+    eagle = Eagle3Config.load(config.speculative_config.model)
+    num_aux = len(eagle.target_layers(target))
+    head = load_head(
+        eagle, config.speculative_config.model, num_aux, attention_backend(config.device),
+        model_ops(config), DTYPES[config.dtype], config.device, config.seed + 1,
+    )  # fmt: skip
+    head.rotary_emb.cache(max_model_len, DTYPES[config.dtype])
+    return _hidden_proposer(
+        config, model, [head], eagle.layer, num_blocks, max_model_len, head.prepare
+    )
+
+
+def _eagle3_layer(config: EngineConfig) -> ModelConfig | None:
+    spec = config.speculative_config
+    if spec is None or spec.method != "eagle3":
+        return None
+    return Eagle3Config.load(spec.model).layer
+
+
+def _hidden_proposer(
+    config: EngineConfig,
+    model: CausalLM,
+    layers: list[MtpLayer] | list[Eagle3Head],
+    cache_shape: ModelConfig,
+    num_blocks: int,
+    max_model_len: int,
+    prepare=None,
+) -> HiddenStateProposer:
+    """A proposer of `layers` (each a `predict`), over a cache of `cache_shape` (one layer of
+    it per proposer layer), in CUDA graphs where the engine uses them."""
+    kv_cache = KVCache(cache_shape, num_blocks, config.block_size, config.kv_dtype, config.device)
     graphs = None
     if config.cuda_graphs:
         graphs = [
@@ -159,15 +223,17 @@ def build_mtp(
                 _graph_rows(config),
                 max_model_len,
                 new_kv_first=True,
-                forward=_mtp_forward(layer, model, kv_cache.kv_caches[i]),
-                previous_width=target.hidden_size,
+                forward=_predict(layer, model, kv_cache.kv_caches[i]),
+                previous_width=cache_shape.hidden_size,
             )
             for i, layer in enumerate(layers)
         ]
-    return MtpProposer(layers, model, kv_cache, config.max_num_batched_tokens, graphs)
+    return HiddenStateProposer(
+        layers, model, kv_cache, config.max_num_batched_tokens, graphs, prepare
+    )
 
 
-def _mtp_forward(layer: MtpLayer, target: CausalLM, cache: tuple[torch.Tensor]) -> HiddenForward:
+def _predict(layer, target: CausalLM, cache: tuple[torch.Tensor, ...]) -> HiddenForward:
     def forward(ids, positions, meta, previous):
         return layer.predict(target, ids, positions, previous, cache, meta)
 

@@ -12,6 +12,7 @@ Configured as vLLM's `--speculative-config`, a JSON object:
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}
     {"method": "draft_model", "model": "path/or/random:preset", "num_speculative_tokens": 3}
     {"method": "mtp", "num_speculative_tokens": 3}
+    {"method": "eagle3", "model": "path/or/random:eagle3-<preset>", "num_speculative_tokens": 3}
 
 Sequences that sample with penalties or under a grammar do not speculate (they decode one token a
 step, as without speculation); log-probabilities are reported for every accepted token.
@@ -31,14 +32,17 @@ import torch
 from engine.kv_cache import KVCache
 from engine.sequence import Sequence
 
-METHODS = ("ngram", "draft_model", "mtp")
+METHODS = ("ngram", "draft_model", "mtp", "eagle3")
+WITH_MODEL = ("draft_model", "eagle3")
+"""Methods whose proposer is a model of its own (speculative_config.model)."""
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    """"ngram" (prompt lookup), "draft_model" (a smaller model of the same vocabulary) or "mtp"
-    (the model's own multi-token-prediction layers, engine/mtp.py)."""
+    """"ngram" (prompt lookup), "draft_model" (a smaller model of the same vocabulary), "mtp"
+    (the model's own multi-token-prediction layers, engine/mtp.py) or "eagle3" (an EAGLE-3 head
+    fed the target's hidden states, engine/eagle.py)."""
     num_speculative_tokens: int
     """Draft tokens proposed per step and sequence at most (k)."""
     prompt_lookup_max: int = 5
@@ -46,7 +50,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     """ngram: the shortest suffix looked up; no proposal when none of [min, max] is found."""
     model: str | None = None
-    """draft_model: a Hugging Face folder or random:<preset>, of the target's vocabulary."""
+    """draft_model: a Hugging Face folder or random:<preset>, of the target's vocabulary;
+    eagle3: the head's folder, or random:eagle3-<preset>."""
     acceptance_curve: str | None = None
     """Benchmarks only: a curve name in engine/acceptance_curves.json; the verifier then
     accepts as many drafts as the curve draws instead of comparing them (output tokens are
@@ -67,10 +72,10 @@ class SpeculativeConfig:
                 f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) and "
                 f"prompt_lookup_max ({self.prompt_lookup_max}) must satisfy 1 <= min <= max"
             )
-        if (self.method == "draft_model") != (self.model is not None):
+        if (self.method in WITH_MODEL) != (self.model is not None):
             raise ValueError(
-                "speculative_config.model: a draft model is given with method draft_model, "
-                f"and only then (method {self.method!r}, model {self.model!r})"
+                "speculative_config.model: a model is given with method draft_model or "
+                f"eagle3, and only then (method {self.method!r}, model {self.model!r})"
             )
 
     @classmethod

@@ -155,21 +155,28 @@ SPECULATIVE = [
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}, "random:tiny"),
     ({"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": 2}, "random:tiny"),
     ({"method": "mtp", "num_speculative_tokens": 3}, "random:deepseek-tiny"),
+    (
+        {"method": "eagle3", "model": "random:eagle3-tiny", "num_speculative_tokens": 3},
+        "random:tiny-8l",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("spec", "model"), SPECULATIVE, ids=["ngram", "draft_model", "mtp"])
+@pytest.mark.parametrize(
+    ("spec", "model"), SPECULATIVE, ids=["ngram", "draft_model", "mtp", "eagle3"]
+)
 def test_speculative_decoding_in_graphs_equals_the_cpu_path(spec, model):
     """Drafts verified in CUDA graphs (a row per fed token, K/V written before attending), a
-    draft model's catch-up and steps in graphs of its own, MTP layers on the MLA kernels:
-    greedy tokens equal the CPU engine's without speculation."""
+    draft model's catch-up and steps in graphs of its own, MTP layers on the MLA kernels, an
+    EAGLE-3 head fed the target's streams (kept by the target's graphs too): greedy tokens
+    equal the CPU engine's without speculation."""
     config = SpeculativeConfig.from_json(json.dumps(spec))
     cpu, gpu = _engines(model, speculative_config=config)
     replays = {"verify": 0, "catch_up": 0}
     graphs = {"verify": gpu.runner.verify_graphs}
     if config.method == "draft_model":
         graphs["catch_up"] = gpu.proposer.catch_up_graphs
-    elif config.method == "mtp":  # every MTP forward, the catch-up's and each further draft's
+    elif config.method in ("mtp", "eagle3"):  # every forward, the catch-up's and each draft's
         graphs["catch_up"] = gpu.proposer.graphs[0]
     for name, graph in graphs.items():
         run = graph.run

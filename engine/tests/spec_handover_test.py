@@ -1,5 +1,5 @@
 """A speculating sequence handed from a prefill engine to a decode engine with its proposer's
-prompt KV (a draft model's cache, the MTP layer's), on the CPU, float32:
+prompt KV (a draft model's cache, the MTP layer's, an EAGLE-3 head's), on the CPU, float32:
 - the prefill fills the proposer's cache of the prompt once it has sampled the first token
   (`LLMEngine.fill_proposer`); the decode engine, given both caches' blocks
   (`add_prefilled`), decodes the tokens of one engine that prefilled itself and proposes,
@@ -26,6 +26,7 @@ PROMPTS = [list(range(3, 40)), [5, 17, 3, 9, 5, 17, 3, 9, 5, 17, 3]]
 PROPOSERS = {
     "draft_model": ("random:tiny", SpeculativeConfig("draft_model", 3, model="random:tiny")),
     "mtp": ("random:deepseek-tiny", SpeculativeConfig("mtp", 3)),
+    "eagle3": ("random:tiny-8l", SpeculativeConfig("eagle3", 3, model="random:eagle3-tiny")),
 }
 
 

@@ -29,6 +29,8 @@ TEXTS = [
 ]
 NGRAM = SpeculativeConfig("ngram", 3, prompt_lookup_max=4, prompt_lookup_min=2)
 SELF_DRAFT = SpeculativeConfig("draft_model", 3, model=str(MODEL))
+EAGLE3 = SpeculativeConfig("eagle3", 3, model="random:eagle3-smollm2")
+"""A random EAGLE-3 head of SmolLM2's shape, drafting from 12,000 of its tokens."""
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +91,23 @@ def test_a_different_draft_model_changes_no_token(prompts, reference):
     assert engine.spec_stats.num_draft_tokens > 2 * len(prompts)
 
 
-@pytest.mark.parametrize("spec", [NGRAM, SELF_DRAFT], ids=["ngram", "draft"])
+def test_an_eagle3_head_changes_no_token(prompts, reference):
+    """Its drafts come from the target's streams entering layers 2, 15 and 27 (random weights:
+    they almost never agree), mapped from its 12,000-token vocabulary; every one verified."""
+    engine = _engine(speculative_config=EAGLE3)
+    assert engine.runner.model.model.aux_layers == (2, 15, 27)
+    assert _run(engine, prompts) == reference
+    assert engine.spec_stats.num_draft_tokens > 2 * len(prompts)
+
+
+@pytest.mark.parametrize("spec", [NGRAM, SELF_DRAFT, EAGLE3], ids=["ngram", "draft", "eagle3"])
 def test_chunked_prefill_and_preemption_with_speculation(prompts, reference, spec):
     # 20 tokens per forward chunks the long prompt; 9 blocks of 16 tokens (target and draft
     # KV together) cannot hold every sequence with its draft room: preemptions recompute
     # the target's and the draft's KV.
     target = 30 * 2 * 3 * 64 * 4 * 16  # layers * (K,V) * kv heads * head dim * fp32 * tokens
-    per_block = target * (2 if spec.method == "draft_model" else 1)
+    extra = {"draft_model": target, "eagle3": target // 30}  # the draft's, the head's one layer
+    per_block = target + extra.get(spec.method, 0)
     engine = _engine(
         speculative_config=spec,
         max_num_batched_tokens=20,

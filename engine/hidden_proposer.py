@@ -1,0 +1,181 @@
+"""Proposers fed the target's hidden states: a model's MTP layers (engine.mtp) and EAGLE-3
+heads (engine.eagle). Each layer's `predict(target, ids, positions, previous, kv_cache, meta,
+logit_rows)` gives (g, logits) for token j + 1 at position j after `previous`, the target's state
+at j (or g of the draft before), over a KV cache of its own whose blocks are the target's, as a
+draft model's are (engine/draft_proposer.py).
+
+`HiddenStateProposer` keeps, per sequence, the target's states of the positions its cache lacks
+(`Sequence.draft_hidden`, recorded after every target step: the prompt's, then the positions the
+target accepted; `prepare`d first: an EAGLE-3 head's `fc`) and `Sequence.num_draft_computed`; a
+proposal first feeds those positions (one forward), whose last row gives draft 1, then one row
+per further draft. Every forward lays its tokens out a row each, with its own position and its
+sequence's block table (AttentionMetadata.new_kv_first), so that steps of up to MAX_GRAPH_ROWS
+rows replay CUDA graphs (engine.cuda_graphs, the layer's `predict` captured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
+from engine.kv_cache import KVCache
+from engine.model import CausalLM
+from engine.scheduler import StepPlan
+from engine.sequence import Sequence
+from engine.speculative import chain_drafts
+
+
+class HiddenStateProposer:
+    kv_cache: KVCache
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        target: CausalLM,
+        kv_cache: KVCache,
+        max_chunk: int,
+        graphs: list[DecodeGraphs] | None = None,
+        prepare: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """`max_chunk`: rows of one sequence a catch-up forward feeds at most (the engine's
+        max_num_batched_tokens); `graphs`: one per layer (new_kv_first, its `forward` the
+        layer's `predict`), for steps of up to their max_batch rows; the rest runs eagerly.
+        `prepare`: the target's recorded rows -> the layers' `previous` (None: as they are)."""
+        self.layers = layers
+        self.prepare = prepare
+        self.max_chunk = max_chunk
+        self.target = target
+        self.kv_cache = kv_cache
+        self.graphs = graphs
+        self.device = kv_cache.storage.device
+
+    def record(self, plan: StepPlan, hidden: torch.Tensor | None, accepted: dict[str, int]) -> None:
+        """Keeps the target's states of the positions a finished step settled: every fed one,
+        or of a sequence that fed drafts its last token's and the accepted drafts'. Those of a
+        sequence the step finished too: a prefill fills the proposer's cache of its prompt
+        after its first token (`fill_prompt`)."""
+        if hidden is None:
+            return
+        row = 0
+        for item in plan.scheduled:
+            seq, fed = item.seq, item.num_new_tokens
+            keep = 1 + accepted[seq.seq_id] if item.draft else fed
+            pending = seq.draft_hidden
+            have = seq.num_draft_computed + (0 if pending is None else len(pending))
+            if have == item.start:
+                rows = hidden[row : row + keep]
+                # A graph's rows are its buffer's, which the next replay overwrites.
+                rows = rows.clone() if self.prepare is None else self.prepare(rows)
+                seq.draft_hidden = rows if pending is None else torch.cat([pending, rows])
+            row += fed
+
+    def propose(self, seqs: Seq[Sequence], rooms: Seq[int]) -> list[list[int]]:
+        """Drafts for the sequences whose hidden states reach their last token (one admitted
+        with its prompt's KV gets none at its first step, whose hidden state it waits for)."""
+        active = [
+            (seq, room) for seq, room in zip(seqs, rooms, strict=True) if room > 0 and _covered(seq)
+        ]
+        if not active:
+            return [[] for _ in seqs]
+        g, guesses = self._catch_up([seq for seq, _ in active])
+
+        def step(j: int, rows: list[int], index: torch.Tensor, previous: torch.Tensor):
+            # Draft j - 1 at position N - 2 + j, after g of the position before.
+            nonlocal g
+            riding = [active[i][0] for i in rows]
+            positions = [seq.num_tokens - 2 + j for seq in riding]
+            tables = [seq.block_ids for seq in riding]
+            g_rows, guesses = self._rows(j, previous, positions, tables, g[index])
+            g = g.clone()  # g_rows may be a graph's buffer, which the next replay overwrites
+            g[index] = g_rows
+            return guesses
+
+        return chain_drafts(seqs, active, guesses, step)
+
+    def fill_prompt(self, seqs: Seq[Sequence]) -> None:
+        """The proposer's cache of positions 0 .. N - 2 of each sequence of N tokens (its prompt and
+        first token, on a prefill): the catch-up a first proposal would run."""
+        missing = [seq.seq_id for seq in seqs if not _covered(seq)]
+        assert not missing, f"no hidden states kept for {missing}"
+        if seqs:
+            self._catch_up(list(seqs), logits=False)
+
+    def _catch_up(
+        self, seqs: list[Sequence], logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feeds each sequence's pending positions (j with token j + 1, h_j), a row each, at
+        most max_chunk rows of a sequence a forward (a whole prompt's would not fit): g and the
+        greedy draft 1 after each one's last (`logits`: else no draft)."""
+        while behind := [seq for seq in seqs if len(seq.draft_hidden) > self.max_chunk]:
+            self._feed(behind, self.max_chunk, logits=False)
+        return self._feed(seqs, None, logits)
+
+    def _feed(
+        self, seqs: list[Sequence], limit: int | None, logits: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `limit` (None: all) pending positions of each sequence."""
+        counts = [len(seq.draft_hidden) if limit is None else limit for seq in seqs]
+        ids, positions, tables, last = [], [], [], []
+        for seq, count in zip(seqs, counts, strict=True):
+            start = seq.num_draft_computed
+            ids.extend(seq.token_ids[start + 1 : start + count + 1])
+            positions.extend(range(start, start + count))
+            tables.extend([seq.block_ids] * count)
+            last.append(len(ids) - 1)
+        previous = torch.cat([seq.draft_hidden[:n] for seq, n in zip(seqs, counts, strict=True)])
+        last_rows = torch.tensor(last if logits else [], dtype=torch.long, device=self.device)
+        g, greedy = self._rows(0, ids, positions, tables, previous, last_rows)
+        for seq, count in zip(seqs, counts, strict=True):
+            seq.num_draft_computed += count
+            seq.draft_hidden = seq.draft_hidden[count:] if count < len(seq.draft_hidden) else None
+        return g[last_rows], greedy
+
+    def _rows(
+        self,
+        depth: int,
+        ids: list[int] | torch.Tensor,
+        positions: list[int],
+        tables: list[list[int]],
+        previous: torch.Tensor,
+        greedy_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g of each row, greedy token of each of greedy_rows, all rows if None): token
+        ids[i] at positions[i] of the sequence with block table tables[i], after hidden state
+        previous[i]; every row's latent written before any row attends. In a graph when one
+        holds the rows."""
+        layer = depth % len(self.layers)
+        fed = ids if isinstance(ids, torch.Tensor) else None
+        graphs = None if self.graphs is None else self.graphs[layer]
+        if graphs is not None and len(positions) <= graphs.max_batch:
+            host_ids = None if fed is not None else ids
+            step = graphs.run(host_ids, positions, tables, fed_ids=fed, previous=previous)
+            greedy = step.greedy if greedy_rows is None else step.greedy[greedy_rows]
+            return step.hidden, greedy
+        lens = [p + 1 for p in positions]
+        meta = AttentionMetadata.build(
+            [1] * len(positions), lens, tables, self.kv_cache.block_size, self.device
+        )
+        g, logits = self.layers[layer].predict(
+            self.target,
+            fed if fed is not None else torch.tensor(ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            previous,
+            self.kv_cache.kv_caches[layer],
+            dataclasses.replace(meta, new_kv_first=True),
+            greedy_rows,
+        )
+        return g, logits.argmax(dim=-1)
+
+
+def _covered(seq: Sequence) -> bool:
+    """Whether the hidden states kept for seq reach its last token's position - 1. A sequence
+    admitted with its prompt's proposer KV (num_draft_computed = its prompt length) is, after its
+    first step here."""
+    pending = 0 if seq.draft_hidden is None else len(seq.draft_hidden)
+    return seq.num_draft_computed + pending == seq.num_tokens - 1 and pending > 0
