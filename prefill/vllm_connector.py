@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 import transport
-from prefill.ticket import KV_FORMAT_HND, KV_FORMAT_MLA_LATENT, PROPOSER_KV_METHODS
+from prefill.ticket import KV_FORMAT_HND, KV_FORMAT_MLA_LATENT, VLLM_PROPOSER_KV_METHODS
 from prefill.vllm_config import TandemConnectorConfig
 from prefill.vllm_layouts import (
     CPU_LATENT_BACKENDS,
@@ -130,7 +130,7 @@ class TandemConnector(KVConnectorBase_V1):
         naming what is missing)."""
         spec = self._vllm_config.speculative_config
         method = None if spec is None else spec.method
-        if not extra or method not in PROPOSER_KV_METHODS or self._worker.facts.tp_size > 1:
+        if not extra or method not in VLLM_PROPOSER_KV_METHODS or self._worker.facts.tp_size > 1:
             if extra:
                 logger.warning(
                     "TandemConnector: the %d layer(s) of speculative method %s are not sent "

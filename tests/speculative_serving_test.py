@@ -13,7 +13,9 @@ CPU, over tcp):
   with the same tokens, every proposal accepted;
 - a tiny DeepSeek-V3 folder with an MTP layer (SmolLM2's tokenizer), prefill and decode both
   speculating with MTP: the tokens of one engine without speculation, the MTP layer's prompt
-  KV sent with the model's.
+  KV sent with the model's;
+- SmolLM2 with a random EAGLE-3 head on both: the same tokens, the head's prompt KV (computed
+  by the prefill from the streams its forward kept) sent with the model's.
 Afterwards no KV block stays allocated on any decode server.
 """
 
@@ -53,6 +55,9 @@ DRAFT_KV = "draft_model:hnd:30x3x64:float32"  # SmolLM2's layers x KV heads x he
 MODEL_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2's K and V, every layer, float32
 MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
 MTP_KV = "mtp:mla-latent:1x1x40:float32"  # one layer's latent: kv_lora_rank 32 + rope dim 8
+EAGLE3 = json.dumps({"method": "eagle3", "model": "random:eagle3-smollm2",
+                     "num_speculative_tokens": 3})  # fmt: skip
+EAGLE3_KV = "eagle3:hnd:1x3x64:float32"  # the head's one layer, SmolLM2's KV heads
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +213,20 @@ def test_mtp_prefill_and_decode_equal_one_engine(mtp_stack):
     sent = counter(metrics, "tandem_decode_transfer_bytes_total")
     assert sent == _prompt_tokens() * per_token
     assert decode_pool_free(address) is not None
+
+
+def test_eagle3_prefill_and_decode_equal_one_engine(reference):
+    model = ("--speculative-config", EAGLE3)
+    decode, address = start_decode("tcp", "float32", *model)
+    prefill, prefill_url = start_prefill("tcp", 0, *model)
+    router, url = start_router([prefill_url], [address], "--no-decode-only-fallback")
+    try:
+        assert _texts(url) == reference
+        metrics = metrics_url(address)
+        assert counter(metrics, "tandem_decode_spec_draft_tokens_total") > 0
+        per_token = MODEL_BYTES_PER_TOKEN + SpeculativeKv.parse(EAGLE3_KV).bytes_per_token
+        sent = counter(metrics, "tandem_decode_transfer_bytes_total")
+        assert sent == _prompt_tokens() * per_token
+        assert decode_pool_free(address) is not None
+    finally:
+        stop(router, prefill, decode)

@@ -90,8 +90,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-gb", default="1")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8 (every engine's)")
     parser.add_argument("--speculative-config", default=None,
-                        help="JSON, the decode's (and, for draft_model and mtp, the prefill's: "
-                             "it sends the proposer's prompt KV)")  # fmt: skip
+                        help="JSON, the decode's (and, for draft_model, mtp and eagle3, the "
+                             "prefill's: it sends the proposer's prompt KV; vLLM's, not for "
+                             "eagle3 yet)")  # fmt: skip
     parser.add_argument("--kv-send", default="layerwise",
                         help="the embedded prefill's: layerwise, chunkwise or after-forward "
                              "(prefill.server --help)")  # fmt: skip
@@ -116,7 +117,8 @@ def main() -> None:
         shared += ["--max-model-len", args.max_model_len]
     common += shared
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
-    # A draft model or MTP layers need the prompt's KV of their own, which the prefill computes.
+    # A draft model, MTP layers or an EAGLE-3 head need the prompt's KV of their own, which the
+    # prefill computes.
     prefill_spec = spec if _proposer_needs_prompt_kv(args.speculative_config) else []
     procs = []
     stopping = threading.Event()
