@@ -82,7 +82,7 @@ class Eagle3Config:
         if len(set(layers)) != len(layers) or not all(0 <= i < n for i in layers):
             raise ValueError(
                 f"speculative_config.model: EAGLE-3 reads target layers {list(layers)}, which "
-                f"the target's {n} layers do not all have (set "
+                f"are not distinct layers of the target's {n} (set "
                 "eagle_config.eagle_aux_hidden_state_layer_ids in the head's config.json)"
             )
         return tuple(layers)

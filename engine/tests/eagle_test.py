@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import save_file
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from engine.eagle import Eagle3Config
@@ -26,14 +25,15 @@ from engine.presets import PRESETS
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 from engine.speculative import SpeculativeConfig
-from engine.tests.tiny_hf import _COMMON, randomize
+from engine.tests.tiny_hf import _COMMON, randomize, write_eagle3_head
 
 LAYERS = 6
 AUX = [1, 3, 4]
 DRAFT_VOCAB = 60
 ROPE = dict(rope_theta=10000.0)
 HEAD = dict(
-    architectures=["LlamaForCausalLMEagle3"], hidden_size=64, intermediate_size=112,
+    architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=64,
+    intermediate_size=112,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1,
     vocab_size=_COMMON["vocab_size"], draft_vocab_size=DRAFT_VOCAB, rms_norm_eps=1e-5,
     max_position_embeddings=128, tie_word_embeddings=False, **ROPE,
@@ -54,40 +54,8 @@ def target(tmp_path_factory) -> tuple[Path, transformers.LlamaForCausalLM]:
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A head folder as EAGLE-3 trainers write it: `midlayer.`, fc, norm, lm_head, d2t, t2d."""
-    generator = torch.Generator().manual_seed(1)
-    hidden, inner, q, kv = 64, 112, 4 * 16, 2 * 16
-
-    def matrix(rows, cols):
-        return torch.randn(rows, cols, generator=generator) * 0.1
-
-    def norm():
-        return torch.rand(hidden, generator=generator) + 0.5
-
-    kept = torch.randperm(_COMMON["vocab_size"], generator=generator)[:DRAFT_VOCAB].sort().values
-    t2d = torch.zeros(_COMMON["vocab_size"], dtype=torch.bool)
-    t2d[kept] = True
-    tensors = {
-        "midlayer.self_attn.q_proj.weight": matrix(q, 2 * hidden),
-        "midlayer.self_attn.k_proj.weight": matrix(kv, 2 * hidden),
-        "midlayer.self_attn.v_proj.weight": matrix(kv, 2 * hidden),
-        "midlayer.self_attn.o_proj.weight": matrix(hidden, q),
-        "midlayer.mlp.gate_proj.weight": matrix(inner, hidden),
-        "midlayer.mlp.up_proj.weight": matrix(inner, hidden),
-        "midlayer.mlp.down_proj.weight": matrix(hidden, inner),
-        "midlayer.input_layernorm.weight": norm(),
-        "midlayer.hidden_norm.weight": norm(),
-        "midlayer.post_attention_layernorm.weight": norm(),
-        "norm.weight": norm(),
-        "fc.weight": matrix(hidden, len(AUX) * hidden),
-        "lm_head.weight": matrix(DRAFT_VOCAB, hidden),
-        "d2t": kept - torch.arange(DRAFT_VOCAB),
-        "t2d": t2d,
-    }
     folder = tmp_path_factory.mktemp("eagle3")
-    save_file(tensors, folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps(HEAD))
-    return folder, tensors
+    return folder, write_eagle3_head(folder, HEAD)
 
 
 def _engine(target: Path, head: Path | None, **overrides) -> LLMEngine:
@@ -177,7 +145,8 @@ def test_a_random_head_of_a_preset_changes_no_token():
     [
         ({"hidden_size": 48}, "hidden_size 48 is not the target's 64"),
         ({"norm_before_residual": True}, "norm_before_residual=true is not supported"),
-        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 6]}}, "do not all have"),
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 6]}}, "not distinct layers"),
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 3]}}, "of the target's 6"),
         ({"architectures": ["LlamaForCausalLM"]}, "is not an EAGLE-3 head"),
     ],
 )

@@ -230,3 +230,48 @@ class PagedRunner:
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.cache.kv_caches, meta)
         logits = self.model.compute_logits(hidden)
         return dict(zip(chunks, logits.split([len(t) for t in chunks.values()]), strict=True))
+
+
+def write_eagle3_head(folder: Path, config: dict, seed: int = 1) -> dict[str, torch.Tensor]:
+    """An EAGLE-3 head folder as trainers write it, for `config` (its config.json): `midlayer.`
+    q/k/v/o, gate/up/down and three norms, fc (of three aux streams, or as many as its
+    eagle_aux_hidden_state_layer_ids), norm, lm_head over draft_vocab_size tokens, d2t and t2d
+    of a random draft vocabulary; every tensor random and non-trivial. Returns the tensors."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    vocab, draft = config["vocab_size"], config["draft_vocab_size"]
+    aux = len(config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") or [0] * 3)
+
+    def matrix(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=generator) * 0.1
+
+    def norm() -> torch.Tensor:
+        return torch.rand(hidden, generator=generator) + 0.5
+
+    kept = torch.randperm(vocab, generator=generator)[:draft].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    layer = "midlayer."
+    tensors = {
+        layer + "self_attn.q_proj.weight": matrix(q, 2 * hidden),
+        layer + "self_attn.k_proj.weight": matrix(kv, 2 * hidden),
+        layer + "self_attn.v_proj.weight": matrix(kv, 2 * hidden),
+        layer + "self_attn.o_proj.weight": matrix(hidden, q),
+        layer + "mlp.gate_proj.weight": matrix(inner, hidden),
+        layer + "mlp.up_proj.weight": matrix(inner, hidden),
+        layer + "mlp.down_proj.weight": matrix(hidden, inner),
+        layer + "input_layernorm.weight": norm(),
+        layer + "hidden_norm.weight": norm(),
+        layer + "post_attention_layernorm.weight": norm(),
+        "norm.weight": norm(),
+        "fc.weight": matrix(hidden, aux * hidden),
+        "lm_head.weight": matrix(draft, hidden),
+        "d2t": kept - torch.arange(draft),
+        "t2d": t2d,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    return tensors
