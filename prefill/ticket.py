@@ -39,10 +39,7 @@ KV_FORMAT_MLA_LATENT = "mla-latent"
 
 PROPOSER_KV_METHODS = ("draft_model", "mtp", "eagle3")
 """Speculative methods whose proposer keeps a KV cache of its own, whose prompt rows a prefill
-sends (n-gram lookup needs none); the vLLM connector sends VLLM_PROPOSER_KV_METHODS."""
-VLLM_PROPOSER_KV_METHODS = ("draft_model", "mtp")
-"""Those whose layers the vLLM connector finds and sends (vLLM's EAGLE-3 drafter's are not sent
-yet: a decode server speculating with eagle3 refuses such a prefill at Hello)."""
+sends (n-gram lookup needs none)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}
 """Bytes per element of the KV dtypes a descriptor names (`dtype_name`)."""
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 import transport
-from prefill.ticket import KV_FORMAT_HND, KV_FORMAT_MLA_LATENT, VLLM_PROPOSER_KV_METHODS
+from prefill.ticket import KV_FORMAT_HND, KV_FORMAT_MLA_LATENT, PROPOSER_KV_METHODS
 from prefill.vllm_config import TandemConnectorConfig
 from prefill.vllm_layouts import (
     CPU_LATENT_BACKENDS,
@@ -125,16 +125,17 @@ class TandemConnector(KVConnectorBase_V1):
 
     def _proposer_layers(self, extra: list, context: dict) -> ProposerLayers | None:
         """The speculative proposer's layers, when tandem's decode server has a proposer of the
-        same method that reads them (draft_model, mtp) and vLLM runs on one rank; None: they
-        are not sent (a decode server whose proposer needs them refuses this prefill at Hello,
-        naming what is missing)."""
+        same method that reads them (draft_model, mtp, eagle3: a draft model's or EAGLE-3
+        head's layers are dense, the MTP layers in the model's format) and vLLM runs on one
+        rank; None: they are not sent (a decode server whose proposer needs them refuses this
+        prefill at Hello, naming what is missing)."""
         spec = self._vllm_config.speculative_config
         method = None if spec is None else spec.method
-        if not extra or method not in VLLM_PROPOSER_KV_METHODS or self._worker.facts.tp_size > 1:
+        if not extra or method not in PROPOSER_KV_METHODS or self._worker.facts.tp_size > 1:
             if extra:
                 logger.warning(
                     "TandemConnector: the %d layer(s) of speculative method %s are not sent "
-                    "(sent: draft_model or mtp, at tensor_parallel_size 1)",
+                    "(sent: draft_model, mtp or eagle3, at tensor_parallel_size 1)",
                     len(extra),
                     method,
                 )

@@ -6,7 +6,9 @@ suites that serve them through the router (which tokenizes with the folder's tok
 - `write_tiny_mla`: a DeepSeek-V3 (MLA + MoE: a dense first layer, 8 routed experts and a
   shared one, a q bottleneck), whose 4 heads and expert channels split over 2 ranks; with an
   MTP layer for the speculative suites;
-- `write_vllm_mla`: a DeepSeek-V3 that stock vLLM's CPU build serves (a 512 + 64 latent)."""
+- `write_vllm_mla`: a DeepSeek-V3 that stock vLLM's CPU build serves (a 512 + 64 latent);
+- `write_eagle3`: a Llama of eight layers (head_dim 64, which vLLM's CPU attention takes) and
+  an EAGLE-3 head for it, drafting from 2,000 of the vocabulary's tokens."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from engine.tests.tiny_hf import MLA_MOE, add_mtp_layer, randomize
+from engine.tests.tiny_hf import MLA_MOE, add_mtp_layer, randomize, write_eagle3_head
 from tests.servers import MODEL
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=32,
@@ -84,6 +86,30 @@ def write_vllm_mla(out: Path, mtp: bool = False) -> Path:
     if mtp:
         add_mtp_layer(out)
     return out
+
+
+EAGLE3_TARGET = dict(hidden_size=128, intermediate_size=192, num_hidden_layers=8, head_dim=64,
+                     num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+                     max_position_embeddings=2048)  # fmt: skip
+
+
+def write_eagle3(out: Path) -> tuple[Path, Path]:
+    """(the target's folder, the head's), under `out`; random weights, seeded."""
+    smollm2 = _smollm2_config()
+    config = {**smollm2, **EAGLE3_TARGET}
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    target = out / "target"
+    randomize(model.eval()).save_pretrained(target)
+    _copy_tokenizer(target)
+    saved = json.loads((target / "config.json").read_text())  # RoPE as transformers wrote it
+    head = {key: saved[key] for key in ("hidden_size", "intermediate_size", "head_dim",
+            "num_attention_heads", "num_key_value_heads", "vocab_size", "rms_norm_eps",
+            "max_position_embeddings", "tie_word_embeddings", "rope_parameters")}  # fmt: skip
+    head |= dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                 num_hidden_layers=1, draft_vocab_size=2000)  # fmt: skip
+    write_eagle3_head(out / "head", head)
+    return target, out / "head"
 
 
 def _smollm2_config() -> dict:

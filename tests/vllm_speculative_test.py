@@ -8,7 +8,8 @@ them in the same step, before the connector's wait_for_save):
   committed are the model's and the draft's for every prompt token;
 - a tiny DeepSeek-V3 with one MTP layer (mtp): greedy completions equal one tandem engine
   without speculation, drafts are made, and the MTP layer's latent of every prompt token was
-  committed with the model's.
+  committed with the model's;
+- a Llama with an EAGLE-3 head (eagle3): the same, the head's layer's K and V committed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 from tests.servers import MODEL, counter
-from tests.tiny_folders import write_vllm_mla
+from tests.tiny_folders import write_eagle3, write_vllm_mla
 from tests.vllm_servers import stop
 from tools.launch import start
 
@@ -94,5 +95,22 @@ def test_vllm_with_mtp_sends_the_mtp_layers_latent(mtp_model):
         assert counter(metrics, "tandem_decode_spec_draft_tokens_total") > 0
         sent = counter(metrics, "tandem_decode_transfer_bytes_total")
         assert sent == prompt_tokens * (3 + 1) * LATENT_BYTES_PER_TOKEN  # 3 layers + MTP's
+    finally:
+        stop(proc)
+
+
+def test_vllm_with_an_eagle3_head_sends_its_layers_kv(tmp_path_factory):
+    """An EAGLE-3 head (engine/eagle.py): vLLM's drafter writes its one layer's K and V of each
+    prompt position in the prefill's step; the decode server's head reads them."""
+    target, head = write_eagle3(tmp_path_factory.mktemp("eagle3"))
+    expected, prompt_tokens = _one_engine(str(target))
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    proc, url, metrics = _serve(str(target), spec)
+    try:
+        served = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        assert _texts(url, served) == expected
+        assert counter(metrics, "tandem_decode_spec_draft_tokens_total") > 0
+        sent = counter(metrics, "tandem_decode_transfer_bytes_total")
+        assert sent == prompt_tokens * (8 + 1) * 2 * 64 * 4  # 8 layers + the head's: K, V fp32
     finally:
         stop(proc)

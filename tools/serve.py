@@ -91,8 +91,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8 (every engine's)")
     parser.add_argument("--speculative-config", default=None,
                         help="JSON, the decode's (and, for draft_model, mtp and eagle3, the "
-                             "prefill's: it sends the proposer's prompt KV; vLLM's, not for "
-                             "eagle3 yet)")  # fmt: skip
+                             "prefill's: it sends the proposer's prompt KV)")  # fmt: skip
     parser.add_argument("--kv-send", default="layerwise",
                         help="the embedded prefill's: layerwise, chunkwise or after-forward "
                              "(prefill.server --help)")  # fmt: skip
