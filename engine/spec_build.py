@@ -168,10 +168,8 @@ def build_mtp(
 def eagle3_aux_layers(config: EngineConfig, target: ModelConfig) -> tuple[int, ...]:
     """The target layers whose input streams an eagle3 config's head reads (the engine's
     model keeps them: CausalLM.proposer_hidden); () for other methods."""
-    spec = config.speculative_config
-    if spec is None or spec.method != "eagle3":
-        return ()
-    return Eagle3Config.load(spec.model).target_layers(target)
+    eagle = _eagle3(config)
+    return () if eagle is None else eagle.target_layers(target)
 
 
 def build_eagle3(
@@ -183,7 +181,7 @@ def build_eagle3(
 ) -> HiddenStateProposer:
     """The EAGLE-3 head on the engine's device, over a KV cache of its own with the target's
     block count; its `fc` prepares the target's recorded aux states."""
-    eagle = Eagle3Config.load(config.speculative_config.model)
+    eagle = _eagle3(config)
     num_aux = len(eagle.target_layers(target))
     head = load_head(
         eagle, config.speculative_config.model, num_aux, attention_backend(config.device),
@@ -195,11 +193,15 @@ def build_eagle3(
     )
 
 
-def _eagle3_layer(config: EngineConfig) -> ModelConfig | None:
+def _eagle3(config: EngineConfig) -> Eagle3Config | None:
+    """An eagle3 config's head (its config.json, or preset); None for other methods."""
     spec = config.speculative_config
-    if spec is None or spec.method != "eagle3":
-        return None
-    return Eagle3Config.load(spec.model).layer
+    return None if spec is None or spec.method != "eagle3" else Eagle3Config.load(spec.model)
+
+
+def _eagle3_layer(config: EngineConfig) -> ModelConfig | None:
+    eagle = _eagle3(config)
+    return None if eagle is None else eagle.layer
 
 
 def _hidden_proposer(
