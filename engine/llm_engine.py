@@ -326,7 +326,7 @@ class LLMEngine:
         before = {item.seq.seq_id: item.seq.num_tokens for item in launched.plan.scheduled}
         finished = {s.seq_id for s in self.scheduler.update(launched.plan, sampled, accepted)}
         self._count_drafts(launched.plan, accepted)
-        record = getattr(self.proposer, "record", None)  # an MTP proposer's: hidden states
+        record = getattr(self.proposer, "record", None)  # a hidden-state proposer's (MTP, EAGLE-3)
         if record is not None:
             record(launched.plan, launched.hidden, accepted)
         outputs = []

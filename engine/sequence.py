@@ -104,8 +104,8 @@ class Sequence:
         """Tokens whose KV a draft model (engine/draft_proposer.py) has in its own cache; reset
         with num_computed when the sequence is preempted."""
         self.draft_hidden: torch.Tensor | None = None
-        """The target's hidden states of the positions num_draft_computed .. that an MTP layer
-        has yet to see (engine/mtp.py)."""
+        """The target's states of the positions num_draft_computed .. that an MTP layer or
+        EAGLE-3 head has yet to see (engine/hidden_proposer.py)."""
         self.num_draft_tokens = 0
         """Draft tokens proposed for it so far (speculative decoding)."""
         self.num_accepted_tokens = 0
