@@ -163,8 +163,13 @@ class TpWorkers:
         return LeaderExecutor(local, self)
 
     def send(self, op: str, args: tuple) -> None:
-        """Has every other rank call its executor's `op(*args)`."""
-        dist.broadcast_object_list([(op, args)], src=0, group=self.tp.control)
+        """Has every other rank call its executor's `op(*args)`; a rank that has exited is
+        named (its sockets closed: the broadcast fails)."""
+        try:
+            dist.broadcast_object_list([(op, args)], src=0, group=self.tp.control)
+        except RuntimeError as error:
+            self.raise_if_one_exits(error)
+            raise
 
     def call_agents(self, method: str, *args: Any) -> None:
         """Has every other rank's agent call `method(*args)`."""
