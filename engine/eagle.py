@@ -199,7 +199,7 @@ class Eagle3Head(nn.Module):
 
     def init_buffers(self) -> None:
         """RoPE frequencies (engine.weights calls this after filling; the draft_to_target map
-        is set by whoever fills the head: engine.eagle_build)."""
+        is set by `load_head`)."""
         rotary = self.rotary_emb
         rotary.inv_freq = rope_inv_freq(self.config).to(rotary.inv_freq.device)
         rotary.table = None

@@ -147,8 +147,8 @@ class HiddenStateProposer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(g of each row, greedy token of each of greedy_rows, all rows if None): token
         ids[i] at positions[i] of the sequence with block table tables[i], after hidden state
-        previous[i]; every row's latent written before any row attends. In a graph when one
-        holds the rows."""
+        previous[i]; every row's KV written before any row attends. In a graph when one holds
+        the rows."""
         layer = depth % len(self.layers)
         fed = ids if isinstance(ids, torch.Tensor) else None
         graphs = None if self.graphs is None else self.graphs[layer]
