@@ -146,12 +146,33 @@ def _block_layout(cache: KVCache) -> BlockLayout:
 class KvPublisher:
     """An attention backend (or, for an MLA model, a latent backend: engine.mla's
     `store_latent`) that forwards to `inner` and, after each layer's KV write, tells the armed
-    sessions that this layer is ready."""
+    sessions that this layer is ready; with `kv_send` "after-forward", tells them every layer
+    once the forward is done instead."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv_send: str = "layerwise") -> None:
+        assert kv_send in KV_SEND_MODES, kv_send
+        self.kv_send = kv_send
         self.inner: AttentionBackend | None = None
         self.armed: list[LayerwiseSend] = []
+        """Told each layer as the forward writes it."""
+        self._after_forward: list[LayerwiseSend] = []
         self._layer_of: dict[int, int] = {}
+
+    def arm(self, sends: list[LayerwiseSend]) -> bool:
+        """Before a forward: `sends` post the layers it computes. Returns whether the forward
+        must call the layers' hooks (run eagerly, not as a CUDA graph)."""
+        if self.kv_send == "after-forward":
+            self._after_forward = sends
+            return False
+        self.armed = sends
+        return bool(sends)
+
+    def forward_done(self) -> None:
+        """After the forward `arm` was for: disarms; "after-forward" sends post every layer."""
+        for send in self._after_forward:
+            for layer in range(len(self._layer_of)):
+                send.layer_ready(layer)
+        self.armed = self._after_forward = []
 
     def wrap(self, inner: AttentionBackend | LatentBackend) -> KvPublisher:
         """For LLMEngine.build(wrap_attention=...): forwards to `inner`."""

@@ -94,13 +94,11 @@ class PrefillRankAgent:
     ) -> None:
         self.kv = kv
         self.layout = layout_pb2.LayoutDescriptor.FromString(layout)
-        self.kv_send = kv_send
         self.rank = rank
         self.sends_kv = rank % replicas == 0
         self.sender_rank = rank // replicas
-        self.publisher = KvPublisher()
+        self.publisher = KvPublisher(kv_send)
         self.sends: dict[str, LayerwiseSend] = {}
-        self._after_forward: list[LayerwiseSend] = []
         self._rank_sender: RankSender | None = None
         self._store: dist.Store | None = None
         self._cache: KVCache | None = None
@@ -128,17 +126,11 @@ class PrefillRankAgent:
         if not self.sends_kv:
             return
         sends = [self.sends[rid] for rid, *piece in armed if self.sends[rid].arm(*piece)]
-        if self.kv_send == "after-forward":
-            self._after_forward = sends
-        else:
-            self.publisher.armed = sends
+        self.publisher.arm(sends)
 
     def forward_done(self) -> None:
         """After the forward `arm` was for."""
-        for send in self._after_forward:
-            for layer in range(len(self._cache.kv_caches)):
-                send.layer_ready(layer)
-        self.publisher.armed = self._after_forward = []
+        self.publisher.forward_done()
 
     def fail(self, request_id: str, error: str) -> None:
         if self.sends_kv:

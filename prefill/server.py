@@ -111,7 +111,7 @@ class PrefillServer:
     def __init__(self, config: PrefillServerConfig) -> None:
         self.config = config
         self.name = config.served_model_name or config.engine.model
-        publisher = KvPublisher()
+        publisher = KvPublisher(config.kv_send)
         layout = engine_layout(
             config.engine, name=self.name, layout=PREFILL_LAYOUT, transport=config.kv.backend
         )
@@ -132,7 +132,7 @@ class PrefillServer:
         self.sender = self.rank_sender.sender
         # An MLA latent, which every rank holds whole, is sent by rank 0 alone.
         senders = self.engine.tp_workers if layout.tp_size > 1 else None
-        self.worker = PrefillWorker(self.engine, publisher, self.sender, config.kv_send, senders)
+        self.worker = PrefillWorker(self.engine, publisher, self.sender, senders)
         self.tokenizer = _tokenizer(config.engine.model)
         self.draining = False
         """Set by SIGTERM: /health and new requests answer 503 (the router goes elsewhere)."""

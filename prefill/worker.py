@@ -31,7 +31,7 @@ from engine.scheduler import StepPlan
 from engine.sequence import Sequence, StopConditions
 from engine.tp_workers import TpWorkers
 from prefill.kv_sender import KvSender
-from prefill.publisher import KV_SEND_MODES, KvPublisher, LayerwiseSend
+from prefill.publisher import KvPublisher, LayerwiseSend
 from prefill.rank_sends import wait_for_ranks
 from prefill.send_session import SendStats, SessionState
 from prefill.ticket import KvTransfer
@@ -134,16 +134,12 @@ class PrefillWorker(EngineThread):
         engine: LLMEngine,
         publisher: KvPublisher,
         sender: KvSender,
-        kv_send: str = "layerwise",
         senders: TpWorkers | None = None,
     ) -> None:
+        """`publisher`'s kv_send says which forwards send a request's KV, and when."""
         self.publisher = publisher
         self.sender = sender
-        assert kv_send in KV_SEND_MODES, kv_send
-        self.kv_send = kv_send
-        """Which forwards send a request's KV, and when (publisher.KV_SEND_MODES)."""
         self._live: dict[str, Job] = {}
-        self._after_forward: list[LayerwiseSend] = []
         self._ranks_armed = False
         self._ids = iter(range(1, 1 << 62))
         self._tp = senders
@@ -204,10 +200,7 @@ class PrefillWorker(EngineThread):
 
     def _step(self) -> None:
         outputs = self.engine.step(before_run=self._arm)
-        for send in self._after_forward:
-            for layer in range(len(self.engine.kv_cache.kv_caches)):
-                send.layer_ready(layer)
-        self.publisher.armed = self._after_forward = []
+        self.publisher.forward_done()
         if self._ranks_armed:
             self._ranks("forward_done")
             self._ranks_armed = False
@@ -257,7 +250,7 @@ class PrefillWorker(EngineThread):
         for item in plan.scheduled:
             job = self._live.get(item.seq.seq_id)
             send = job.send if job is not None else None
-            if send is None or not (item.samples or self.kv_send == "chunkwise"):
+            if send is None or not (item.samples or self.publisher.kv_send == "chunkwise"):
                 continue
             blocks, end = list(item.seq.block_ids), item.start + item.num_new_tokens
             if not send.arm(blocks, end, item.samples):
@@ -273,11 +266,7 @@ class PrefillWorker(EngineThread):
         if rank_armed:
             self._ranks("arm", rank_armed)
             self._ranks_armed = True
-        if self.kv_send == "after-forward":
-            self._after_forward = armed
-        else:
-            self.publisher.armed = armed
-        return self.kv_send != "after-forward" and bool(armed)
+        return self.publisher.arm(armed)
 
     def _finish(self, job: Job, finish_reason: str) -> None:
         if job.send is None:

@@ -179,6 +179,38 @@ def test_chunkwise_sends_each_chunks_blocks_as_computed(engine_args, decode):
     assert decode_pool_free(f"127.0.0.1:{decode[0].port}") is not None
 
 
+def test_after_forward_sends_every_layer_once_the_forward_is_done(engine_args, decode):
+    """--kv-send after-forward: no layer is posted while the engine steps; each prompt's
+    layers are posted once, after the forward that completes it; greedy output equals one
+    engine, the pool is free."""
+    kv = KvTransportConfig(backend="tcp", host="127.0.0.1")
+    engine = EngineConfig(**engine_args, max_num_batched_tokens=CHUNK, max_num_seqs=4)
+    prefill = PrefillServer(PrefillServerConfig(engine, kv, kv_send="after-forward"))
+    try:
+        stepping, posts = [False], []
+        step, post = prefill.engine.step, prefill.sender.post
+
+        def flagged_step(before_run=None):
+            stepping[0] = True
+            try:
+                return step(before_run=before_run)
+            finally:
+                stepping[0] = False
+
+        def recording_post(session, build, ready=None, completes_layer=None):
+            posts.append((completes_layer, stepping[0]))
+            return post(session, build, ready, completes_layer)
+
+        prefill.engine.step, prefill.sender.post = flagged_step, recording_post
+        outs = _serve(decode, prefill, PROMPTS[:2], "a")
+    finally:
+        prefill.stop()
+    layers = list(range(decode[0].engine.model_config.num_layers))
+    assert posts == [(layer, False) for layer in layers + layers]
+    assert outs == _one_engine(engine_args, PROMPTS[:2])
+    assert decode_pool_free(f"127.0.0.1:{decode[0].port}") is not None
+
+
 def _serve(decode, prefill: PrefillServer, prompts, tag: str, landed=None) -> list[list[int]]:
     """Each prompt as the router serves it: Reserve, the prefill with the ticket (which must
     commit every layer and the prompt's bytes; then `landed(ticket)`), Generate; the tokens
