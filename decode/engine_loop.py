@@ -167,6 +167,9 @@ class Choice:
     prefill ran; the engine prefills the prompt and samples the first token itself."""
     first_logprobs: TokenLogprobs | None = None
     """first_token's, as the prefill reported them (when the sequence asks for logprobs)."""
+    streamed: bool = False
+    """The caller has streamed first_token already (it knew the token does not finish the
+    choice): the engine thread does not put it in the stream again."""
 
 
 @dataclass(frozen=True)
@@ -260,18 +263,20 @@ class EngineLoop(EngineThread):
         self._publish(delivered)
 
     def _add_prefilled(self, choices: Seq[Choice], block_ids: list[int]) -> list[_Delivery]:
-        """Choices whose prompt KV is in `block_ids`: each one's first token, which may end it."""
+        """Choices whose prompt KV is in `block_ids`: each one's first token, which may end it
+        (unless the caller streamed it: then only that end, if it came)."""
         admitted = self.engine.add_prefilled_choices(
             [choice.seq for choice in choices], block_ids, [c.first_token for c in choices]
         )
         return [
             self._delivery(
                 choice.seq.seq_id,
-                choice.first_token,
+                None if choice.streamed else choice.first_token,
                 None if joined else choice.seq.finish_reason,  # its first token finished it
-                choice.first_logprobs,
+                None if choice.streamed else choice.first_logprobs,
             )
             for choice, joined in zip(choices, admitted, strict=True)
+            if not (joined and choice.streamed)
         ]
 
     def _step(self) -> None:

@@ -8,7 +8,11 @@ Generate admits a request's choices (OpenAI's n: choice 0 from first_token_id, c
 other_choices[i - 1]) as one group of engine sequences sharing the ticket's KV, and streams them
 interleaved: each message names its choice (`index`), and each choice's last one carries its
 finish reason and its own usage; the stream ends after the last choice's. Every choice is
-validated before any runs: a refused one fails the ticket. A Generate with `local_prefill` has
+validated before any runs: a refused one fails the ticket. A ticket's first tokens (the
+prefill's) are streamed as soon as the request is handed over, not once the engine thread admits
+it at its next step boundary (a whole step later under load), except one that may end its choice
+(a stop token, a length limit, a grammar's end): that one comes with its finish reason, from the
+engine. A Generate with `local_prefill` has
 no ticket: admission makes it READY at once (Admission.admit_local) and each of its choices
 prefills the prompt in the engine and samples its own first token; from there it is the same
 path (stream, aborts, failures).
@@ -23,7 +27,9 @@ admission letting a request go and the engine loop having it queued.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import threading
 import time
 
@@ -129,8 +135,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 context, self.admission.wait_ready, request.request_id, request.generation
             )
         self._check_engine(context)
-        stream = self._hand_over(res, self._new_choices(res, request, context), context)
+        choices = self._new_choices(res, request, context)
+        stream = self._hand_over(res, choices, context)
         self.metrics.local_prefills.inc(local)
+        streamed = [
+            Tokens(i, [c.first_token], [c.first_logprobs] if c.first_logprobs else [])
+            for i, c in enumerate(choices)
+            if c.streamed
+        ]
 
         def client_gone() -> None:  # the RPC has ended: a no-op unless the request is live
             self._abort(res.request_id, res.generation, "client gone")
@@ -138,7 +150,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if not context.add_callback(client_gone):  # gone already
             client_gone()
         first = True
-        for item in stream:
+        for item in itertools.chain(streamed, stream):
             if isinstance(item, EngineFailed):
                 context.abort(grpc.StatusCode.UNAVAILABLE, item.message)
             if first and not local:  # a local prefill has no handover
@@ -249,9 +261,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 res.request_id, res.generation, f"bad request: {e}", kind=FailureKind.BAD_REQUEST
             )
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return [
+        choices = [
             Choice(seq, None if start is None else start.first_token_id, logprobs)
             for seq, (_, start), logprobs in zip(seqs, starts, first_logprobs, strict=True)
+        ]
+        # Streamed by Generate at once where the token surely does not end its choice.
+        return [
+            dataclasses.replace(c, streamed=True)
+            if c.first_token is not None and c.seq.first_token_finishes(c.first_token) is False
+            else c
+            for c in choices
         ]
 
     def _check_first_token(self, seq: Sequence, prefix: str, token: int) -> None:

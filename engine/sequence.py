@@ -163,10 +163,22 @@ class Sequence:
                 return FinishReason.ABORT
             if self.grammar.is_terminated():  # a stop token: nothing may follow, min_tokens or not
                 return FinishReason.STOP
-        generated = self.num_output_tokens
+        return self._limit(token_id, self.num_output_tokens, self.num_tokens)
+
+    def first_token_finishes(self, token_id: int) -> bool | None:
+        """Whether `token_id`, appended as its first output, would stop it (as `append` would
+        tell); None under a grammar, which must consume the token to tell."""
+        assert self.num_output_tokens == 0
+        if self.grammar is not None:
+            return None
+        return self._limit(token_id, 1, self.num_tokens + 1) is not None
+
+    def _limit(self, token_id: int, generated: int, num_tokens: int) -> FinishReason | None:
+        """Why the sequence stops after `token_id`, its `generated`-th output, at `num_tokens`
+        tokens in all: a stop token, or a length limit."""
         if generated >= self.stop.min_tokens and token_id in self._stop_ids:
             return FinishReason.STOP
-        if generated >= self.stop.max_tokens or self.num_tokens >= self.max_model_len:
+        if generated >= self.stop.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

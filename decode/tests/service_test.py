@@ -152,8 +152,8 @@ def test_logprobs_come_one_per_token_the_first_as_the_prefill_reported(stack):
     stream = stack.servicer.Generate(request, Context())
     messages = [next(stream)]
     deadline = time.monotonic() + 10
-    while stack.loop.snapshot.outstanding_tokens and time.monotonic() < deadline:
-        time.sleep(0.01)  # the rest is generated while nobody reads
+    while stack.admission.num_live and time.monotonic() < deadline:
+        time.sleep(0.01)  # the rest is generated while nobody reads (live until the last)
     messages += list(stream)
     assert any(len(m.token_ids) > 1 for m in messages)
     assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
@@ -250,6 +250,37 @@ def test_an_abort_before_the_engine_thread_admits_the_sequence_stops_it(stack):
     assert _tokens(messages) == [first]  # the prefill's token, and no other
     assert messages[-1].finish_reason == decode_pb2.FINISH_REASON_ABORT
     assert messages[-1].usage.completion_tokens == 1
+    assert stack.abort("busy")
+    assert list(busy)[-1].finish_reason == decode_pb2.FINISH_REASON_ABORT
+
+
+def test_first_tokens_stream_before_the_engine_thread_admits_them(stack):
+    """The prefill's token goes out once Generate has handed the request over, while the engine
+    thread is still busy with a step; a first token that ends its choice (max_tokens 1) is the
+    engine's to send, with its finish reason. The rest equals one engine."""
+    busy = _busy(stack, "busy")
+    stack.engine.hold()
+    ticket, first = stack.ready("early", PROMPTS[0])
+    early, _, messages = stack.generate_directly(stack.generate_request(ticket, first))
+    ticket, last = stack.ready("one", PROMPTS[2])
+    one, one_context, ended = stack.generate_directly(
+        stack.generate_request(ticket, last, max_tokens=1)
+    )
+    deadline = time.monotonic() + 10
+    while not messages and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert one_context.handed_over.wait(timeout=10)
+    time.sleep(0.05)  # room for a wrong early message
+    assert [list(m.token_ids) for m in messages] == [[first]]
+    assert messages[0].finish_reason == decode_pb2.FINISH_REASON_UNSPECIFIED
+    assert not ended
+    assert stack.stub.Stats(STATS, timeout=10).running == 1  # neither admitted: only "busy"
+    stack.engine.release()
+    early.join(timeout=10)
+    one.join(timeout=10)
+    assert _tokens(messages) == stack.prefill.reference(PROMPTS[0])
+    assert [list(m.token_ids) for m in ended] == [[last]]
+    assert ended[0].finish_reason == decode_pb2.FINISH_REASON_LENGTH
     assert stack.abort("busy")
     assert list(busy)[-1].finish_reason == decode_pb2.FINISH_REASON_ABORT
 

@@ -218,6 +218,28 @@ def test_stop_conditions(stop, tokens, expected_len, reason):
     assert first_stop + 1 == expected_len and reasons[first_stop] is reason
 
 
+@pytest.mark.parametrize(
+    ("stop", "prompt_len", "token"),
+    [
+        ({}, 3, EOS),
+        ({}, 3, 5),
+        ({"ignore_eos": True}, 3, EOS),
+        ({"stop_token_ids": (9,)}, 3, 9),
+        ({"min_tokens": 1}, 3, EOS),
+        ({"min_tokens": 2}, 3, EOS),
+        ({"max_tokens": 1}, 3, 5),
+        ({}, 63, 5),  # the context's last position
+        ({}, 62, 5),
+    ],
+)
+def test_first_token_finishes_as_append_tells(stop, prompt_len, token):
+    """What a decode server tells before admitting a prefilled sequence (to stream its first
+    token at once) must be what appending that token then decides."""
+    told = _seq("f", prompt_len, **stop).first_token_finishes(token)
+    seq = _seq("f", prompt_len, **stop)
+    assert told is (seq.append(token) is not None)
+
+
 def test_context_length_stops_generation():
     seq = Sequence("c", [1] * 62, SamplingParams(), StopConditions(max_tokens=10), [EOS], 64)
     assert seq.append(5) is None
