@@ -12,10 +12,9 @@ validated before any runs: a refused one fails the ticket. A ticket's first toke
 prefill's) are streamed as soon as the request is handed over, not once the engine thread admits
 it at its next step boundary (a whole step later under load), except one that may end its choice
 (a stop token, a length limit, a grammar's end): that one comes with its finish reason, from the
-engine. A Generate with `local_prefill` has
-no ticket: admission makes it READY at once (Admission.admit_local) and each of its choices
-prefills the prompt in the engine and samples its own first token; from there it is the same
-path (stream, aborts, failures).
+engine. A Generate with `local_prefill` has no ticket: admission makes it READY at once
+(Admission.admit_local) and each of its choices prefills the prompt in the engine and samples
+its own first token; from there it is the same path (stream, aborts, failures).
 
 An Abort (or the Generate's client going away) takes effect in every state: a RESERVED or READY
 ticket fails in admission; a RUNNING one is dropped by the engine loop, whose stream then ends
@@ -139,7 +138,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         stream = self._hand_over(res, choices, context)
         self.metrics.local_prefills.inc(local)
         streamed = [
-            Tokens(i, [c.first_token], [c.first_logprobs] if c.first_logprobs else [])
+            Tokens(i, [c.first_token], [] if c.first_logprobs is None else [c.first_logprobs])
             for i, c in enumerate(choices)
             if c.streamed
         ]
