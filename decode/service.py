@@ -26,7 +26,6 @@ admission letting a request go and the engine loop having it queued.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import threading
@@ -260,16 +259,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 res.request_id, res.generation, f"bad request: {e}", kind=FailureKind.BAD_REQUEST
             )
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        choices = [
-            Choice(seq, None if start is None else start.first_token_id, logprobs)
-            for seq, (_, start), logprobs in zip(seqs, starts, first_logprobs, strict=True)
-        ]
+        firsts = [None if start is None else start.first_token_id for _, start in starts]
         # Streamed by Generate at once where the token surely does not end its choice.
         return [
-            dataclasses.replace(c, streamed=True)
-            if c.first_token is not None and c.seq.first_token_finishes(c.first_token) is False
-            else c
-            for c in choices
+            Choice(
+                seq, first, logprobs, first is not None and seq.first_token_finishes(first) is False
+            )
+            for seq, first, logprobs in zip(seqs, firsts, first_logprobs, strict=True)
         ]
 
     def _check_first_token(self, seq: Sequence, prefix: str, token: int) -> None:
