@@ -195,10 +195,12 @@ def test_structured_output_without_a_kind_or_a_tokenizer_is_refused(stack):
 
 
 def _busy(stack: Stack, request_id: str):
-    """A request decoding (for up to 300 tokens), its first message read."""
+    """A request decoding (for up to 300 tokens), admitted by the engine thread: its first
+    message (the prefill's token, sent before admission) and the engine's next one read."""
     ticket, first = stack.ready(request_id, PROMPTS[1])
     stream = stack.generate(ticket, first, ignore_eos=True, max_tokens=300)
     assert next(stream).token_ids[0] == first
+    assert next(stream).token_ids
     return stream
 
 
