@@ -46,6 +46,7 @@ from engine.grammar import Grammar, GrammarCompiler, GrammarKind, GrammarSpec
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model import CausalLM
 from engine.model_loader import read_model_config
+from engine.moe import Experts
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 from engine.speculative import SpecStats, SpeculativeConfig
@@ -119,12 +120,14 @@ def _unhit(engine: LLMEngine, batch: int) -> int:
     moe = engine.model_config.moe
     if moe is None:
         return 0
-    sparse = sum(moe.is_sparse(i) for i in range(engine.model_config.num_layers))
-    expert_params = 3 * moe.moe_intermediate_size * engine.model_config.hidden_size
+    stacks = [m for m in engine.runner.model.modules() if isinstance(m, Experts)]
+    # An expert's bytes in every sparse layer: its weights (fp8 ones with their scales).
+    expert = sum(p.numel() * p.element_size() for m in stacks for p in m.parameters())
+    expert /= moe.n_routed_experts
     missed = moe.n_routed_experts - experts_hit(
         moe.n_routed_experts, moe.num_experts_per_tok, batch
     )
-    return int(sparse * missed * expert_params * DTYPES[engine.config.dtype].itemsize)
+    return int(missed * expert)
 
 
 def bench_engine(

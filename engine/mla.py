@@ -35,7 +35,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, causal_attention
 from engine.config import ModelConfig
 from engine.deepseek_config import YarnRopeScaling
-from engine.fp8 import dense
+from engine.fp8 import Fp8Weight, dense
 from engine.model import Linear, ModelOps, NormInput, RMSNorm, RotaryEmbedding, rms_norm, rope
 
 # NOTE: transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon,
@@ -110,6 +110,8 @@ class MlaAttention(nn.Module):
         self.kv_b_proj = Linear(mla.kv_lora_rank, kv_rows, False, ops, fp8)
         self.o_proj = Linear(heads * mla.v_head_dim, hidden, False, ops, fp8)
         self.scale = softmax_scale(config)
+        self._kv_b_dense: torch.Tensor | None = None
+        self._kv_b_key: tuple | None = None
 
     def forward(
         self,
@@ -136,13 +138,25 @@ class MlaAttention(nn.Module):
             cache, kv_a, q_pe, norm.weight, norm.eps, cos, sin,
             mla.rope_interleave, meta.slot_mapping,
         )  # fmt: skip
-        # W_UK and W_UV are slices of it: an fp8 one is dequantized whole first (CPU only).
-        w = dense(self.kv_b_proj.matrix, h.dtype)
+        w = self._kv_b(h.dtype)
         if meta.max_query_len == 1:  # decode only: the backend's kernels (CUDA-graph safe)
             o = self.backend.decode_attention(q_nope, q_pe, cache, meta, w, self.scale)
         else:
             o = paged_mla(q_nope, q_pe, cache, meta, w, self.scale)
         return self.o_proj.add_forward(o.view(tokens, -1), residual, next_norm)
+
+    def _kv_b(self, dtype: torch.dtype) -> torch.Tensor:
+        """kv_b_proj's matrix, whose slices W_UK and W_UV the attention reads, in `dtype`. An
+        fp8 one is dequantized once and kept (at the first forward, before CUDA graphs are
+        captured; again should its weights change): it costs its bytes in the compute dtype
+        (as vLLM's MLA keeps it), not a dequantization every step."""
+        matrix = self.kv_b_proj.matrix
+        if not isinstance(matrix, Fp8Weight):
+            return matrix
+        key = (matrix.weight.data_ptr(), matrix.weight._version, matrix.scale._version, dtype)
+        if self._kv_b_key != key:
+            self._kv_b_dense, self._kv_b_key = dense(matrix, dtype), key
+        return self._kv_b_dense
 
 
 def softmax_scale(config: ModelConfig) -> float:

@@ -42,11 +42,8 @@ def load_model(
     the config returned is the rank's shape."""
     model_config = read_model_config(config)
     check_supported(model_config, config.tensor_parallel_size)
-    if model_config.fp8 is not None and model_config.mla and config.device.startswith("cuda"):
-        raise ValueError(
-            f"model {config.model}: fp8 weights of the MLA/MoE family run on the CPU only so far "
-            "(the CUDA experts and latent kernels take bf16); use a bf16 checkpoint on CUDA"
-        )
+    if config.device.startswith("cuda"):
+        _check_cuda_experts(model_config)
     if config.kv_cache_dtype != "auto" and model_config.mla:
         raise ValueError(
             f"kv_cache_dtype {config.kv_cache_dtype}: an fp8 cache holds per-head K/V only so "
@@ -58,6 +55,19 @@ def load_model(
     with torch.device("meta"):
         model = build(model_config, model_ops(config))
     return model_config, _fill(model, config)
+
+
+def _check_cuda_experts(model_config: ModelConfig) -> None:
+    """fp8 routed experts on CUDA (engine.triton_moe) step through K by divisors of a scale
+    block that tl.dot can take (multiples of 16), unless one block spans a whole row."""
+    fp8, moe = model_config.fp8, model_config.moe
+    if fp8 is None or moe is None or fp8.block_k is None or fp8.block_k % 16 == 0:
+        return
+    if fp8.block_k < max(model_config.hidden_size, moe.moe_intermediate_size):
+        raise ValueError(
+            f"quantization_config.weight_block_size: scale blocks of {fp8.block_k} columns; "
+            "the CUDA experts kernels need a multiple of 16 (DeepSeek's and GLM's are 128)"
+        )
 
 
 Build = Callable[[ModelConfig, ModelOps], CausalLM]

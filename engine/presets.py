@@ -351,6 +351,12 @@ PRESETS["deepseek-v2-lite-mtp"] = dataclasses.replace(PRESETS["deepseek-v2-lite"
 # deepseek-tiny's projections and routed experts in fp8 (32x32 blocks: partial blocks in the
 # 40-row latent projection and the fused q_a + latent rows), for CPU tests.
 PRESETS["deepseek-tiny-fp8"] = dataclasses.replace(PRESETS["deepseek-tiny"], fp8=Fp8Scheme(32, 32))
+# DeepSeek-V2-Lite's shape with its projections and routed experts in fp8, 128x128 blocks as
+# DeepSeek-V3's and GLM-5's checkpoints ship them (the router, embeddings and lm_head not), for
+# GPU benches beside the bf16 preset.
+PRESETS["deepseek-v2-lite-fp8"] = dataclasses.replace(
+    PRESETS["deepseek-v2-lite"], fp8=Fp8Scheme(128, 128)
+)
 
 # Llama-3-8B's KV shape (32 layers of 8 KV heads of 128, 128 KiB a token in bf16) on small
 # matrices: what a handover costs in descriptors, posts and RPCs, without the 8B's compute

@@ -22,11 +22,8 @@ of their own. Callers check `fuses_silu` / `fuses_rope` first (engine.cuda_ops).
   one head's first half and the same dimensions of its second half, the pairs RoPE rotates
   together (half-split pairing, engine.model.apply_rotary).
 
-FP8 weights (engine.fp8.Fp8Weight: e4m3 values, a float32 scale per row and block of
-`block_k` columns) are read as they are stored, half the bytes of bf16, and scaled in fp32: each
-K step sums its products per scale block (a register reshape, block_k a power of two dividing
-the step) and adds each sum times its block's scale; a scale per row (block_k >= K) is applied
-once at the end. Activations stay in the compute dtype (no activation quantization), so the
+FP8 weights (engine.fp8.Fp8Weight) are read as they are stored, half the bytes of bf16, and
+scaled in fp32 as engine.triton_fp8_scales says; activations stay in the compute dtype, so the
 product is that of the dequantized matrix. Inputs of several rows, and block sizes the GEMV
 cannot step by, go to engine.triton_fp8_gemm.
 
@@ -46,7 +43,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine import triton_fp8_gemm, triton_pdl
+from engine import triton_fp8_gemm, triton_fp8_scales, triton_pdl
 from engine.fp8 import Fp8Weight, Matrix
 
 __all__ = [
@@ -74,10 +71,6 @@ _OTHER = (4, 1024, 4)
 # FP8 matrices: the best of 7 sets timed in the engine's own bs=1 decode step of Llama-3-8B in
 # fp8 on an H200 (each from a sweep of 24 per shape streamed alone; docs/performance.md).
 _FP8_CONFIGS = {_VERY_TALL: (8, 2048, 4), _TALL: (16, 1024, 8), _OTHER: (8, 2048, 8)}
-
-# How the kernel scales its products (the SCALES constexpr): not at all (a weight tensor), once
-# per row at the end (one scale block spans K), or per block of SCALE_K columns.
-_UNSCALED, _ROW_SCALED, _BLOCK_SCALED = 0, 1, 2
 
 # What the kernel does with its rounded outputs (the EPILOGUE constexpr).
 _STORE, _SILU, _ROPE = 0, 1, 2
@@ -171,14 +164,9 @@ def _block_k(weight: Matrix) -> int:
     return min(_config(weight)[1], triton.next_power_of_2(weight.shape[1]))
 
 
-def _scaling(weight: Matrix) -> int:
+def _scaling(weight: Matrix) -> int | None:
     """The SCALES mode of a matrix, or None where the GEMV cannot step by its scale blocks."""
-    if not isinstance(weight, Fp8Weight):
-        return _UNSCALED
-    if weight.block_k >= weight.shape[1]:
-        return _ROW_SCALED
-    power_of_two = weight.block_k & (weight.block_k - 1) == 0
-    return _BLOCK_SCALED if power_of_two and _block_k(weight) % weight.block_k == 0 else None
+    return triton_fp8_scales.scaling(weight, _block_k(weight))
 
 
 def gemv_applies(x: torch.Tensor, weight: Matrix) -> bool:
@@ -236,7 +224,7 @@ def _gemv(x, weight, bias, epilogue, outputs, rope=None, norm=None, residual=Non
         HAS_BIAS=bias is not None,
         EPILOGUE=epilogue,
         SCALES=scaling,
-        SCALE_K=scale_k if scaling == _BLOCK_SCALED else 1,
+        SCALE_K=scale_k if scaling == triton_fp8_scales.BLOCK_SCALED else 1,
         HALF=half,
         NORM=norm is not None,
         # Only NORM reads it: a constant otherwise, so shapes of one kind share a compile.
@@ -275,8 +263,8 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EPILOGUE: tl.constexpr,
-    SCALES: tl.constexpr,  # _UNSCALED, _ROW_SCALED or _BLOCK_SCALED
-    SCALE_K: tl.constexpr,  # _BLOCK_SCALED: columns of a scale block, a divisor of BLOCK_K
+    SCALES: tl.constexpr,  # UNSCALED, ROW_SCALED or BLOCK_SCALED (engine.triton_fp8_scales)
+    SCALE_K: tl.constexpr,  # BLOCK_SCALED: columns of a scale block, a divisor of BLOCK_K
     HALF: tl.constexpr,  # _ROPE: half a head's width
     NORM: tl.constexpr,  # the product is scaled by 1 / rms(h)
     K_PAD: tl.constexpr,  # NORM: K rounded up to a power of two
@@ -315,7 +303,7 @@ def _gemv_kernel(
             h = tl.load(h_ptr + whole, mask=whole < K, other=0.0).to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(h * h, 0) / K + eps)
     x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-    acc = _products(w, x, s_rows, 0, KB, SCALES, BLOCK_N, BLOCK_K, SCALE_K)
+    acc = triton_fp8_scales.scaled_products(w, x, s_rows, 0, KB, SCALES, BLOCK_N, BLOCK_K, SCALE_K)
     for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_rows + (k + cols)[None, :], eviction_policy="evict_first")
@@ -324,9 +312,11 @@ def _gemv_kernel(
             in_k = k + cols < K
             w = tl.load(w_rows + (k + cols)[None, :], mask=in_k[None, :], other=0.0)
             x = tl.load(x_ptr + k + cols, mask=in_k, other=0.0)
-        acc += _products(w, x, s_rows, k, KB, SCALES, BLOCK_N, BLOCK_K, SCALE_K)
+        acc += triton_fp8_scales.scaled_products(
+            w, x, s_rows, k, KB, SCALES, BLOCK_N, BLOCK_K, SCALE_K
+        )
     y = tl.sum(acc, 1)
-    if SCALES == 1:  # _ROW_SCALED
+    if SCALES == 1:  # ROW_SCALED
         y *= tl.load(s_rows)
     if NORM:
         y *= inv_rms
@@ -356,20 +346,3 @@ def _gemv_kernel(
             norm_w = tl.load(norm_w_ptr + rows, mask=in_n, other=0.0).to(tl.float32)
             tl.store(scaled_ptr + rows, (y.to(tl.float32) * norm_w).to(dtype), mask=in_n)
         tl.store(y_ptr + rows, y, mask=rows < N)
-
-
-@triton.jit
-def _products(
-    w, x, s_rows, k, KB,
-    SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr,
-):  # fmt: skip
-    """One K step's products w * x [BLOCK_N, BLOCK_K] in fp32, to be summed over columns;
-    _BLOCK_SCALED: summed per scale block and scaled, [BLOCK_N, BLOCK_K / SCALE_K]."""
-    products = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    if SCALES == 2:  # _BLOCK_SCALED
-        BLOCKS: tl.constexpr = BLOCK_K // SCALE_K
-        sums = tl.sum(tl.reshape(products, [BLOCK_N, BLOCKS, SCALE_K]), 2)
-        blocks = k // SCALE_K + tl.arange(0, BLOCKS)
-        scales = tl.load(s_rows[:, None] + blocks[None, :], mask=(blocks < KB)[None, :], other=0.0)
-        products = sums * scales
-    return products

@@ -40,6 +40,11 @@ all in fp32.
 One token (bs=1 decode) goes to engine.triton_moe_gemv instead: GEMVs over its k experts, whose
 down kernel also sums over k.
 
+FP8 stacks (engine.fp8.Fp8Weight: e4m3 [E, N, K], float32 scales [E, N, KB] a row and block of
+block_k columns): each weight tile is dequantized in registers, rounded to the compute dtype as
+the torch path's dense matrix is, before its tl.dot; the K step is at most block_k and divides
+it, so that a tile's column holds one scale. Activations are not quantized.
+
 `KERNELS.route` is engine.triton_route's `route_tokens`: at decode sizes the router's logits in
 one kernel, the routing and that sort in another.
 
@@ -52,6 +57,7 @@ import triton
 import triton.language as tl
 
 from engine import triton_moe_gemv, triton_pdl
+from engine.fp8 import Fp8Weight, Matrix
 from engine.moe import MoeKernels, Routing
 from engine.triton_route import route_tokens
 
@@ -75,8 +81,8 @@ def fused_experts(
     h: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: Matrix,
+    down: Matrix,
     sorted_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -84,7 +90,8 @@ def fused_experts(
 
     h [T, H]; weights [T, k] float32; ids [T, k] integer expert ids (distinct within a row, as
     routing picks them; repeats would also be summed); gate_up [E, 2 * I, H] (gate rows first,
-    then up); down [E, H, I]. h, gate_up and down share one dtype; accumulation is fp32.
+    then up); down [E, H, I]: tensors of h's dtype, or fp8 stacks (Fp8Weight); accumulation is
+    fp32.
     sorted_pairs: (order, bounds) of the pairs as Routing holds them (route_and_sort), else
     sorted here. residual [T, H] (h's dtype): added to the sum, in fp32 with one rounding.
     """
@@ -95,11 +102,13 @@ def fused_experts(
     assert weights.shape == ids.shape and ids.shape[0] == num_tokens, (weights.shape, ids.shape)
     assert gate_up.shape == (num_experts, 2 * inter, hidden), gate_up.shape
     assert down.shape == (num_experts, hidden, inter), down.shape
-    assert h.dtype == gate_up.dtype == down.dtype, (h.dtype, gate_up.dtype, down.dtype)
+    for w in (gate_up, down):
+        values = w.weight if isinstance(w, Fp8Weight) else w
+        assert isinstance(w, Fp8Weight) or w.dtype == h.dtype, (h.dtype, w.dtype)
+        assert values.stride(-1) == 1, "weights' rows must be contiguous"
     assert weights.dtype == torch.float32, weights.dtype
-    assert gate_up.stride(-1) == 1 and down.stride(-1) == 1, "weights' rows must be contiguous"
     h = h if h.stride(-1) == 1 else h.contiguous()
-    if triton_moe_gemv.applies(h):  # one token: GEMVs over its experts, no sort, no tiles
+    if triton_moe_gemv.applies(h, gate_up, down):  # one token: GEMVs, no sort, no tiles
         return triton_moe_gemv.one_token_experts(h, weights, ids, gate_up, down, residual)
     pairs = num_tokens * top_k
     active = min(num_experts, pairs)  # the most experts a step's pairs can choose
@@ -111,23 +120,36 @@ def fused_experts(
     block_n, max_block_k, common = _launch_config(pairs, num_experts, h.device, h.dtype)
 
     activated = torch.empty(pairs, inter, dtype=h.dtype, device=h.device)
-    block_k = _block_k(hidden, max_block_k)
+    block_k = _block_k(hidden, max_block_k, gate_up)
+    w, scale, scale_k = _stack(gate_up)
     _gate_up_kernel[(active, triton.cdiv(inter, block_n))](
-        h, gate_up, order, bounds, activated,
+        h, w, scale, order, bounds, activated,
         hidden, inter, top_k,
-        h.stride(0), gate_up.stride(0), gate_up.stride(1), activated.stride(0),
-        BLOCK_K=block_k, EVEN_K=hidden % block_k == 0, **common,
+        h.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
+        activated.stride(0),
+        BLOCK_K=block_k, EVEN_K=hidden % block_k == 0, SCALE_K=scale_k, **common,
     )  # fmt: skip
 
     per_pair = torch.empty(pairs, hidden, dtype=h.dtype, device=h.device)
-    block_k = _block_k(inter, max_block_k)
+    block_k = _block_k(inter, max_block_k, down)
+    w, scale, scale_k = _stack(down)
     _down_kernel[(active, triton.cdiv(hidden, block_n))](
-        activated, down, order, bounds, weights.reshape(pairs), per_pair,
+        activated, w, scale, order, bounds, weights.reshape(pairs), per_pair,
         inter, hidden,
-        activated.stride(0), down.stride(0), down.stride(1), per_pair.stride(0),
-        BLOCK_K=block_k, EVEN_K=inter % block_k == 0, **common,
+        activated.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
+        per_pair.stride(0),
+        BLOCK_K=block_k, EVEN_K=inter % block_k == 0, SCALE_K=scale_k, **common,
     )  # fmt: skip
     return _sum_pairs(per_pair.view(num_tokens, top_k, hidden), residual)
+
+
+def _stack(weight: Matrix) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(the values, the scales [E, N, KB] or the values again (unread), SCALE_K: columns a
+    scale covers, 0 for a weight tensor)."""
+    if isinstance(weight, Fp8Weight):
+        assert weight.scale.stride(-1) == 1, "each row's scales contiguous"
+        return weight.weight, weight.scale, weight.block_k
+    return weight, weight, 0
 
 
 def _sum_pairs(per_pair: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -179,8 +201,18 @@ def _launch_config(pairs: int, num_experts: int, device: torch.device, dtype: to
     return block_n, max_block_k, common
 
 
-def _block_k(k: int, max_block_k: int) -> int:
-    return min(max_block_k, max(_MIN_DOT, triton.next_power_of_2(k)))
+def _block_k(k: int, max_block_k: int, weight: Matrix) -> int:
+    """The K step: an fp8 stack's divides its scale blocks (or one block spans K)."""
+    step = min(max_block_k, max(_MIN_DOT, triton.next_power_of_2(k)))
+    if isinstance(weight, Fp8Weight) and weight.block_k < k:
+        while weight.block_k % step:
+            step //= 2
+        if step < _MIN_DOT:
+            raise ValueError(
+                f"fp8 experts: a scale block of {weight.block_k} columns is not a multiple of "
+                f"{_MIN_DOT} (tl.dot's smallest K step)"
+            )
+    return step
 
 
 def _experts(
@@ -223,17 +255,26 @@ def _load_x(x_rows, valid, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_w(w_cols, ks, K, EVEN_K: tl.constexpr):
-    """The weight tile [BLOCK_K, BLOCK_N] of one K step: rows w_cols (K-contiguous), zero past K."""
+def _load_w(
+    w_cols, s_cols, k, ks, K, dtype: tl.constexpr, EVEN_K: tl.constexpr, SCALE_K: tl.constexpr
+):
+    """The weight tile [BLOCK_K, BLOCK_N] of one K step in `dtype`: rows w_cols (K-contiguous),
+    zero past K; SCALE_K > 0: fp8, times the scales of the step's block (s_cols: the rows' scale
+    pointers), rounded to dtype."""
     if EVEN_K:
-        return tl.load(w_cols[None, :] + ks[:, None])
-    return tl.load(w_cols[None, :] + ks[:, None], mask=(ks < K)[:, None], other=0.0)
+        w = tl.load(w_cols[None, :] + ks[:, None])
+    else:
+        w = tl.load(w_cols[None, :] + ks[:, None], mask=(ks < K)[:, None], other=0.0)
+    if SCALE_K > 0:
+        w = (w.to(tl.float32) * tl.load(s_cols + k // SCALE_K)[None, :]).to(dtype)
+    return w
 
 
 @triton.jit
 def _gate_up_kernel(
     h_ptr,  # [T, H]
     w_ptr,  # [E, 2 * I, H]: gate rows, then up rows
+    s_ptr,  # [E, 2 * I, KB] float32: an fp8 stack's scales (read if SCALE_K)
     order_ptr,  # [T * k]: pair index (token * k + slot) of each sorted position
     bounds_ptr,  # [E + 1] int32: expert e's sorted positions are [bounds[e], bounds[e + 1])
     out_ptr,  # [T * k, I]: silu(gate) * up, by sorted position
@@ -243,6 +284,8 @@ def _gate_up_kernel(
     stride_ht,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_ot,
     NUM_EXPERTS: tl.constexpr,
     EXPERTS_PAD: tl.constexpr,
@@ -250,6 +293,7 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SCALE_K: tl.constexpr,  # columns a scale covers; 0: a weight tensor, no scales
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -260,8 +304,11 @@ def _gate_up_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Columns past I re-read the last one: weight loads stay unpredicated, within the expert's
     # gate and up rows; only the store is masked.
-    gate_cols = w_ptr + expert.to(tl.int64) * stride_we + tl.minimum(cols, I - 1) * stride_wn
+    safe_cols = tl.minimum(cols, I - 1)
+    gate_cols = w_ptr + expert.to(tl.int64) * stride_we + safe_cols * stride_wn
     up_cols = gate_cols + I * stride_wn
+    gate_scales = s_ptr + expert.to(tl.int64) * stride_se + safe_cols * stride_sn
+    up_scales = gate_scales + I * stride_sn
     dtype = out_ptr.dtype.element_ty
     for m in range(start, end, BLOCK_M):
         rows = m + tl.arange(0, BLOCK_M)
@@ -273,8 +320,10 @@ def _gate_up_kernel(
         for k in range(0, H, BLOCK_K):
             ks = k + tl.arange(0, BLOCK_K)
             x = _load_x(x_rows, valid, ks, H, EVEN_K)
-            gate = tl.dot(x, _load_w(gate_cols, ks, H, EVEN_K), gate, input_precision=PRECISION)
-            up = tl.dot(x, _load_w(up_cols, ks, H, EVEN_K), up, input_precision=PRECISION)
+            w = _load_w(gate_cols, gate_scales, k, ks, H, dtype, EVEN_K, SCALE_K)
+            gate = tl.dot(x, w, gate, input_precision=PRECISION)
+            w = _load_w(up_cols, up_scales, k, ks, H, dtype, EVEN_K, SCALE_K)
+            up = tl.dot(x, w, up, input_precision=PRECISION)
         # Rounded as F.linear's output, then F.silu's, then the product's.
         g32 = gate.to(dtype).to(tl.float32)
         silu = (g32 / (1.0 + tl.exp(-g32))).to(dtype).to(tl.float32)
@@ -287,6 +336,7 @@ def _gate_up_kernel(
 def _down_kernel(
     x_ptr,  # [T * k, I]: the gate_up kernel's output, by sorted position
     w_ptr,  # [E, H, I]
+    s_ptr,  # [E, H, KB] float32: an fp8 stack's scales (read if SCALE_K)
     order_ptr,  # [T * k]
     bounds_ptr,  # [E + 1] int32
     weights_ptr,  # [T * k] float32: routing weight of each pair
@@ -296,6 +346,8 @@ def _down_kernel(
     stride_xt,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_ot,
     NUM_EXPERTS: tl.constexpr,
     EXPERTS_PAD: tl.constexpr,
@@ -303,6 +355,7 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SCALE_K: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -311,7 +364,9 @@ def _down_kernel(
     if start == end:
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_cols = w_ptr + expert.to(tl.int64) * stride_we + tl.minimum(cols, H - 1) * stride_wn
+    safe_cols = tl.minimum(cols, H - 1)
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + safe_cols * stride_wn
+    s_cols = s_ptr + expert.to(tl.int64) * stride_se + safe_cols * stride_sn
     dtype = out_ptr.dtype.element_ty
     for m in range(start, end, BLOCK_M):
         rows = m + tl.arange(0, BLOCK_M)
@@ -322,7 +377,8 @@ def _down_kernel(
         for k in range(0, I, BLOCK_K):
             ks = k + tl.arange(0, BLOCK_K)
             x = _load_x(x_rows, valid, ks, I, EVEN_K)
-            acc = tl.dot(x, _load_w(w_cols, ks, I, EVEN_K), acc, input_precision=PRECISION)
+            w = _load_w(w_cols, s_cols, k, ks, I, dtype, EVEN_K, SCALE_K)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
         weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0)
         # F.linear's output, rounded, times the fp32 weight, rounded once (as the torch path).
         out = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)

@@ -16,13 +16,18 @@ programs wait for it first).
 
 Rounding is engine.triton_moe's: each projection's output, silu, the product and the weighted
 down output are rounded to the input dtype as separate torch ops would round them.
+
+FP8 stacks (engine.fp8.Fp8Weight [E, N, K] with scales [E, N, KB]) are streamed as stored and
+scaled as engine.triton_fp8_scales does for the dense GEMV; `applies` is False for a scale block
+the K steps cannot step by.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from engine import triton_pdl
+from engine import triton_fp8_scales, triton_pdl
+from engine.fp8 import Fp8Weight, Matrix
 
 __all__ = ["applies", "one_token_experts"]
 
@@ -34,17 +39,19 @@ _GATE_UP = (16, 512, 8)
 _DOWN = (2, 1024, 4)
 
 
-def applies(h: torch.Tensor) -> bool:
-    """Whether `one_token_experts` computes the experts of h [T, H]: one token."""
-    return h.shape[0] == 1
+def applies(h: torch.Tensor, gate_up: Matrix, down: Matrix) -> bool:
+    """Whether `one_token_experts` computes the experts of h [T, H]: one token, and scale blocks
+    (of fp8 stacks) its K steps can step by."""
+    steps = ((gate_up, _step(_GATE_UP, gate_up)), (down, _step(_DOWN, down)))
+    return h.shape[0] == 1 and all(triton_fp8_scales.scaling(w, k) is not None for w, k in steps)
 
 
 def one_token_experts(
     h: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: Matrix,
+    down: Matrix,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """engine.triton_moe.fused_experts for one token: h [1, H], weights [1, k] float32, ids [1, k]
@@ -52,17 +59,19 @@ def one_token_experts(
     _, hidden = h.shape
     top_k = ids.shape[1]
     inter = down.shape[2]
-    assert applies(h) and h.is_contiguous(), h.shape
+    assert applies(h, gate_up, down) and h.is_contiguous(), h.shape
     ids = ids if ids.is_contiguous() else ids.contiguous()
     weights = weights if weights.is_contiguous() else weights.contiguous()
     pdl = triton_pdl.enabled(h.device)
 
     activated = torch.empty(top_k, inter, dtype=h.dtype, device=h.device)
-    rows, max_k, warps = _GATE_UP
-    block_k = min(max_k, triton.next_power_of_2(hidden))
+    rows, _, warps = _GATE_UP
+    block_k = _step(_GATE_UP, gate_up)
+    w, scale, scales = _stack(gate_up, block_k)
     _gate_up_kernel[(top_k, triton.cdiv(inter, rows // 2))](
-        h, gate_up, ids, activated, hidden, inter, gate_up.stride(0), gate_up.stride(1),
-        PAIRS=rows // 2, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
+        h, w, scale, ids, activated, hidden, inter, w.stride(0), w.stride(1),
+        scale.stride(0), scale.stride(1), scale.shape[-1],
+        PAIRS=rows // 2, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0, **scales,
         PDL=pdl, num_warps=warps, num_stages=1, launch_pdl=pdl,
     )  # fmt: skip
 
@@ -70,16 +79,34 @@ def one_token_experts(
     if residual is not None:
         assert residual.shape == h.shape and residual.dtype == h.dtype, residual.shape
         residual = residual if residual.is_contiguous() else residual.contiguous()
-    rows, max_k, warps = _DOWN
-    block_k = min(max_k, triton.next_power_of_2(inter))
+    rows, _, warps = _DOWN
+    block_k = _step(_DOWN, down)
+    w, scale, scales = _stack(down, block_k)
     _down_kernel[(triton.cdiv(hidden, rows),)](
-        activated, down, ids, weights, out if residual is None else residual, out,
-        hidden, inter, down.stride(0), down.stride(1),
-        TOP_K=top_k, BLOCK_N=rows, BLOCK_K=block_k, EVEN_K=inter % block_k == 0,
-        HAS_RESIDUAL=residual is not None, PDL=pdl, num_warps=warps, num_stages=1,
-        launch_pdl=pdl,
+        activated, w, scale, ids, weights, out if residual is None else residual, out,
+        hidden, inter, w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
+        scale.shape[-1], TOP_K=top_k, BLOCK_N=rows, BLOCK_K=block_k,
+        EVEN_K=inter % block_k == 0, **scales, HAS_RESIDUAL=residual is not None, PDL=pdl,
+        num_warps=warps, num_stages=1, launch_pdl=pdl,
     )  # fmt: skip
     return out
+
+
+def _step(config: tuple[int, int, int], weight: Matrix) -> int:
+    """The K step of a stack [E, N, K]: the config's, or all of K if shorter (a power of two)."""
+    return min(config[1], triton.next_power_of_2(weight.shape[-1]))
+
+
+def _stack(weight: Matrix, block_k: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(the values, the scales [E, N, KB] or the values again (unread), the SCALES and SCALE_K
+    constexprs) of a stack streamed in K steps of block_k."""
+    scaling = triton_fp8_scales.scaling(weight, block_k)
+    scale_k = weight.block_k if scaling == triton_fp8_scales.BLOCK_SCALED else 1
+    constexprs = dict(SCALES=scaling, SCALE_K=scale_k)
+    if isinstance(weight, Fp8Weight):
+        assert weight.scale.stride(-1) == 1, "each row's scales contiguous"
+        return weight.weight, weight.scale, constexprs
+    return weight, weight, constexprs
 
 
 @triton.jit
@@ -100,29 +127,49 @@ def _load_x(x_ptr, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _row_dots(x_ptr, w_rows, first_w, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _row_dots(
+    x_ptr, w_rows, s_rows, first_w, K, KB,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALES: tl.constexpr, SCALE_K: tl.constexpr,
+):  # fmt: skip
     """[BLOCK_N] fp32: the rows w_rows dotted with x [K], given their first tile (`_load_w` at
-    k = 0, loaded by the caller: possibly before waiting for the kernel that writes x)."""
-    acc = first_w.to(tl.float32) * _load_x(x_ptr, 0, K, BLOCK_K, EVEN_K)[None, :]
+    k = 0, loaded by the caller: possibly before waiting for the kernel that writes x); s_rows:
+    the rows' scale pointers [BLOCK_N] (read if SCALES)."""
+    acc = triton_fp8_scales.scaled_products(
+        first_w, _load_x(x_ptr, 0, K, BLOCK_K, EVEN_K), s_rows, 0, KB,
+        SCALES, BLOCK_N, BLOCK_K, SCALE_K,
+    )  # fmt: skip
     for k in range(BLOCK_K, K, BLOCK_K):
         w = _load_w(w_rows, k, K, BLOCK_K, EVEN_K)
-        acc += w.to(tl.float32) * _load_x(x_ptr, k, K, BLOCK_K, EVEN_K)[None, :]
-    return tl.sum(acc, 1)
+        acc += triton_fp8_scales.scaled_products(
+            w, _load_x(x_ptr, k, K, BLOCK_K, EVEN_K), s_rows, k, KB,
+            SCALES, BLOCK_N, BLOCK_K, SCALE_K,
+        )  # fmt: skip
+    y = tl.sum(acc, 1)
+    if SCALES == 1:  # ROW_SCALED
+        y *= tl.load(s_rows)
+    return y
 
 
 @triton.jit
 def _gate_up_kernel(
     h_ptr,  # [1, H]
     w_ptr,  # [E, 2 * I, H]: gate rows, then up rows
+    s_ptr,  # [E, 2 * I, KB] float32: SCALES' scales
     ids_ptr,  # [k]: the token's experts
     out_ptr,  # [k, I]: silu(gate) * up, by slot
     H,
     I,  # noqa: E741 (the intermediate size, as in the papers)
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
+    KB,
     PAIRS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SCALES: tl.constexpr,
+    SCALE_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # The down kernel reads the routing before its own wait: released only once every program
@@ -135,9 +182,11 @@ def _gate_up_kernel(
     cols = tl.program_id(1) * PAIRS + tl.arange(0, 2 * PAIRS) // 2
     rows = tl.minimum(cols, I - 1) + (tl.arange(0, 2 * PAIRS) % 2) * I
     w_rows = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + expert * stride_se + rows.to(tl.int64) * stride_sn
     dtype = out_ptr.dtype.element_ty
     first_w = _load_w(w_rows, 0, H, BLOCK_K, EVEN_K)
-    y = _row_dots(h_ptr, w_rows, first_w, H, BLOCK_K, EVEN_K).to(dtype)
+    y = _row_dots(h_ptr, w_rows, s_rows, first_w, H, KB, 2 * PAIRS, BLOCK_K, EVEN_K,
+                  SCALES, SCALE_K).to(dtype)  # fmt: skip
     gate, up = tl.split(tl.reshape(y, [PAIRS, 2]))
     g32 = gate.to(tl.float32)
     silu = (g32 / (1.0 + tl.exp(-g32))).to(dtype).to(tl.float32)
@@ -149,6 +198,7 @@ def _gate_up_kernel(
 def _down_kernel(
     x_ptr,  # [k, I]: the gate_up kernel's output
     w_ptr,  # [E, H, I]
+    s_ptr,  # [E, H, KB] float32: SCALES' scales
     ids_ptr,  # [k]
     weights_ptr,  # [k] float32: the routing weights
     residual_ptr,  # [1, H] (read only if HAS_RESIDUAL)
@@ -157,30 +207,38 @@ def _down_kernel(
     I,  # noqa: E741
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
+    KB,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SCALES: tl.constexpr,
+    SCALE_K: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < H
-    safe_rows = tl.minimum(rows, H - 1).to(tl.int64)[:, None] * stride_wn
+    safe_rows = tl.minimum(rows, H - 1).to(tl.int64)
     # The routing is complete when this kernel starts (the gate_up kernel releases it only
     # after waiting for it): the first slot's first weight tile streams while gate_up ends.
-    first_w = _load_w(w_ptr + tl.load(ids_ptr).to(tl.int64) * stride_we + safe_rows, 0, I,
-                      BLOCK_K, EVEN_K)  # fmt: skip
+    first_w = _load_w(w_ptr + tl.load(ids_ptr).to(tl.int64) * stride_we
+                      + safe_rows[:, None] * stride_wn, 0, I, BLOCK_K, EVEN_K)  # fmt: skip
     triton_pdl.await_previous_kernel(PDL)
     dtype = out_ptr.dtype.element_ty
     total = tl.zeros([BLOCK_N], tl.float32)
     if HAS_RESIDUAL:
         total += tl.load(residual_ptr + rows, mask=live, other=0.0).to(tl.float32)
     for slot in tl.static_range(TOP_K):
-        w_rows = w_ptr + tl.load(ids_ptr + slot).to(tl.int64) * stride_we + safe_rows
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        w_rows = w_ptr + expert * stride_we + safe_rows[:, None] * stride_wn
+        s_rows = s_ptr + expert * stride_se + safe_rows * stride_sn
         if slot > 0:
             first_w = _load_w(w_rows, 0, I, BLOCK_K, EVEN_K)
-        y = _row_dots(x_ptr + slot * I, w_rows, first_w, I, BLOCK_K, EVEN_K)
+        y = _row_dots(x_ptr + slot * I, w_rows, s_rows, first_w, I, KB, BLOCK_N, BLOCK_K,
+                      EVEN_K, SCALES, SCALE_K)  # fmt: skip
         # F.linear's output, rounded, times the fp32 weight, rounded once (as the torch path).
         weighted = (y.to(dtype).to(tl.float32) * tl.load(weights_ptr + slot)).to(dtype)
         total += weighted.to(tl.float32)

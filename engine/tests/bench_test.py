@@ -125,6 +125,22 @@ def test_moe_roofline_counts_the_experts_a_step_chooses(batch):
     assert bench.weight_bytes_per_step(engine, batch) == pytest.approx(4 * expected, abs=4)
 
 
+def test_moe_roofline_counts_fp8_experts_at_their_bytes():
+    """fp8 experts are read at a byte a weight, plus their float32 scales (a row's per block of
+    32 columns)."""
+    engine = LLMEngine.build(
+        EngineConfig(model="random:deepseek-tiny-fp8", dtype="float32", kv_cache_gb=0.01)
+    )
+    c, moe = engine.model_config, engine.model_config.moe
+    size, hidden = moe.moe_intermediate_size, c.hidden_size
+    scales = 2 * size * -(-hidden // 32) + hidden * -(-size // 32)
+    expert = 3 * size * hidden + 4 * scales
+    sparse = c.num_layers - moe.first_k_dense_replace
+    one, two = (bench.weight_bytes_per_step(engine, batch) for batch in (1, 2))
+    unread = [sparse * (8 - hit) * expert for hit in (2, 8 * (1 - (1 - 2 / 8) ** 2))]
+    assert two - one == pytest.approx(4 * hidden + unread[0] - unread[1], abs=2)
+
+
 def test_a_json_schema_constrains_every_sequence_through_the_timed_steps():
     """--json-schema's path; SmolLM2's tokenizer cut to the tiny model's 256 tokens (its specials
     and single characters) will do, as any tokenizer does to time the masks."""

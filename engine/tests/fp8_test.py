@@ -1,6 +1,8 @@
 """FP8 weights (engine.fp8) on the CPU: block quantization, FP8 checkpoints against the same
 model dequantized in transformers, the random fp8 preset, and the configs refused."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -225,16 +227,36 @@ def _load_tiny() -> CausalLM:
 @pytest.mark.parametrize(
     "config, named",
     [
-        (
-            dict(model="random:deepseek-tiny-fp8", device="cuda"),
-            "fp8 weights of the MLA/MoE family run on the CPU only",
-        ),
         (dict(model="random:deepseek-tiny", kv_cache_dtype="fp8"), "not MLA latents"),
     ],
 )
 def test_what_is_not_supported_yet_is_refused_at_start_up(config, named):
     with pytest.raises(ValueError, match=named):
         load_model(EngineConfig(**config))
+
+
+def test_the_dequantized_kv_b_follows_its_weights():
+    """MLA keeps kv_b_proj's fp8 matrix dequantized (the absorbed attention reads its slices
+    every step) and dequantizes it again when weights are copied in."""
+    _, model = load_model(EngineConfig(model="random:deepseek-tiny-fp8"))
+    attention = model.model.layers[0].self_attn
+    first = attention._kv_b(torch.float32)
+    assert attention._kv_b(torch.float32) is first
+    torch.testing.assert_close(first, attention.kv_b_proj.matrix.dense(torch.float32))
+    with torch.no_grad():
+        attention.kv_b_proj.weight_scale.mul_(2)
+    torch.testing.assert_close(attention._kv_b(torch.float32), 2 * first)
+
+
+def test_fp8_experts_in_blocks_the_cuda_kernels_cannot_step_by_are_refused(tmp_path):
+    """On CUDA the experts' K steps must divide the scale blocks in multiples of 16; refused at
+    start-up naming the block size, before any weight is read (the folder has none)."""
+    hf = hf_deepseek(48, seed=4)
+    config = {**hf.config.to_dict(), "architectures": [type(hf).__name__]}
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [24, 24]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="scale blocks of 24 columns; the CUDA experts kernels"):
+        load_model(EngineConfig(model=str(tmp_path), device="cuda"))
 
 
 def test_an_unknown_kv_cache_dtype_is_refused():

@@ -51,8 +51,15 @@ def _decode(engine, stops):
 
 # (enforce_eager, async_scheduling): graphs with async scheduling (the default), graphs
 # without, and eager CUDA steps fed the tokens before them on the device.
-# tiny-fp8's 48-column blocks take the fp8 GEMM at every batch size; tiny-fp8-b32's the GEMV.
-MODELS = ["random:tiny", "random:tiny-fp8", "random:tiny-fp8-b32", "random:deepseek-tiny"]
+# tiny-fp8's 48-column blocks take the fp8 GEMM at every batch size; tiny-fp8-b32's the GEMV;
+# deepseek-tiny-fp8's experts the fp8 expert GEMVs (one token) and tiles (prefill, batches).
+MODELS = [
+    "random:tiny",
+    "random:tiny-fp8",
+    "random:tiny-fp8-b32",
+    "random:deepseek-tiny",
+    "random:deepseek-tiny-fp8",
+]
 
 
 @pytest.mark.parametrize("model", MODELS)

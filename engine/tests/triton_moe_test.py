@@ -17,8 +17,9 @@ from engine.tests import triton_mode  # before triton: picks the interpreter on 
 
 # isort: split
 
-from engine import triton_moe, triton_route
+from engine import triton_moe, triton_moe_gemv, triton_route
 from engine.deepseek_config import MoeConfig
+from engine.fp8 import Fp8Scheme, Fp8Weight, quantize
 from engine.model import EAGER_OPS, NormInput, RMSNorm
 from engine.moe import TORCH_KERNELS, MoE, route
 from engine.presets import PRESETS
@@ -286,6 +287,50 @@ def test_moe_layer_with_triton_kernels_matches_torch_kernels():
     outs = [layer.to(DEVICE)(NormInput(x.to(DEVICE), None, norm.weight.to(DEVICE), 1e-6), norm)
             for layer in layers]  # fmt: skip
     torch.testing.assert_close(outs[0].x, outs[1].x, rtol=1e-5, atol=1e-5)
+
+
+def _fp8_stack(stack: torch.Tensor, scheme: Fp8Scheme) -> Fp8Weight:
+    """[E, N, K] quantized expert by expert, NaN experts (unchosen) kept NaN, scales too."""
+    values, scales = [], []
+    for matrix in stack:
+        if torch.isnan(matrix).all():
+            q = torch.full(matrix.shape, float("nan")).to(torch.float8_e4m3fn)
+            scale = torch.full((matrix.shape[0], scheme.k_blocks(matrix.shape[1])), float("nan"))
+        else:
+            q, checkpoint_scale = quantize(matrix.float(), scheme)
+            scale = scheme.expand_scale(checkpoint_scale, matrix.shape[0]).contiguous()
+        values.append(q)
+        scales.append(scale)
+    return scheme.matrix(torch.stack(values).to(DEVICE), torch.stack(scales).to(DEVICE))
+
+
+# (tokens, scale block): one token (the GEMV path where it can step by the block), several
+# (the tiled path); blocks of 32 columns (several a row), 48 (not a power of two: the GEMV
+# cannot step by it, the tiled kernels step by 16), and one scale per expert matrix.
+FP8_CASES = [(1, 32), (1, 48), (1, None), (5, 32), (17, 48), (5, None)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("num_tokens", "block"), FP8_CASES, ids=lambda v: str(v))
+def test_fp8_experts_match_the_dequantized_experts(num_tokens, block, dtype):
+    """fp8 stacks (e4m3 values, float32 scales per row and block) give the experts of the
+    matrices they dequantize to, in the compute dtype (as the torch path computes them), on
+    both paths; unchosen experts (NaN values and scales) are never read."""
+    h, weights, ids, gate_up, down = _case(num_tokens, 2, 8, 96, 80, dtype, seed=5)
+    scheme = Fp8Scheme(block, block)
+    gate_up, down = (_fp8_stack(w.cpu(), scheme) for w in (gate_up, down))
+    one_token = triton_moe_gemv.applies(h, gate_up, down)
+    assert one_token == (num_tokens == 1 and block != 48)
+    out = triton_moe.fused_experts(h, weights, ids, gate_up, down)
+    dense = [w.dense(dtype) for w in (gate_up, down)]
+    _assert_matches(out, _reference(h, weights, ids, *dense), dtype)
+
+
+def test_fp8_experts_refuse_a_block_the_tiles_cannot_step_by():
+    h, weights, ids, gate_up, down = _case(3, 2, 4, 64, 48, torch.float32, seed=2)
+    gate_up, down = (_fp8_stack(w.cpu(), Fp8Scheme(24, 24)) for w in (gate_up, down))
+    with pytest.raises(ValueError, match="scale block of 24 columns is not a multiple of 16"):
+        triton_moe.fused_experts(h, weights, ids, gate_up, down)
 
 
 def _capture(step):
