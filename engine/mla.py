@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, causal_attention
+from engine.attention import AttentionMetadata, causal_attention, to_cache
 from engine.config import ModelConfig
 from engine.deepseek_config import YarnRopeScaling
 from engine.fp8 import Fp8Weight, dense
@@ -203,9 +203,10 @@ def yarn_inv_freq(dim: int, theta: float, scaling: YarnRopeScaling) -> torch.Ten
 
 
 def write_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Stores new tokens' latent rows [T, latent_dim] at their slots of the plane."""
+    """Stores new tokens' latent rows [T, latent_dim] at their slots of the plane, in its dtype
+    (an fp8 plane as engine.attention's `to_cache` stores K and V)."""
     block_size = cache.shape[2]
-    cache[slot_mapping // block_size, 0, slot_mapping % block_size] = latent
+    cache[slot_mapping // block_size, 0, slot_mapping % block_size] = to_cache(latent, cache.dtype)
 
 
 def store_latent(
@@ -250,24 +251,25 @@ def paged_mla(
         rows = torch.tensor([starts[i] for i in decodes], device=q_nope.device)
         lens = meta.seq_lens[index]
         width = -(-max(seq_lens[i] for i in decodes) // block_size)
-        context = gather_latents(cache, meta.block_tables[index, :width])
+        context = gather_latents(cache, meta.block_tables[index, :width], q_nope.dtype)
         out[rows] = attend_absorbed(q_nope[rows], q_pe[rows], context, lens, kv_b_weight, scale)
     for i, n in enumerate(query_lens):
         if n == 1:
             continue
         start, seq_len = starts[i], seq_lens[i]
         table = meta.block_tables[i : i + 1, : -(-seq_len // block_size)]
-        context = gather_latents(cache, table)[0, :seq_len]
+        context = gather_latents(cache, table, q_nope.dtype)[0, :seq_len]
         rows = slice(start, start + n)
         out[rows] = attend_expanded(q_nope[rows], q_pe[rows], context, kv_b_weight, scale)
     return out
 
 
-def gather_latents(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, 1, bs, dim] plane, [n, w] block ids -> [n, w * bs, dim] latent contexts."""
+def gather_latents(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[num_blocks, 1, bs, dim] plane, [n, w] block ids -> [n, w * bs, dim] latent contexts in
+    `dtype` (an fp8 plane's rows widened, exactly: its scale is 1.0)."""
     blocks = cache[tables.long()]  # [n, w, 1, bs, dim]
     n, w, _, bs, dim = blocks.shape
-    return blocks.reshape(n, w * bs, dim)
+    return blocks.reshape(n, w * bs, dim).to(dtype)
 
 
 def attend_expanded(
@@ -356,7 +358,7 @@ def attend_latent(
 ) -> torch.Tensor:
     """Latent attention of q [q_c | q_pe] (q_c = q_nope W_UK [n, heads, kv_lora_rank]) -> [n,
     heads, kv_lora_rank]: the contexts gathered, then `latent_attention`."""
-    contexts = gather_latents(cache, meta.block_tables)
+    contexts = gather_latents(cache, meta.block_tables, q_c.dtype)
     q = torch.cat((q_c, q_pe), dim=-1)
     return latent_attention(q, contexts, meta.seq_lens, scale, q_c.shape[2])
 

@@ -44,11 +44,6 @@ def load_model(
     check_supported(model_config, config.tensor_parallel_size)
     if config.device.startswith("cuda"):
         _check_cuda_experts(model_config)
-    if config.kv_cache_dtype != "auto" and model_config.mla:
-        raise ValueError(
-            f"kv_cache_dtype {config.kv_cache_dtype}: an fp8 cache holds per-head K/V only so "
-            "far, not MLA latents; use --kv-cache-dtype auto for this model"
-        )
     build = _builder(config, model_config, wrap_attention)
     if tp is not None:
         return _load_tp_model(config, model_config, build, tp)

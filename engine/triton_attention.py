@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import triton_pdl
+from engine import triton_ops, triton_pdl
 from engine.attention import AttentionMetadata, attend_batch
 from engine.fp8 import FP8_DTYPE
 
@@ -493,7 +493,7 @@ def _split_kernel(
         dim_mask = dims < HEAD_DIM
         new_k = tl.load(new_k_ptr + seq * stride_nkb + kv_head * stride_nkh + dims, dim_mask, 0.0)
         new_v = tl.load(new_v_ptr + seq * stride_nvb + kv_head * stride_nvh + dims, dim_mask, 0.0)
-        new_k, new_v = _to_cache(new_k, k_ptr), _to_cache(new_v, v_ptr)
+        new_k, new_v = triton_ops.to_cache(new_k, k_ptr), triton_ops.to_cache(new_v, v_ptr)
         slot = tl.load(slots_ptr + seq).to(tl.int64)
         block_of_slot = slot // BLOCK_SIZE
         offset_of_slot = slot % BLOCK_SIZE
@@ -632,15 +632,5 @@ def _write_kv_kernel(
     dst = (slot // block_size) * stride_cb + head * stride_ch + (slot % block_size) * stride_ct
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dims, mask=mask)
-    tl.store(k_cache_ptr + dst + dims, _to_cache(k, k_cache_ptr), mask=mask)
-    tl.store(v_cache_ptr + dst + dims, _to_cache(v, v_cache_ptr), mask=mask)
-
-
-@triton.jit
-def _to_cache(x, cache_ptr):
-    """x in the cache's dtype: fp8 rounded to nearest and saturated at +-448 (e4m3's largest
-    finite value), as vLLM's CUDA cache write stores it."""
-    dtype = cache_ptr.dtype.element_ty
-    if dtype.is_fp8():
-        return tl.clamp(x.to(tl.float32), -448.0, 448.0).to(dtype)
-    return x.to(dtype)
+    tl.store(k_cache_ptr + dst + dims, triton_ops.to_cache(k, k_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + dst + dims, triton_ops.to_cache(v, v_cache_ptr), mask=mask)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from engine import triton_pdl
-from engine.triton_ops import _rotate
+from engine.triton_ops import _rotate, to_cache
 
 
 def store_latent(
@@ -30,7 +30,8 @@ def store_latent(
     * norm_weight | RoPE(k_pe)] from kv_a [T, kv_lora_rank + rope] (strided rows allowed) into
     the plane [num_blocks, 1, block_size, latent_dim] at slot_mapping [T] int64, and q_pe [T,
     heads, rope] (a strided view allowed) RoPE'd into a new contiguous tensor. Rounding as
-    engine.triton_ops' rms_norm and rope."""
+    engine.triton_ops' rms_norm and rope; an fp8 plane stores the rounded rows as
+    engine.triton_ops' `to_cache` does."""
     num_tokens, latent_dim = kv_a.shape
     _, num_heads, rope_dim = q_pe.shape
     rank = latent_dim - rope_dim
@@ -89,13 +90,14 @@ def _store_latent_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
     row = kv_a_ptr + token * stride_at
-    # kv_a_layernorm as triton_ops' rms_norm: normalized in fp32, rounded, scaled, rounded.
+    # kv_a_layernorm as triton_ops' rms_norm: normalized in fp32, rounded, scaled, rounded;
+    # then stored in the cache's dtype (an fp8 plane's: `to_cache`).
     x = tl.load(row + dims, mask=mask, other=0.0)
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / RANK + eps)
     normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + dims, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst + dims, (w * normed).to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + dims, to_cache((w * normed).to(x.dtype), cache_ptr), mask=mask)
     cos = tl.load(cos_ptr + token * HALF + half, mask=half < HALF, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + token * HALF + half, mask=half < HALF, other=0.0).to(tl.float32)
     _rotate(row + RANK, dst + RANK, 0, 0, cos, sin, 1, half, HALF, 1, INTERLEAVED)

@@ -41,6 +41,11 @@ each. On CUDA each kernel is launched with programmatic dependent launch (engine
 Compiled offline for sm_90 (ptxas, Triton 3.6), DeepSeek in bf16 (TILE 32, 3 stages, 4 warps):
 125 registers a thread, no spills, 91 KiB of shared memory (two tile buffers and q): two
 programs an SM.
+
+An fp8 plane (float8_e4m3fn, scale 1.0: EngineConfig.kv_cache_dtype, 576 bytes a DeepSeek row)
+is read as stored and each tile widened to q's dtype (exactly) before the dots, as
+engine.triton_attention reads an fp8 K/V cache; tiles keep the rows of a bf16 tile, so that the
+widened tile takes the registers the bf16 one does.
 """
 
 import torch
@@ -49,6 +54,7 @@ import triton.language as tl
 
 from engine import triton_mla_heads, triton_pdl
 from engine.attention import AttentionMetadata
+from engine.fp8 import FP8_DTYPE
 from engine.mla import absorbed_decode
 from engine.triton_attention import _sm_count, _split_tiles
 from engine.triton_latent_store import store_latent
@@ -98,7 +104,7 @@ def mla_decode(
     head_blocks = triton.cdiv(num_heads, _BLOCK_H)
     assert block_size >= _MIN_DOT and block_size & (block_size - 1) == 0, block_size
     assert block_tables.shape[1] >= 1, "block tables need a column"
-    row_bytes = cache_dim * cache.element_size()
+    row_bytes = cache_dim * q_c.element_size()  # an fp8 plane's rows, widened to q's dtype
     tile = min(block_size, _tile_tokens(row_bytes))  # a tile lies in one block
     if num_splits is None:
         # The longest context any replay of a captured graph may bring: the block table's width.
@@ -146,7 +152,11 @@ def _check_shapes(q_c, q_pe, cache, seq_lens, block_tables) -> None:
             f"kv_lora_rank + rope must split the latent ({cache.shape[3]}), got {rank} + {rope}"
         )
     assert seq_lens.shape[0] == q_c.shape[0] == block_tables.shape[0], "a query row a sequence"
-    assert q_c.dtype == q_pe.dtype == cache.dtype, (q_c.dtype, q_pe.dtype, cache.dtype)
+    assert q_c.dtype == q_pe.dtype and cache.dtype in (q_c.dtype, FP8_DTYPE), (
+        q_c.dtype,
+        q_pe.dtype,
+        cache.dtype,
+    )
     assert cache.stride(-1) == 1, "latent rows must be contiguous"
 
 
@@ -323,6 +333,7 @@ def _split_kernel(
         c_kv, k_pe, valid = _load_tile(
             block_ptr, t, seq_len, rank_dims, rope_dims, stride_ct, RANK, ROPE, BLOCK_SIZE, TILE
         )
+        c_kv, k_pe = c_kv.to(q_c.dtype), k_pe.to(q_pe.dtype)  # an fp8 plane's rows widened
         m, sum_exp, acc = _attend_tile(
             q_c, q_pe, c_kv, k_pe, valid, m, sum_exp, acc, scale_log2, PRECISION
         )

@@ -212,9 +212,23 @@ def _rotate(
         x1 = tl.load(row_ptrs + half[None, :], mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(row_ptrs + half[None, :] + HALF, mask=mask, other=0.0).to(tl.float32)
     dst = out_ptr + rows[:, None] * stride_out + half[None, :]
-    dtype = out_ptr.dtype.element_ty
-    tl.store(dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype), mask=mask)
-    tl.store(dst + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype), mask=mask)
+    # Rounded to x's dtype, as a separate rope returns it, then stored in out's (an fp8 KV
+    # cache's: `to_cache`).
+    src = x_ptr.dtype.element_ty
+    out1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(src)
+    out2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(src)
+    tl.store(dst, to_cache(out1, out_ptr), mask=mask)
+    tl.store(dst + HALF, to_cache(out2, out_ptr), mask=mask)
+
+
+@triton.jit
+def to_cache(x, cache_ptr):
+    """x in the cache's dtype: fp8 rounded to nearest and saturated at +-448 (e4m3's largest
+    finite value), as vLLM's CUDA cache write stores it."""
+    dtype = cache_ptr.dtype.element_ty
+    if dtype.is_fp8():
+        return tl.clamp(x.to(tl.float32), -448.0, 448.0).to(dtype)
+    return x.to(dtype)
 
 
 @triton.jit

@@ -114,7 +114,10 @@ class TandemConnector(KVConnectorBase_V1):
             kv_cache_dtype = attention.kv_cache_dtype
             if facts.sends:
                 _check_cpu_latent(attention, backend, layers[0][1], facts)
-            self._worker.register(layers, backend, kv_cache_dtype=kv_cache_dtype, proposer=proposer)
+            scales = (attention._k_scale_float, attention._k_scale_float)  # one latent plane
+            self._worker.register(
+                layers, backend, kv_cache_dtype=kv_cache_dtype, kv_scales=scales, proposer=proposer
+            )
             return
         dtype = self._vllm_config.model_config.dtype
         cpu_layout = _cpu_layout(attention, layers[0][1], facts.heads, facts.head_dim, dtype)

@@ -58,6 +58,9 @@ LATENT_BACKENDS = (
 CPU_LATENT_BACKENDS = ("CPU_MLA", "AMX_MLA")
 LATENT_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 """vLLM kv_cache_dtype values of a cache sent in its own dtype (auto: the model's)."""
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+"""vLLM kv_cache_dtype values of an e4m3 cache (one scale a layer), sent as its bytes to an
+fp8 decode cache: K and V, or MLA's latent rows (other than fp8_ds_mla's)."""
 FP8_DS_MLA = "fp8_ds_mla"
 FP8_DS_MLA_ROW_BYTES = 656
 _FP8_DS_NOPE, _FP8_DS_TILE, _FP8_DS_ROPE = 512, 128, 64  # c_kv values, values per scale, k_pe
@@ -208,7 +211,7 @@ def dense_kv_fields(
     """The layout descriptor's kv_dtype and kv_scale for a per-head K/V cache of vLLM's
     `kv_cache_dtype` (its cache tensor `cache`, scales k_scale and v_scale); ValueError naming
     what tandem's decode server cannot hold."""
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+    if kv_cache_dtype in FP8_CACHE_DTYPES:
         if cache.element_size() != 1:
             raise ValueError(f"vLLM {kv_cache_dtype} KV cache of {cache.dtype}: expected bytes")
         if k_scale != v_scale:
@@ -242,11 +245,12 @@ def latent_views(
             f"{', '.join(LATENT_BACKENDS)})"
         )
     fp8 = kv_cache_dtype == FP8_DS_MLA
-    if not fp8 and kv_cache_dtype not in LATENT_CACHE_DTYPES:
+    e4m3 = kv_cache_dtype in FP8_CACHE_DTYPES
+    if not (fp8 or e4m3) and kv_cache_dtype not in LATENT_CACHE_DTYPES:
         raise ValueError(
             f"vLLM {backend} KV cache dtype {kv_cache_dtype} ({cache.dtype}): tandem sends "
-            f"latent caches of {', '.join(LATENT_CACHE_DTYPES)} in their dtype, and "
-            f"{FP8_DS_MLA} dequantized to bfloat16"
+            f"latent caches of {', '.join(LATENT_CACHE_DTYPES + FP8_CACHE_DTYPES)} in their "
+            f"dtype, and {FP8_DS_MLA} dequantized to bfloat16"
         )
     latent_dim = kv_lora_rank + rope_dim
     rows = cache.unsqueeze(1) if cache.dim() == 3 else cache
@@ -258,17 +262,20 @@ def latent_views(
             f"row contiguous ({kv_cache_dtype} latent of {latent_dim})"
         )
     fp8_latent = (_FP8_DS_NOPE, _FP8_DS_ROPE)
-    if fp8 != (cache.element_size() == 1) or (fp8 and (kv_lora_rank, rope_dim) != fp8_latent):
+    one_byte = fp8 or e4m3
+    if one_byte != (cache.element_size() == 1) or (fp8 and (kv_lora_rank, rope_dim) != fp8_latent):
         raise ValueError(
             f"vLLM {backend} {kv_cache_dtype} cache of {cache.dtype} for a latent of "
             f"{kv_lora_rank} + {rope_dim}: {FP8_DS_MLA} holds the bytes of a {_FP8_DS_NOPE} + "
-            f"{_FP8_DS_ROPE} latent, the others its elements"
+            f"{_FP8_DS_ROPE} latent, fp8 its e4m3 elements, the others its elements"
         )
     if fp8:
         return CacheViews(
             "vllm-mla-fp8-ds", rows.view(torch.uint8), convert=_fp8_ds_mla_to_decode,
             sent_dtype=torch.bfloat16,
         )  # fmt: skip
+    if e4m3:  # vLLM stores them as uint8: the same bytes, as the e4m3 elements they are
+        rows = rows.view(torch.float8_e4m3fn)
     to_decode = partial(to_decode_rope_order, kv_lora_rank=kv_lora_rank)
     return CacheViews("vllm-mla", rows, convert=to_decode)
 
@@ -278,6 +285,8 @@ def to_decode_rope_order(rows: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
     does. NOTE: vLLM's MLA rotates k_pe's RoPE pairs (2i, 2i + 1) in place (GPT-J style);
     tandem's engine, as transformers with rope_interleave, stores each pair's first channel and
     then each pair's second (engine.model.rope, interleaved), and orders q_pe the same way."""
+    if rows.dtype == torch.float8_e4m3fn:  # moved as their bytes (one an element)
+        return to_decode_rope_order(rows.view(torch.uint8), kv_lora_rank).view(rows.dtype)
     rope = rows[..., kv_lora_rank:]
     return torch.cat((rows[..., :kv_lora_rank], rope[..., 0::2], rope[..., 1::2]), dim=-1)
 

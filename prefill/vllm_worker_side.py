@@ -42,6 +42,7 @@ from prefill.ticket import (
 )
 from prefill.vllm_config import TandemConnectorConfig
 from prefill.vllm_layouts import (
+    FP8_CACHE_DTYPES,
     LAYOUT_VERSION,
     CacheViews,
     cache_views,
@@ -186,8 +187,9 @@ class WorkerSide:
     ) -> None:
         """vLLM's per-layer cache tensors of the model, in layer order, its attention backend's
         name and, on CPU, which of its layouts the caches have (vllm_layouts.detect_cpu_layout);
-        its layers' KV cache dtype (vLLM's Attention.kv_cache_dtype) and, for an fp8 per-head
-        cache, their (k_scale, v_scale); the speculative proposer's layers, if sent."""
+        its layers' KV cache dtype (vLLM's Attention.kv_cache_dtype) and, for an fp8 cache,
+        their (k_scale, v_scale) (an MLA cache's: its k_scale twice); the speculative proposer's
+        layers, if sent."""
         if not self.facts.sends:
             return
         heads, head_dim = len(self.facts.heads), self.facts.head_dim
@@ -218,8 +220,8 @@ class WorkerSide:
             self.agent, int(self.config.staging_mb * (1 << 20)), self.config.staging_slots,
             k.device,
         )  # fmt: skip
-        if self.facts.latent:
-            kv_fields = kv_dtype_fields(dtype, 0.0)
+        if self.facts.latent and kv_cache_dtype not in FP8_CACHE_DTYPES:
+            kv_fields = kv_dtype_fields(dtype, 0.0)  # fp8_ds_mla's rows are sent dequantized
         else:
             kv_fields = dense_kv_fields(kv_cache_dtype, layers[0][1], *kv_scales)
         layout = layout_descriptor(

@@ -39,6 +39,7 @@ MODELS = {
     "fp8": dict(model="random:tiny-fp8"),  # fp8 weights
     "mla_fp8": dict(model="random:deepseek-tiny-fp8"),  # and the experts' too
     "fp8_kv": dict(model="random:tiny", kv_cache_dtype="fp8"),  # an e4m3 KV cache, both sides
+    "mla_fp8_kv": dict(model="random:deepseek-tiny", kv_cache_dtype="fp8"),  # e4m3 latents
 }
 LATENT = 32 + 8
 """deepseek-tiny's kv_lora_rank + qk_rope_head_dim."""
@@ -135,7 +136,7 @@ def test_disaggregated_greedy_equals_one_engine(engine_args, decode, prefill):
     token_bytes = model.kv_bytes_per_token(server.engine.kv_cache.dtype)
     mla = model.mla is not None
     itemsize = 1 if engine_args.get("kv_cache_dtype") == "fp8" else 4
-    assert token_bytes == (LAYERS * LATENT * 4 if mla else 2 * 2 * 2 * 16 * itemsize)
+    assert token_bytes == (LAYERS * LATENT * itemsize if mla else 2 * 2 * 2 * 16 * itemsize)
     forwards = _record_forwards(prefill)
     outs = _serve(decode, prefill, PROMPTS, "r")
     assert forwards[-2:] == [[CHUNK], [len(PROMPTS[2]) - CHUNK]]  # the last prompt, chunked

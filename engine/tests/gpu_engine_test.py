@@ -144,12 +144,14 @@ def test_logprobs_equal_cpu_path():
                 assert g.logprobs.top_logprobs == expected_top
 
 
-def test_fp8_kv_cache_in_cuda_graphs_equals_eager_steps():
-    """An e4m3 cache written and read by the split kernel inside captured graphs with async
-    scheduling gives the tokens eager steps give. (Not the CPU path's: that one rounds toward
-    zero as vLLM's CPU kernels do, CUDA to nearest as vLLM's CUDA kernels do.)"""
-    _, graphs = _engines(kv_cache_dtype="fp8")
-    _, eager = _engines(kv_cache_dtype="fp8", enforce_eager=True)
+@pytest.mark.parametrize("model", ["random:tiny", "random:deepseek-tiny"])
+def test_fp8_kv_cache_in_cuda_graphs_equals_eager_steps(model):
+    """An e4m3 cache (K and V, or MLA's latent rows) written and read by the decode kernels
+    inside captured graphs with async scheduling gives the tokens eager steps give. (Not the CPU
+    path's: that one rounds toward zero as vLLM's CPU kernels do, CUDA to nearest as vLLM's CUDA
+    kernels do.)"""
+    _, graphs = _engines(model, kv_cache_dtype="fp8")
+    _, eager = _engines(model, kv_cache_dtype="fp8", enforce_eager=True)
     assert graphs.runner.graphs is not None and eager.runner.graphs is None
     assert graphs.config.kv_dtype == torch.float8_e4m3fn
     stops = [StopConditions(max_tokens=24, ignore_eos=True)] * len(PROMPTS)

@@ -30,7 +30,7 @@ def test_absorbed_decode_equals_expanded_attention():
     q_nope = torch.randn(3, HEADS, NOPE, generator=gen)
     q_pe = torch.randn(3, HEADS, ROPE, generator=gen)
     cache[0, 0, 1:] = float("nan")  # past sequence 0's end: must not leak into its output
-    contexts = gather_latents(cache, tables)
+    contexts = gather_latents(cache, tables, cache.dtype)
     absorbed = attend_absorbed(q_nope, q_pe, contexts, torch.tensor(lens), kv_b, 0.2)
     for i, n in enumerate(lens):  # each row is the last token of its context
         expanded = attend_expanded(q_nope[i : i + 1], q_pe[i : i + 1], contexts[i, :n], kv_b, 0.2)

@@ -16,6 +16,7 @@ from engine.tests import triton_mode  # before triton: picks the interpreter on 
 
 from engine import mla, triton_mla, triton_mla_heads
 from engine.attention import AttentionMetadata
+from engine.fp8 import FP8_DTYPE
 
 KERNEL = triton_mla._split_kernel
 INTERPRETED = triton_mode.interpreted(KERNEL)
@@ -185,6 +186,36 @@ def test_zero_length_rows_give_zeros(num_splits):
     out = _decode(q, cache, meta, 0.2, 32, num_splits, seq_lens=seq_lens)
     assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu()))
     _assert_matches(out[1:], _reference(q[1:], latents[1:], 0.2, 32), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
+def test_decode_over_an_fp8_plane_attends_to_its_rows_widened(dtype):
+    """An fp8 plane (e4m3, scale 1.0) is read as stored and widened to q's dtype: the output is
+    the dense attention over the rows as the plane holds them; NaN past each end stays unread."""
+    seq_lens = [1, 3, 40, 77]
+    q, cache, meta, latents = _decode_case(seq_lens, 16, 64, 16, 16, dtype, seed=3)
+    plane = cache.to(FP8_DTYPE)
+    held = [rows.to(FP8_DTYPE).to(dtype) for rows in latents]
+    for num_splits in (1, 3):
+        out = _decode(q, plane, meta, 0.125, 64, num_splits)
+        _assert_matches(out, _reference(q, held, 0.125, 64), dtype)
+
+
+def test_store_latent_into_an_fp8_plane_rounds_to_nearest_and_saturates():
+    """The rows as a bf16 plane would hold them, then rounded to the nearest e4m3 (saturated at
+    +-448, as vLLM's CUDA cache write stores them): the bytes of the torch rounding."""
+    cache, args, slots = _store_case(torch.bfloat16)
+    kv_a, *rest = args
+    kv_a = kv_a * 300  # rope'd values beyond e4m3's 448 (the normalized ones stay inside)
+    wide = cache.clone()
+    plane = cache.to(FP8_DTYPE)
+    triton_mla.store_latent(wide, kv_a, *rest, False, slots)
+    triton_mla.store_latent(plane, kv_a, *rest, False, slots)
+    slots = slots.cpu()
+    expected = wide.cpu()[slots // 4, 0, slots % 4].float().clamp(-448, 448)
+    assert expected.abs().max() == 448
+    stored = plane.cpu()[slots // 4, 0, slots % 4]
+    assert torch.equal(stored.view(torch.uint8), expected.to(FP8_DTYPE).view(torch.uint8))
 
 
 def _store_case(dtype, heads=3, rank=40, rope=16, tokens=7, seed=5):
@@ -360,7 +391,7 @@ def _absorbed_reference(q, cache, seq_lens, tables, rows_a_call=8):
     kv_b_weight = torch.cat([eye, eye]).repeat(heads, 1)  # [heads * (nope + v), rank]
     out = []
     for rows in torch.arange(q.shape[0], device=q.device).split(rows_a_call):
-        contexts = mla.gather_latents(cache, tables[rows]).float()
+        contexts = mla.gather_latents(cache, tables[rows], torch.float32)
         q_nope, q_pe = q[rows].float().split([rank, q.shape[2] - rank], dim=-1)
         lens = seq_lens[rows]
         scale = V2_LITE["scale"]

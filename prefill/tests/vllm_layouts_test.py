@@ -237,13 +237,31 @@ def test_gpu_latent_caches_are_read_through_their_strides():
         assert torch.equal(got, torch.stack([padded[4, 63], padded[0, 1]]))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3"])
+def test_an_e4m3_latent_cache_is_sent_as_its_bytes(kv_cache_dtype):
+    """vLLM's fp8 MLA caches but fp8_ds_mla: [blocks, block_size, 576] e4m3 bytes (stored as
+    uint8), one scale a layer. Sent to an fp8 decode plane as they are, k_pe's channels in
+    tandem's order; the descriptor names fp8_e4m3 and the layer's scale."""
+    values = torch.randn(3, 16, LATENT).to(torch.float8_e4m3fn)
+    views = latent_views("TRITON_MLA", values.view(torch.uint8), KV_LORA, ROPE, kv_cache_dtype)
+    assert (views.layout, views.dtype, views.block_size) == ("vllm-mla", torch.float8_e4m3fn, 16)
+    read = token_rows(views.k, torch.tensor([2, 0]), torch.tensor([15, 3]))
+    sent = views.convert(read)[:, 0]
+    expected = to_decode_rope_order(torch.stack([values[2, 15], values[0, 3]]).float(), KV_LORA)
+    assert sent.dtype == torch.float8_e4m3fn and torch.equal(sent.float(), expected)
+    fields = dense_kv_fields(kv_cache_dtype, values.view(torch.uint8), 0.5, 0.5)
+    assert fields == {"kv_dtype": "fp8_e4m3", "kv_scale": 0.5}
+
+
 @pytest.mark.parametrize(
     ("backend", "cache", "kv_cache_dtype", "named"),
     [
         ("FLASHMLA_SPARSE", torch.empty(2, 16, 656, dtype=torch.uint8), "nvfp4_ds_mla",
          "KV cache dtype nvfp4_ds_mla"),
-        ("FLASHMLA", torch.empty(2, 16, 576, dtype=torch.uint8), "fp8",
-         "KV cache dtype fp8 (torch.uint8)"),
+        ("FLASHMLA", torch.empty(2, 16, 576, dtype=torch.bfloat16), "fp8",
+         "fp8 cache of torch.bfloat16 for a latent of 512 + 64"),
+        ("FLASHMLA", torch.empty(2, 16, 576, dtype=torch.uint8), "fp8_e5m2",
+         "KV cache dtype fp8_e5m2 (torch.uint8)"),
         ("FLASHMLA", torch.empty(2, 16, 512, dtype=torch.bfloat16), "auto",
          "expected [blocks, (1,) block_size, 576]"),
         ("FLASHMLA_SPARSE", torch.empty(2, 16, 576, dtype=torch.uint8), "fp8_ds_mla",
@@ -251,7 +269,7 @@ def test_gpu_latent_caches_are_read_through_their_strides():
         ("FLASHMLA_SPARSE", torch.empty(2, 16, 656, dtype=torch.bfloat16), "fp8_ds_mla",
          "fp8_ds_mla holds the bytes of a 512 + 64 latent"),
         ("FLASHMLA", torch.empty(2, 16, 576, dtype=torch.float8_e4m3fn), "auto",
-         "fp8_ds_mla holds the bytes of a 512 + 64 latent, the others its elements"),
+         "fp8 its e4m3 elements, the others its elements"),
         ("DEEPSEEK_V32_INDEXER", torch.empty(2, 16, 576), "auto",
          "backend DEEPSEEK_V32_INDEXER: not one tandem reads"),
     ],
