@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import grpc
 import httpx
 
 from proto.tandem.v1 import decode_pb2
 from router.openai_api import ClientGone, _unless_client_leaves
-from router.tests.fakes import D0, MODEL, P0, Router, answer, ids, rpc_error
+from router.tests.fakes import D0, MODEL, P0, CharTokenizer, Router, answer, ids, rpc_error
 
 COMPLETION = {"model": MODEL, "prompt": "Capital?", "max_tokens": 8}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Capital?"}], "max_tokens": 8}
@@ -41,6 +42,31 @@ def test_a_completion_with_the_request_id_echoed():
         assert body["id"] == "cmpl-t-1" and body["object"] == "text_completion"
         assert body["choices"][0]["text"] == "Paris"
         assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 5, "total_tokens": 13}
+
+    _run(test)
+
+
+def test_prompts_are_tokenized_off_the_event_loop():
+    """Tokenizing a long prompt (a 300k-token context: about half a second) must not stall the
+    streams the router is sending: completions and chat prompts are tokenized, and chat
+    templates rendered, on another thread than the event loop's."""
+    callers = []
+
+    class Recording(CharTokenizer):
+        def __call__(self, text, add_special_tokens=True):
+            callers.append(threading.get_ident())
+            return super().__call__(text, add_special_tokens)
+
+        def apply_chat_template(self, messages, **kwargs):
+            callers.append(threading.get_ident())
+            return super().apply_chat_template(messages, **kwargs)
+
+    async def test(router: Router):
+        router.prompts.local.tokenizer = Recording()
+        for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+            reply = await router.post(path, body)
+            assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] > 0
+        assert len(callers) >= 3 and threading.get_ident() not in callers
 
     _run(test)
 
