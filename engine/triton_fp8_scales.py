@@ -8,6 +8,7 @@ spans K) is applied once, to the row's dot product. Activations stay in the comp
 product is that of the dequantized matrix.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -27,6 +28,22 @@ def scaling(weight: Matrix, step: int) -> int | None:
         return ROW_SCALED
     power_of_two = weight.block_k & (weight.block_k - 1) == 0
     return BLOCK_SCALED if power_of_two and step % weight.block_k == 0 else None
+
+
+def operands(weight: Matrix) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) as the kernels take a matrix: an fp8 one's e4m3 values [..., N, K] and
+    row-wise scales [..., N, KB] (each row's contiguous); a weight tensor twice (its "scales"
+    are never read)."""
+    if isinstance(weight, Fp8Weight):
+        assert weight.scale.stride(-1) == 1, "each row's scales contiguous"
+        return weight.weight, weight.scale
+    return weight, weight
+
+
+def constexprs(weight: Matrix, step: int) -> dict:
+    """The SCALES and SCALE_K constexprs of a matrix streamed in K steps of `step` columns."""
+    mode = scaling(weight, step)
+    return dict(SCALES=mode, SCALE_K=weight.block_k if mode == BLOCK_SCALED else 1)
 
 
 @triton.jit

@@ -186,12 +186,10 @@ def _gemv(x, weight, bias, epilogue, outputs, rope=None, norm=None, residual=Non
     """The kernel's launch. rope: (cos, sin, half head_dim, rotated rows) for _ROPE; norm: a
     Prenorm; residual: (residual, norm weight, scaled output) to add to a _STORE's output."""
     assert gemv_applies(x, weight)
-    scaling, block_k = _scaling(weight), _block_k(weight)
+    block_k = _block_k(weight)
     block_n, _, num_warps = _config(weight)
-    if isinstance(weight, Fp8Weight):
-        weight, scale, scale_k = weight.weight, weight.scale, weight.block_k
-    else:
-        scale, scale_k = weight, 1  # unread
+    scales = triton_fp8_scales.constexprs(weight, block_k)
+    weight, scale = triton_fp8_scales.operands(weight)
     rows, columns = weight.shape
     y = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
     cos, sin, half, rotated = rope if rope is not None else (y, y, 1, 0)  # read by _ROPE only
@@ -223,8 +221,7 @@ def _gemv(x, weight, bias, epilogue, outputs, rope=None, norm=None, residual=Non
         EVEN_K=columns % block_k == 0,
         HAS_BIAS=bias is not None,
         EPILOGUE=epilogue,
-        SCALES=scaling,
-        SCALE_K=scale_k if scaling == triton_fp8_scales.BLOCK_SCALED else 1,
+        **scales,
         HALF=half,
         NORM=norm is not None,
         # Only NORM reads it: a constant otherwise, so shapes of one kind share a compile.

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import triton_moe_gemv, triton_pdl
+from engine import triton_fp8_scales, triton_moe_gemv, triton_pdl
 from engine.fp8 import Fp8Weight, Matrix
 from engine.moe import MoeKernels, Routing
 from engine.triton_route import route_tokens
@@ -121,35 +121,31 @@ def fused_experts(
 
     activated = torch.empty(pairs, inter, dtype=h.dtype, device=h.device)
     block_k = _block_k(hidden, max_block_k, gate_up)
-    w, scale, scale_k = _stack(gate_up)
+    w, scale = triton_fp8_scales.operands(gate_up)
     _gate_up_kernel[(active, triton.cdiv(inter, block_n))](
         h, w, scale, order, bounds, activated,
         hidden, inter, top_k,
         h.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
         activated.stride(0),
-        BLOCK_K=block_k, EVEN_K=hidden % block_k == 0, SCALE_K=scale_k, **common,
+        BLOCK_K=block_k, EVEN_K=hidden % block_k == 0, SCALE_K=_scale_k(gate_up), **common,
     )  # fmt: skip
 
     per_pair = torch.empty(pairs, hidden, dtype=h.dtype, device=h.device)
     block_k = _block_k(inter, max_block_k, down)
-    w, scale, scale_k = _stack(down)
+    w, scale = triton_fp8_scales.operands(down)
     _down_kernel[(active, triton.cdiv(hidden, block_n))](
         activated, w, scale, order, bounds, weights.reshape(pairs), per_pair,
         inter, hidden,
         activated.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
         per_pair.stride(0),
-        BLOCK_K=block_k, EVEN_K=inter % block_k == 0, SCALE_K=scale_k, **common,
+        BLOCK_K=block_k, EVEN_K=inter % block_k == 0, SCALE_K=_scale_k(down), **common,
     )  # fmt: skip
     return _sum_pairs(per_pair.view(num_tokens, top_k, hidden), residual)
 
 
-def _stack(weight: Matrix) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(the values, the scales [E, N, KB] or the values again (unread), SCALE_K: columns a
-    scale covers, 0 for a weight tensor)."""
-    if isinstance(weight, Fp8Weight):
-        assert weight.scale.stride(-1) == 1, "each row's scales contiguous"
-        return weight.weight, weight.scale, weight.block_k
-    return weight, weight, 0
+def _scale_k(weight: Matrix) -> int:
+    """The SCALE_K constexpr: columns a scale covers, 0 for a weight tensor (no scales)."""
+    return weight.block_k if isinstance(weight, Fp8Weight) else 0
 
 
 def _sum_pairs(per_pair: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from engine import triton_fp8_scales, triton_pdl
-from engine.fp8 import Fp8Weight, Matrix
+from engine.fp8 import Matrix
 
 __all__ = ["applies", "one_token_experts"]
 
@@ -67,7 +67,8 @@ def one_token_experts(
     activated = torch.empty(top_k, inter, dtype=h.dtype, device=h.device)
     rows, _, warps = _GATE_UP
     block_k = _step(_GATE_UP, gate_up)
-    w, scale, scales = _stack(gate_up, block_k)
+    w, scale = triton_fp8_scales.operands(gate_up)
+    scales = triton_fp8_scales.constexprs(gate_up, block_k)
     _gate_up_kernel[(top_k, triton.cdiv(inter, rows // 2))](
         h, w, scale, ids, activated, hidden, inter, w.stride(0), w.stride(1),
         scale.stride(0), scale.stride(1), scale.shape[-1],
@@ -81,7 +82,8 @@ def one_token_experts(
         residual = residual if residual.is_contiguous() else residual.contiguous()
     rows, _, warps = _DOWN
     block_k = _step(_DOWN, down)
-    w, scale, scales = _stack(down, block_k)
+    w, scale = triton_fp8_scales.operands(down)
+    scales = triton_fp8_scales.constexprs(down, block_k)
     _down_kernel[(triton.cdiv(hidden, rows),)](
         activated, w, scale, ids, weights, out if residual is None else residual, out,
         hidden, inter, w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
@@ -95,18 +97,6 @@ def one_token_experts(
 def _step(config: tuple[int, int, int], weight: Matrix) -> int:
     """The K step of a stack [E, N, K]: the config's, or all of K if shorter (a power of two)."""
     return min(config[1], triton.next_power_of_2(weight.shape[-1]))
-
-
-def _stack(weight: Matrix, block_k: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(the values, the scales [E, N, KB] or the values again (unread), the SCALES and SCALE_K
-    constexprs) of a stack streamed in K steps of block_k."""
-    scaling = triton_fp8_scales.scaling(weight, block_k)
-    scale_k = weight.block_k if scaling == triton_fp8_scales.BLOCK_SCALED else 1
-    constexprs = dict(SCALES=scaling, SCALE_K=scale_k)
-    if isinstance(weight, Fp8Weight):
-        assert weight.scale.stride(-1) == 1, "each row's scales contiguous"
-        return weight.weight, weight.scale, constexprs
-    return weight, weight, constexprs
 
 
 @triton.jit
