@@ -155,7 +155,15 @@ class MlaAttention(nn.Module):
             return matrix
         key = (matrix.weight.data_ptr(), matrix.weight._version, matrix.scale._version, dtype)
         if self._kv_b_key != key:
-            self._kv_b_dense, self._kv_b_key = dense(matrix, dtype), key
+            fresh = dense(matrix, dtype)
+            kept = self._kv_b_dense
+            if kept is not None and kept.shape == fresh.shape and kept.dtype == fresh.dtype:
+                # In place: captured CUDA graphs read this buffer, and would keep reading the
+                # old weights from a replaced one (weights changed after capture).
+                kept.copy_(fresh)
+            else:
+                self._kv_b_dense = fresh
+            self._kv_b_key = key
         return self._kv_b_dense
 
 

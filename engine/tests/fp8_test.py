@@ -249,15 +249,18 @@ def _load_tiny() -> CausalLM:
 
 def test_the_dequantized_kv_b_follows_its_weights():
     """MLA keeps kv_b_proj's fp8 matrix dequantized (the absorbed attention reads its slices
-    every step) and dequantizes it again when weights are copied in."""
+    every step) and dequantizes it again when weights are copied in: into the same buffer,
+    which CUDA graphs captured before the copy keep reading."""
     _, model = load_model(EngineConfig(model="random:deepseek-tiny-fp8"))
     attention = model.model.layers[0].self_attn
     first = attention._kv_b(torch.float32)
     assert attention._kv_b(torch.float32) is first
+    before = first.clone()
     torch.testing.assert_close(first, attention.kv_b_proj.matrix.dense(torch.float32))
     with torch.no_grad():
         attention.kv_b_proj.weight_scale.mul_(2)
-    torch.testing.assert_close(attention._kv_b(torch.float32), 2 * first)
+    assert attention._kv_b(torch.float32) is first
+    torch.testing.assert_close(first, 2 * before)
 
 
 def test_fp8_experts_in_blocks_the_cuda_kernels_cannot_step_by_are_refused(tmp_path):
