@@ -34,6 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
+import torch
 
 from prefill.kv_writes import BlockLayout, valid_bytes
 from prefill.send_session import (
@@ -55,6 +56,17 @@ from transport.base import Peer, Transport, TransportError
 HELLO_TIMEOUT_S = 5.0
 COMMIT_TIMEOUT_S = 10.0
 DEADLINE_PASSED = "the ticket's deadline passed before its KV was written"
+
+
+def kv_written() -> torch.cuda.Event:
+    """For post(ready=...) on CUDA: an event after the kernels queued so far on the current
+    stream. A blocking one: the poster sleeps until the device gets there instead of spinning
+    in the CUDA driver beside the engine thread's launches (measured on one H100, a 1k-token
+    prompt of the Llama-3-8B shape, each of 32 layers posted as it is written: the forward
+    took 77 ms beside a spinning poster, 49 ms beside a sleeping one, 32 ms alone)."""
+    event = torch.cuda.Event(blocking=True)
+    event.record()
+    return event
 
 
 class _Decode:

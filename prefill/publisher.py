@@ -25,7 +25,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.mla import LatentBackend
-from prefill.kv_sender import KvSender
+from prefill.kv_sender import KvSender, kv_written
 from prefill.kv_writes import BlockLayout, LayerKV, layer_ops
 from prefill.send_session import SendSession, Target
 from transport.base import WriteOp
@@ -63,6 +63,9 @@ class LayerwiseSend:
         self.held: list[int] = []
         """The engine's blocks it holds for the writes (the adapter's to take and release)."""
         self._piece: tuple[int, int, list[int]] = (0, 0, [])
+        self._first_layer_ops: dict[tuple[int, int, int], tuple[int, list[WriteOp]]] = {}
+        """(piece start, end, target) -> the first layer posted and its writes: the poster's
+        own, so that the other layers' writes are that layer's, moved (see _ops)."""
 
     def arm(self, blocks: list[int], end: int, final: bool) -> bool:
         """Before a forward after which tokens [0, end) of the prompt are computed, in `blocks`
@@ -99,20 +102,29 @@ class LayerwiseSend:
 
     def _written(self) -> torch.cuda.Event | None:
         """CUDA: an event after the kernels queued so far, which the poster waits for."""
-        if not self.kv_cache.storage.is_cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+        return kv_written() if self.kv_cache.storage.is_cuda else None
 
     def _ops(
         self, layer: int, start: int, end: int, blocks: list[int], target: Target
     ) -> list[WriteOp]:
-        dst = target.shard.layers[layer]
-        return self._layer_ops(
-            self.kv_cache.kv_caches[layer], dst, self.src_layout, self.session.dst_layout,
-            target.heads, target.dst_head_offset, blocks, start, end,
+        """Layer `layer`'s writes of tokens [start, end). Every layer's planes sit at the same
+        offsets from each other on both sides (one cache tensor each), so a piece's writes are
+        built once, for the first layer posted, and moved by the layers' distance after: the
+        poster's Python per layer is what sending costs the forward it runs beside."""
+        key = (start, end, id(target))
+        first = self._first_layer_ops.get(key)
+        if first is not None:
+            base, ops = first
+            src = _layer_distance(self.kv_cache.kv_caches, base, layer)
+            dst = _layer_distance(target.shard.layers, base, layer)
+            if src is not None and dst is not None:
+                return [WriteOp(op.src + src, op.dst + dst, op.nbytes) for op in ops]
+        ops = self._layer_ops(
+            self.kv_cache.kv_caches[layer], target.shard.layers[layer], self.src_layout,
+            self.session.dst_layout, target.heads, target.dst_head_offset, blocks, start, end,
         )  # fmt: skip
+        self._first_layer_ops.setdefault(key, (layer, ops))
+        return ops
 
     def _proposer_ops(self, layer: int, target: Target) -> list[WriteOp]:
         regions = target.proposer_layer(layer)
@@ -133,6 +145,20 @@ class LayerwiseSend:
             src_layout, dst_layout, blocks, list(self.session.ticket.block_ids), end, heads,
             dst_head_offset, start=start,
         )  # fmt: skip
+
+
+def _layer_distance(layers, base: int, layer: int) -> int | None:
+    """Bytes from layer `base`'s planes to layer `layer`'s, in a local cache's layers (tensors)
+    or a ticket shard's (regions); None if the planes are not the same distance apart."""
+    a, b = _plane_addresses(layers[base]), _plane_addresses(layers[layer])
+    distance = b[0] - a[0]
+    return distance if all(y - x == distance for x, y in zip(a, b, strict=True)) else None
+
+
+def _plane_addresses(planes) -> list[int]:
+    if isinstance(planes, tuple | list):
+        return [plane.data_ptr() for plane in planes]
+    return [planes.k.addr, planes.v.addr] if planes.HasField("v") else [planes.k.addr]
 
 
 def _block_layout(cache: KVCache) -> BlockLayout:

@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from prefill.kv_sender import KvSender
+from prefill.kv_sender import KvSender, kv_written
 from prefill.kv_writes import BlockLayout, LayerKV, gather_blocks, layer_ops
 from prefill.send_session import SendSession, SessionState, Target
 from prefill.ticket import (
@@ -336,10 +336,7 @@ class WorkerSide:
             stage = stage.view(planes, count, heads, block_size, head_dim)
             for plane, out in zip(views.planes, stage, strict=True):
                 gather_blocks(plane, session.src_blocks, first, last, out, views.convert)
-            ready = None
-            if stage.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record()
+            ready = kv_written() if stage.is_cuda else None
             run = _StagedRun(
                 LayerKV(*(out.data_ptr() for out in stage)), staging, dst,
                 layer - self._num_model_layers if proposer else layer,

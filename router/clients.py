@@ -12,12 +12,13 @@ of each, for tests, is in router/tests/fakes.py.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
 import httpx
 
+from prefill import server_timing
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from router.structured import prefill_fields
 from rpc import keepalive
@@ -38,6 +39,8 @@ class PrefillReply:
     json: dict | None
     """The body, if it is a JSON object."""
     text: str
+    timing: dict[str, float] = field(default_factory=dict)
+    """The reply's Server-Timing phases in ms (tandem's prefill: queue, forward, send), if any."""
 
 
 class PrefillCallError(Exception):
@@ -146,8 +149,12 @@ class HttpPrefillClient:
             parsed = reply.json()
         except ValueError:
             parsed = None
+        try:
+            timing = server_timing.parse(reply.headers.get("server-timing", ""))
+        except ValueError:  # not tandem's prefill, or not its header: no phases then
+            timing = {}
         return PrefillReply(reply.status_code, parsed if isinstance(parsed, dict) else None,
-                            reply.text)  # fmt: skip
+                            reply.text, timing)  # fmt: skip
 
     def _client(self, url: str) -> httpx.AsyncClient:
         if url not in self._clients:

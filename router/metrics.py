@@ -44,7 +44,9 @@ class RouterMetrics:
         self.phases = Histogram(
             "tandem_router_phase_seconds", "a disaggregated request's steps as the router waits "
             "on them: reserve (the decode server's Reserve), prefill (the prefill's reply: its "
-            "forward, KV send and commit), first_message (Generate to its first message), "
+            "forward, KV send and commit; where the prefill times them in Server-Timing, also "
+            "prefill_queue, prefill_forward and prefill_send as it counts them), first_message "
+            "(Generate to its first message), "
             "local_prefill (the same where the decode server prefills: aggregated)",
             ["phase"], buckets=_LATENCY, registry=r,
         )  # fmt: skip

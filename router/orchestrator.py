@@ -237,6 +237,8 @@ class Orchestrator(Membership):
                     params, request.sampling, request.structured, request.n)  # fmt: skip
                 delivered = True
                 if reply.status == 200:
+                    for name, ms in reply.timing.items():  # the prefill's own account of it
+                        self.on_phase(f"prefill_{name}", ms / 1000)
                     try:
                         return _first_tokens(reply.json or {}, request.sampling, request.n)
                     except LogprobsError as e:

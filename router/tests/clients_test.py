@@ -51,6 +51,17 @@ def test_complete_posts_the_prompt_the_ticket_and_the_sampling_fields_set():
                         "n": 1, "return_token_ids": True, **expected}  # fmt: skip
 
 
+def test_the_prefills_server_timing_is_read_and_a_malformed_one_ignored():
+    timed = {"server-timing": "queue;dur=0.250, forward;dur=31.500, send;dur=2.000"}
+    reply = _call(lambda r: httpx.Response(200, json={}, headers=timed), "complete", [1], {},
+                  decode_pb2.SamplingParams())  # fmt: skip
+    assert reply.timing == {"queue": 0.25, "forward": 31.5, "send": 2.0}
+    garbled = {"server-timing": "forward;dur=fast"}
+    reply = _call(lambda r: httpx.Response(200, json={}, headers=garbled), "complete", [1], {},
+                  decode_pb2.SamplingParams())  # fmt: skip
+    assert reply.status == 200 and reply.timing == {}
+
+
 def test_any_status_is_an_answer_and_a_body_that_is_no_json_object_has_no_json():
     reply = _call(lambda r: httpx.Response(503, text="engine failed"), "tokenize", {"prompt": "x"})
     assert reply == PrefillReply(503, None, "engine failed")

@@ -118,7 +118,8 @@ class FakePrefill:
                 choice["logprobs"] = vllm_logprobs(token, sampling.logprobs)
             choices.append(choice)
         reply = {"choices": choices, "kv_transfer_params": {"first_token_id": self.first_token}}
-        return self._next(url) or answer(200, reply)
+        timed = PrefillReply(200, reply, str(reply), {"queue": 0.2, "forward": 3.0, "send": 1.0})
+        return self._next(url) or timed
 
     async def tokenize(self, url: str, body: dict) -> PrefillReply:
         self.calls.append(("tokenize", url))

@@ -230,6 +230,8 @@ def test_models_health_and_metrics():
             'tandem_router_phase_seconds_count{phase="reserve"} 1.0',
             'tandem_router_phase_seconds_count{phase="prefill"} 1.0',
             'tandem_router_phase_seconds_count{phase="first_message"} 1.0',
+            # The prefill's own Server-Timing phases (queue, forward, send), as it timed them.
+            'tandem_router_phase_seconds_sum{phase="prefill_forward"} 0.003',
             f'tandem_router_decode_outstanding_tokens{{instance="{D0}"}} 0.0',
             f'tandem_router_prefill_in_flight{{instance="{P0}"}} 0.0',
             "tandem_router_in_flight 0.0",
