@@ -343,6 +343,7 @@ class KvSender:
                     session._prepare += posting - preparing
                     session._post += time.monotonic() - posting
                     session._ops += len(ops)
+                    session._posts += 1
             except TransportError as e:
                 self.fail(session, f"KV transport: {e}")
             if session.state is SessionState.SENDING:
@@ -404,6 +405,7 @@ class KvSender:
                 prepare_seconds=session._prepare,
                 post_seconds=session._post,
                 write_ops=session._ops,
+                posts=session._posts,
                 wait_seconds=written - (session._finish_called or written),
                 commit_seconds=self.clock() - written,
             )

@@ -58,6 +58,8 @@ class SendStats:
     """Handing them to the transport."""
     write_ops: int = 0
     """Descriptors posted, after coalescing."""
+    posts: int = 0
+    """Transport writes they went in (one per target each time the poster posts)."""
     wait_seconds: float = 0.0
     """From finish() to the last write's completion."""
     commit_seconds: float = 0.0
@@ -90,6 +92,7 @@ class SendSession:
     _prepare: float = 0.0
     _post: float = 0.0
     _ops: int = 0
+    _posts: int = 0
     _unreachable: bool = False
 
     @property

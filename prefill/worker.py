@@ -305,5 +305,6 @@ class PrefillWorker(EngineThread):
             "prepare_ms": round(stats.prepare_seconds * 1000, 3),
             "post_ms": round(stats.post_seconds * 1000, 3),
             "write_ops": stats.write_ops,
+            "posts": stats.posts,
         }
         job.resolve(finish_reason, kv_params)

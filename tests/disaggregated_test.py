@@ -75,6 +75,8 @@ def _request(stub, http, decode_address: str, request_id: str, prompt: list[int]
     kv = reply.json()["kv_transfer_params"]
     assert kv["layers"] == 30
     assert kv["bytes_written"] == len(prompt) * 30 * 2 * 3 * 64 * 4  # fp32, 3 KV heads
+    # A short prompt's 30 layers hold far less than publisher.GROUP_BYTES: one post, one write.
+    assert kv["posts"] == 1
     stream = stub.Generate(
         decode_pb2.GenerateRequest(
             request_id=request_id, generation=ticket.generation,

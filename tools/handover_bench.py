@@ -11,8 +11,9 @@ transport) and, for each prompt length, times:
   transfer_tail_ms  the prefill's own report: first layer's writes to last completion
   send_wait_ms      the prefill's own report: after its forward, waiting for the last writes
   commit_ms         the prefill's own report: the Commit RPC
-  prepare_ms, post_ms, write_ops   the prefill's sender thread: building the write descriptors,
-                    handing them to the transport, and how many (all layers)
+  prepare_ms, post_ms, write_ops, posts   the prefill's sender thread: building the write
+                    descriptors, handing them to the transport, how many (all layers) and in how
+                    many transport writes
   first_token_ms    prefill reply -> Generate's first message (the prefill's token, streamed by the
                     decode server once it admitted the request): what a client waits on top of
                     disagg_ttft_ms for its first token
@@ -97,6 +98,7 @@ def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
         "prepare_ms": kv["prepare_ms"],
         "post_ms": kv["post_ms"],
         "write_ops": kv["write_ops"],
+        "posts": kv["posts"],
         "first_token_ms": first_token * 1e3,
         "handover_ms": handover * 1e3,
         "kv_bytes": kv["bytes_written"],
@@ -173,8 +175,8 @@ def bench_point(stub, http, address: str, prompt: list[int], mode: str, args) ->
         f"reserve {row['reserve_ms']:5.1f} ms (rpc {row['rpc_ms']:4.1f})  "
         f"transfer {row['transfer_tail_ms']:6.1f} ms  "
         f"send wait {row['send_wait_ms']:5.1f} ms  commit {row['commit_ms']:5.1f} ms  "
-        f"(descriptors: {row['write_ops']:.0f}, built in {row['prepare_ms']:.1f} ms, posted in "
-        f"{row['post_ms']:.1f} ms)  "
+        f"(descriptors: {row['write_ops']:.0f} in {row['posts']:.0f} posts, built in "
+        f"{row['prepare_ms']:.1f} ms, posted in {row['post_ms']:.1f} ms)  "
         f"first token +{row['first_token_ms']:4.1f} ms  handover {row['handover_ms']:6.1f} ms  "
         f"KV {row['kv_bytes'] / 2**20:.0f} MiB",
         flush=True,

@@ -371,14 +371,18 @@ class _RegionTable:
         self.regions = sorted(regions, key=lambda r: r.addr)
         self._starts = np.array([r.addr for r in self.regions], dtype=np.int64)
         self._ends = np.array([r.end for r in self.regions], dtype=np.int64)
-        self.device_ids = np.array([_memory(r.device)[1] for r in self.regions], dtype=np.int64)
+        memories = [_memory(r.device) for r in self.regions]
+        self.device_ids = np.array([device_id for _, device_id in memories], dtype=np.int64)
+        self.memories = [memory for memory, _ in memories]
+        self.host = np.array([memory == nixl.DRAM_SEG for memory in self.memories])
+        """Per region: host memory (else GPU), to refuse a list that mixes the two."""
 
     def locate(self, addr: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """The index of the region holding each run [addr, addr + nbytes), or -1."""
         if not self.regions:
             return np.full(len(addr), -1)
         index = np.searchsorted(self._starts, addr, side="right") - 1
-        index[(index < 0) | (addr + nbytes > self._ends[index.clip(0)])] = -1
+        index[(index < 0) | (addr + nbytes > self._ends[np.maximum(index, 0)])] = -1
         for k in np.flatnonzero(index < 0):  # where regions overlap, an earlier one may hold it
             run = int(addr[k]), int(nbytes[k])
             index[k] = next((i for i, r in enumerate(self.regions) if r.contains(*run)), -1)
@@ -427,14 +431,15 @@ def _source_regions(
 def _dlist(
     table: _RegionTable, region: np.ndarray, addr: np.ndarray, nbytes: np.ndarray
 ) -> nixl.nixlXferDList:
-    memories = {_memory(table.regions[i].device)[0] for i in np.unique(region)}
-    if len(memories) > 1:
+    host = table.host[region]
+    if host.any() != host.all():
         raise TransferError(
             "nixl: one write cannot mix host and GPU memory on one side (a NIXL descriptor list "
             "has a single memory type): split it"
         )
-    rows = np.stack([addr, nbytes, table.device_ids[region]], axis=1).astype(np.uint64)
-    return nixl.nixlXferDList(memories.pop(), rows)
+    rows = np.empty((len(addr), 3), dtype=np.uint64)
+    rows[:, 0], rows[:, 1], rows[:, 2] = addr, nbytes, table.device_ids[region]
+    return nixl.nixlXferDList(table.memories[region[0]], rows)
 
 
 @functools.cache
