@@ -166,13 +166,17 @@ class Orchestrator(Membership):
         has taken the request (its Reserve answered)."""
         if self.decode_only.skip_prefill(self._any_prefill_healthy()):
             placed.placement = (decode, rid)
-            return _generate_request(request, rid)
+            return await asyncio.to_thread(_generate_request, request, rid)
         started = time.monotonic()
         try:
-            reserved = await self.decode_client.reserve(decode.address, decode_pb2.ReserveRequest(
+            # NOTE: messages that carry the prompt's ids are built on a thread: a 300k-token
+            # context costs ~20 ms of list-to-protobuf copying, which would stall every stream.
+            reserve = await asyncio.to_thread(
                 # num_senders 0: as many as the prefill has (each sender's commit names them).
-                request_id=rid, prompt_token_ids=request.prompt_ids, num_senders=0,
-                max_tokens=request.max_tokens))  # fmt: skip
+                decode_pb2.ReserveRequest, request_id=rid, prompt_token_ids=request.prompt_ids,
+                num_senders=0, max_tokens=request.max_tokens,
+            )  # fmt: skip
+            reserved = await self.decode_client.reserve(decode.address, reserve)
         finally:
             arrival.end()
         placed.placement = (decode, rid)
@@ -186,7 +190,7 @@ class Orchestrator(Membership):
             await asyncio.shield(self._abort(decode, rid, "prefill failed", undelivered))
             # The last healthy prefill just went down: this request is the fallback's first.
             if e.status == 503 and self.decode_only.skip_prefill(self._any_prefill_healthy()):
-                return _generate_request(request, rid)
+                return await asyncio.to_thread(_generate_request, request, rid)
             raise
         return _generate_request(request, rid, reserved.ticket, firsts)
 

@@ -1,17 +1,22 @@
 """HttpPrefillClient over httpx's in-process transport: the body a prefill receives, answers of
 any status as PrefillReply, and failures without an answer as PrefillCallError saying whether
-the request may have been sent and whether the instance is down."""
+the request may have been sent and whether the instance is down. GrpcDecodeClient against an
+in-process gRPC server. Both encode requests off the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import types
 
+import grpc
 import httpx
 import pytest
 
-from proto.tandem.v1 import decode_pb2
-from router.clients import HttpPrefillClient, PrefillCallError, PrefillReply
+from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
+from router import clients
+from router.clients import GrpcDecodeClient, HttpPrefillClient, PrefillCallError, PrefillReply
 
 URL = "http://prefill-0"
 
@@ -97,3 +102,77 @@ def test_health_is_a_200():
     assert _call(lambda r: httpx.Response(200, json={"status": "ok"}), "health") is True
     assert _call(lambda r: httpx.Response(503), "health") is False
     assert _call(_raise(httpx.ConnectError("refused")), "health") is False
+
+
+def test_a_long_prompts_body_is_encoded_off_the_event_loop(monkeypatch):
+    """A 300k-token prompt is ~40 ms of JSON: encoded on the loop it would stall every stream."""
+    encoders, seen = [], []
+
+    def dumps(body, **kwargs):
+        encoders.append(threading.get_ident())
+        return json.dumps(body, **kwargs)
+
+    monkeypatch.setattr(clients, "json", types.SimpleNamespace(dumps=dumps))
+    prompt = list(range(300_000))
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content)["prompt"])
+        return httpx.Response(200, json={})
+
+    loop_thread = []
+
+    async def run():
+        loop_thread.append(threading.get_ident())
+        client = HttpPrefillClient(httpx.MockTransport(handler))
+        try:
+            return await client.complete(URL, prompt, {}, decode_pb2.SamplingParams())
+        finally:
+            await client.close()
+
+    assert asyncio.run(run()).status == 200
+    assert seen == [prompt] and encoders and loop_thread[0] not in encoders
+
+
+class _Decode(decode_pb2_grpc.DecodeServiceServicer):
+    async def Reserve(self, request, context):
+        ticket = decode_pb2.Ticket(request_id=request.request_id,
+                                   num_tokens=len(request.prompt_token_ids))  # fmt: skip
+        return decode_pb2.ReserveResponse(ticket=ticket)
+
+    async def Generate(self, request, context):
+        for token in (request.first_token_id, request.first_token_id + 1):
+            yield decode_pb2.GenerateResponse(token_ids=[token])
+
+
+class _Serialized:
+    """A request that notes the thread serializing it."""
+
+    def __init__(self, message, threads: list[int]) -> None:
+        self.message, self.threads = message, threads
+
+    def SerializeToString(self) -> bytes:
+        self.threads.append(threading.get_ident())
+        return self.message.SerializeToString()
+
+
+def test_decode_requests_are_serialized_off_the_event_loop():
+    async def run():
+        server = grpc.aio.server()
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(_Decode(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client, threads = GrpcDecodeClient(), []
+        try:
+            address = f"127.0.0.1:{port}"
+            reserve = decode_pb2.ReserveRequest(request_id="r", prompt_token_ids=range(1000))
+            reply = await client.reserve(address, _Serialized(reserve, threads))
+            assert (reply.ticket.request_id, reply.ticket.num_tokens) == ("r", 1000)
+            generate = decode_pb2.GenerateRequest(request_id="r", first_token_id=7)
+            stream = client.generate(address, _Serialized(generate, threads))
+            assert [list(m.token_ids) async for m in stream] == [[7], [8]]
+            assert len(threads) == 2 and threading.get_ident() not in threads
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    asyncio.run(run())
