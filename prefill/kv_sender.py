@@ -27,6 +27,7 @@ writes and commit.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -56,6 +57,7 @@ from transport.base import Peer, Transport, TransportError
 HELLO_TIMEOUT_S = 5.0
 COMMIT_TIMEOUT_S = 10.0
 DEADLINE_PASSED = "the ticket's deadline passed before its KV was written"
+_log = logging.getLogger(__name__)
 
 
 def kv_written() -> torch.cuda.Event:
@@ -347,6 +349,11 @@ class KvSender:
                     session._posts += 1
             except TransportError as e:
                 self.fail(session, f"KV transport: {e}")
+            except Exception as e:
+                # An adapter's writes that cannot be built fail their session alone: the poster
+                # serves every session, and were it to die they would all wait out deadlines.
+                _log.exception("KV send: building the writes of %s", session.ticket.request_id)
+                self.fail(session, f"KV send: cannot build the writes: {type(e).__name__}: {e}")
             if session.state is SessionState.SENDING:
                 layers = (item.completes_layer for item in batch)
                 session._layers_done.update(layer for layer in layers if layer is not None)

@@ -226,3 +226,29 @@ def test_posts_queued_behind_a_busy_poster_go_as_one_write(decode, source):
         want = kv[:, :, t // BLOCK, :, t % BLOCK]
         assert torch.equal(cache[:, :, [2, 0, 3][t // BLOCK], :, t % BLOCK], want), t
     sender.close()
+
+
+def test_writes_that_cannot_be_built_fail_their_session_and_the_poster_goes_on(decode, source):
+    cache = decode[1]
+    service = decode[2]
+    sender = _sender(source)
+    broken = sender.open(_transfer(decode, "broken"))
+
+    def unbuildable(target):
+        raise IndexError("layer 7 is not in the ticket")
+
+    sender.post(broken, unbuildable, completes_layer=0)
+    stats = sender.finish(broken).result(timeout=10)
+    assert stats.error == (
+        "KV send: cannot build the writes: IndexError: layer 7 is not in the ticket"
+    )
+    assert service.commits[-1].error == stats.error
+    session = sender.open(_transfer(decode, "next"))
+    for layer in range(LAYERS):
+        sender.post(session, _layer(source, session, layer), completes_layer=layer)
+    assert sender.finish(session).result(timeout=10).error == ""
+    kv = source[1]
+    for t in range(TOKENS):
+        want = kv[:, :, t // BLOCK, :, t % BLOCK]
+        assert torch.equal(cache[:, :, [2, 0, 3][t // BLOCK], :, t % BLOCK], want), t
+    sender.close()
