@@ -221,19 +221,23 @@ class GrpcDecodeClient:
         for channel in self._channels.values():
             await channel.close()
 
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(
+                address, options=keepalive.CHANNEL_OPTIONS
+            )
+        return self._channels[address]
+
     def _stub(self, address: str) -> decode_pb2_grpc.DecodeServiceStub:
         if address not in self._stubs:
-            channel = grpc.aio.insecure_channel(address, options=keepalive.CHANNEL_OPTIONS)
-            self._channels[address] = channel
-            self._stubs[address] = decode_pb2_grpc.DecodeServiceStub(channel)
+            self._stubs[address] = decode_pb2_grpc.DecodeServiceStub(self._channel(address))
         return self._stubs[address]
 
     def _method(self, address: str, name: str, response, kind: str):
         """DecodeService's `name` on `address`'s channel, taking a serialized request."""
         if (address, name) not in self._methods:
-            self._stub(address)
             path = f"/{_DECODE_SERVICE.full_name}/{name}"
-            self._methods[address, name] = getattr(self._channels[address], kind)(
+            self._methods[address, name] = getattr(self._channel(address), kind)(
                 path, request_serializer=None, response_deserializer=response.FromString
             )
         return self._methods[address, name]
