@@ -42,8 +42,9 @@ class RouterMetrics:
                                   "prefill calls in flight, per prefill instance", ["instance"],
                                   registry=r)  # fmt: skip
         self.phases = Histogram(
-            "tandem_router_phase_seconds", "a disaggregated request's steps as the router waits "
-            "on them: reserve (the decode server's Reserve), prefill (the prefill's reply: its "
+            "tandem_router_phase_seconds", "a request's steps as the router waits on them: "
+            "tokenize (the prompt rendered and tokenized, or given as ids), "
+            "reserve (the decode server's Reserve), prefill (the prefill's reply: its "
             "forward, KV send and commit; where the prefill times them in Server-Timing, also "
             "prefill_queue, prefill_forward and prefill_send as it counts them), first_message "
             "(Generate to its first message), "

@@ -148,7 +148,9 @@ class OpenAIApi:
     async def _serve(self, endpoint: Endpoint, request: Request) -> Response:
         model = self.served()
         api_request = parse(endpoint, await request.body(), model)
+        started = time.monotonic()
         prompt_ids = await self._prompt_ids(api_request)
+        self.orchestrator.on_phase("tokenize", time.monotonic() - started)
         generation = generation_request(api_request, prompt_ids, model.max_model_len)
         request_id = request.state.request_id
         response = self._response(api_request, prompt_ids, f"{endpoint.id_prefix}-{request_id}")

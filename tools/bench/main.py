@@ -35,7 +35,7 @@ from tools.bench import datasets, scenarios, server_phases
 from tools.bench.config import BenchConfig
 from tools.bench.progress import Progress
 from tools.bench.report import plot_cdfs, records, summarize, table, write_json
-from tools.bench.runner import Load, RunResult, run
+from tools.bench.runner import Load, RunResult, run, warm_up
 
 
 class ServerError(Exception):
@@ -152,8 +152,9 @@ async def _bench(config: BenchConfig, conversations: list) -> tuple[str, RunResu
             fields["ignore_eos"] = True
         progress = Progress(sum(len(c.turns) for c in conversations))
         load = Load(config.max_concurrency, config.request_rate, config.seed)
+        await warm_up(http, conversations, fields, config.num_warmups)
         before = await server_phases.read(http)
-        result = await run(http, conversations, load, fields, progress, config.num_warmups)
+        result = await run(http, conversations, load, fields, progress)
         phases = server_phases.means_ms(before, await server_phases.read(http))
         progress.close()
     return model, dataclasses.replace(result, server_phases_ms=phases)

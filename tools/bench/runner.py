@@ -42,22 +42,26 @@ class RunResult:
     """The mean of each step the server reports timing (tools/bench/server_phases.py)."""
 
 
+async def warm_up(
+    http: httpx.AsyncClient, conversations: list[Conversation], body_fields: dict, warmups: int
+) -> None:
+    """Untimed, one at a time: the first `warmups` conversations' first turns. A server's first
+    requests pay its one-time costs (kernels compiled for new shapes, connections made), which
+    neither the results nor the server's own phase timings should count."""
+    for index, conversation in enumerate(conversations[:warmups]):
+        body = {**body_fields, **_payload(conversation, 0, [])}
+        await send(http, conversation.endpoint.value, body, conversation=index, turn=0,
+                   t0=time.perf_counter())  # fmt: skip
+
+
 async def run(
     http: httpx.AsyncClient,
     conversations: list[Conversation],
     load: Load,
     body_fields: dict,
     progress: Progress,
-    warmups: int = 0,
 ) -> RunResult:
-    """`body_fields` go into every request (model, sampling parameters, ...). First, untimed
-    and left out of the results, the first `warmups` conversations' first turns, one at a
-    time: a server's first requests pay its one-time costs (kernels compiled for new shapes,
-    connections made)."""
-    for index, conversation in enumerate(conversations[:warmups]):
-        body = {**body_fields, **_payload(conversation, 0, [])}
-        await send(http, conversation.endpoint.value, body, conversation=index, turn=0,
-                   t0=time.perf_counter())  # fmt: skip
+    """`body_fields` go into every request (model, sampling parameters, ...)."""
     slots = asyncio.Semaphore(load.max_concurrency or len(conversations) or 1)
     results: list[RequestResult] = []
     t0 = time.perf_counter()

@@ -1,7 +1,10 @@
 """What the server says each request's steps took: tandem's router exports a histogram
-`tandem_router_phase_seconds{phase=...}` (reserve, prefill, first_message, local_prefill) on
-/metrics; the benchmark reads it before and after a run and reports each phase's mean over the
-run's requests. A server without it (vLLM, or no /metrics) reports none."""
+`tandem_router_phase_seconds{phase=...}` (tokenize, reserve, prefill, first_message,
+local_prefill, ...) and its own time to first token, `tandem_router_ttft_seconds` (from the
+prompt's ids to the first token), on /metrics; the benchmark reads them after its warm-ups and
+after the run and reports each one's mean over the run's requests (the TTFT as `router_ttft`:
+what the client's TTFT adds to it is the HTTP and the tokenization). A server without them
+(vLLM, or no /metrics) reports none."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 PHASE_METRIC = "tandem_router_phase_seconds"
+TTFT_METRIC = "tandem_router_ttft_seconds"
 
 Totals = dict[str, tuple[float, float]]
 """phase -> (seconds summed, requests counted)."""
@@ -18,12 +22,13 @@ def parse(text: str) -> Totals:
     """The phases' sums and counts in a Prometheus text exposition."""
     found: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
-        if family.name != PHASE_METRIC:
+        if family.name not in (PHASE_METRIC, TTFT_METRIC):
             continue
         for sample in family.samples:
-            kind = sample.name.removeprefix(PHASE_METRIC + "_")
-            if kind in ("sum", "count") and "phase" in sample.labels:
-                found.setdefault(sample.labels["phase"], {})[kind] = sample.value
+            kind = sample.name.removeprefix(family.name + "_")
+            phase = sample.labels.get("phase") if family.name == PHASE_METRIC else "router_ttft"
+            if kind in ("sum", "count") and phase:
+                found.setdefault(phase, {})[kind] = sample.value
     return {
         phase: (values["sum"], values["count"])
         for phase, values in found.items()

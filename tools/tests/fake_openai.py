@@ -11,7 +11,7 @@ import httpx
 
 from tools.bench.datasets import Endpoint
 from tools.bench.progress import Progress
-from tools.bench.runner import Load, RunResult, run
+from tools.bench.runner import Load, RunResult, run, warm_up
 
 
 class FakeServer:
@@ -42,7 +42,8 @@ class FakeServer:
         transport = httpx.MockTransport(self.handle)
         async with httpx.AsyncClient(base_url="http://fake", transport=transport) as http:
             progress = Progress(sum(len(c.turns) for c in conversations), out=io.StringIO())
-            return await run(http, conversations, load, {"model": "m"}, progress, warmups)
+            await warm_up(http, conversations, {"model": "m"}, warmups)
+            return await run(http, conversations, load, {"model": "m"}, progress)
 
     def run(self, conversations, load: Load, warmups: int = 0) -> RunResult:
         return asyncio.run(self.serve(conversations, load, warmups))
