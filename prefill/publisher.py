@@ -210,10 +210,13 @@ class KvPublisher:
         self._after_forward: list[LayerwiseSend] = []
         self._layer_of: dict[int, int] = {}
 
-    def arm(self, sends: list[LayerwiseSend]) -> bool:
+    def arm(self, sends: list[LayerwiseSend], hooks: bool = True) -> bool:
         """Before a forward: `sends` post the layers it computes. Returns whether the forward
-        must call the layers' hooks (run eagerly, not as a CUDA graph)."""
-        if self.kv_send == "after-forward":
+        must call the layers' hooks (run eagerly, not as a CUDA graph). `hooks` False: the
+        forward may replay a graph (a decode-shaped step: each prompt's last token alone), so
+        its layers are posted together once it is done; one token's KV is too little for
+        sending it layer by layer to gain anything over the graph."""
+        if self.kv_send == "after-forward" or not hooks:
             self._after_forward = sends
             return False
         self.armed = sends

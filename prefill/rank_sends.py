@@ -120,13 +120,14 @@ class PrefillRankAgent:
         sender = self._rank_sender.sender
         self.sends[request_id] = LayerwiseSend(sender, sender.open(transfer), self._cache)
 
-    def arm(self, armed: list[tuple[str, list[int], int, bool]]) -> None:
+    def arm(self, armed: list[tuple[str, list[int], int, bool]], hooks: bool) -> None:
         """Before a forward: rank 0's LayerwiseSend.arm of each request it sends from (its
-        blocks, the prompt's tokens computed after the forward, whether that completes it)."""
+        blocks, the prompt's tokens computed after the forward, whether that completes it),
+        and rank 0's KvPublisher.arm `hooks`."""
         if not self.sends_kv:
             return
         sends = [self.sends[rid] for rid, *piece in armed if self.sends[rid].arm(*piece)]
-        self.publisher.arm(sends)
+        self.publisher.arm(sends, hooks)
 
     def forward_done(self) -> None:
         """After the forward `arm` was for."""

@@ -244,8 +244,9 @@ class PrefillWorker(EngineThread):
     def _arm(self, plan: StepPlan) -> bool:
         """Before a forward: the sends of prompts that complete in it post each layer (and,
         chunkwise, those of prompts it prefills a chunk of); returns whether the forward must
-        run eagerly (a prompt's last chunk of one token, alone, is a decode step, whose CUDA
-        graph would write the KV without calling the layers' hooks)."""
+        run eagerly. A step of one token per prompt (a prompt's last chunk of one token) is
+        decode-shaped: it replays a CUDA graph, which writes the KV without calling the
+        layers' hooks, and its layers are posted once it is done."""
         armed, rank_armed = [], []
         for item in plan.scheduled:
             job = self._live.get(item.seq.seq_id)
@@ -263,10 +264,11 @@ class PrefillWorker(EngineThread):
             send.held += new
             armed.append(send)
             rank_armed.append((job.request_id, blocks, end, item.samples))
+        hooks = not plan.is_decode_only
         if rank_armed:
-            self._ranks("arm", rank_armed)
+            self._ranks("arm", rank_armed, hooks)
             self._ranks_armed = True
-        return self.publisher.arm(armed)
+        return self.publisher.arm(armed, hooks)
 
     def _finish(self, job: Job, finish_reason: str) -> None:
         if job.send is None:

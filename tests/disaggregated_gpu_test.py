@@ -22,7 +22,7 @@ from tests.servers import start
 
 OPTIONS = ["--device", "cuda", "--dtype", "float32", "--block-size", "16"]
 # The prefill takes 128 tokens a forward: the last prompt's last chunk is one token, alone a
-# decode step, which runs eagerly there so that its layers are sent as they are written.
+# decode step, which replays a CUDA graph there and sends its layers once it is done.
 CHUNK = 128
 PROMPTS = [[5, 17, 3, 99, 4], list(range(1, 200)), [7] * 33, list(range(2, 3 + CHUNK))]
 NEW_TOKENS = 16
