@@ -44,7 +44,7 @@ import httpx
 from prefill import server_timing
 from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
-from tools.launch import start
+from tools.launch import exit_on_sigterm, start, stop
 
 
 def measure(stub, http, address: str, prompt: list[int], tag: str) -> dict:
@@ -125,6 +125,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--out", default="handover.json")
     args = parser.parse_args()
+    exit_on_sigterm()
     lens = [int(n) for n in args.prompt_lens.split(",")]
     chunk = args.max_num_batched_tokens or max(lens)
     common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
@@ -149,11 +150,9 @@ def main() -> None:
                 for n in lens:
                     results.append(bench_point(stub, http, address, prompts[n], mode, args))
             finally:
-                prefill.terminate()
-                prefill.wait(timeout=60)
+                stop([prefill])
     finally:
-        decode.terminate()
-        decode.wait(timeout=60)
+        stop([decode])
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
 

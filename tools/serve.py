@@ -20,14 +20,13 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
 from prefill.ticket import PROPOSER_KV_METHODS
 from prefill.vllm_launch import READY, free_port, vllm_args
-from tools.launch import start
+from tools.launch import start, stop
 
 SMOLLM2 = "smollm2"
 
@@ -124,14 +123,7 @@ def main() -> None:
 
     def stop_all(*_: object) -> None:
         stopping.set()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(procs, grace=15)
 
     signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(0)))
     try:
