@@ -128,11 +128,12 @@ class Finish:
 
 def joins(first: Post, item: object) -> bool:
     """Whether `item` can be posted with `first`: the same sending session's next writes,
-    already computed (their event has completed), so that nothing waits for them."""
+    computed by the time `first`'s are (the same event: a group of layers, one event after
+    them all) or already (their event has completed), so that `first` waits for nothing more."""
     return (
         isinstance(item, Post)
         and item.session is first.session
         and first.session.state is SessionState.SENDING
         and not first.session._deferred
-        and (item.ready is None or item.ready.query())
+        and (item.ready is None or item.ready is first.ready or item.ready.query())
     )

@@ -228,6 +228,50 @@ def test_posts_queued_behind_a_busy_poster_go_as_one_write(decode, source):
     sender.close()
 
 
+class _Pending:
+    """A CUDA event's part the poster uses, for kernels still running until it is waited on."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.waited
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_layers_written_under_one_event_go_as_one_write_before_it_completes(decode, source):
+    """A group of layers (publisher.GROUP_BYTES) shares one event: queued behind the poster,
+    they join one write although the event has not completed, and it is waited on first."""
+    sender = _sender(source)
+    session = sender.open(_transfer(decode))
+    deadline = time.monotonic() + 10
+    while session.state is SessionState.CONNECTING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    writes, write = [], sender.agent.write
+    sender.agent.write = lambda peer, ops, *rest: writes.append(len(ops)) or write(peer, ops, *rest)
+    building, released = threading.Event(), threading.Event()
+
+    def slow(target):
+        building.set()
+        released.wait(10)
+        return []
+
+    sender.post(session, slow)
+    assert building.wait(10)
+    group, other = _Pending(), _Pending()
+    posts = [sender.post(session, _layer(source, session, i), group, i) for i in (0, 1)]
+    sender.post(session, _layer(source, session, 0), other)  # another event, not completed
+    committed = sender.finish(session)
+    released.set()
+    assert committed.result(timeout=10).error == ""
+    layer_ops = writes[-1]
+    assert writes == [0, 2 * layer_ops, layer_ops]  # the group in one write, then the other
+    assert posts[0].result() is posts[1].result() and group.waited and other.waited
+    sender.close()
+
+
 def test_writes_that_cannot_be_built_fail_their_session_and_the_poster_goes_on(decode, source):
     cache = decode[1]
     service = decode[2]
