@@ -13,6 +13,7 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import socket
 import sys
 from dataclasses import dataclass
@@ -130,12 +131,19 @@ def main() -> None:
         sock = socket.create_server((config.host, config.port))
     except (ValueError, OSError) as e:
         sys.exit(f"router.server: cannot start: {e}")
+    # Long prompts are encoded in parts on the tokenizer's threads (router/tokenization.py).
+    # The variable exists to keep a process that forks after using them from deadlocking;
+    # the router never forks, and tools/serve turns it off for the processes it starts.
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
     from transformers import AutoTokenizer
 
     tokenizer = SegmentTokenizer(AutoTokenizer.from_pretrained(config.model))
     if not tokenizer.self_check():
         print("router.server: segment-cached tokenization disagrees with whole-prompt "
               "tokenization for this tokenizer; tokenizing whole prompts", flush=True)  # fmt: skip
+    if not tokenizer.cut:
+        print("router.server: long prompts are tokenized in one piece (this tokenizer's pieces "
+              "cannot be cut at spaces)", flush=True)  # fmt: skip
     hf_config = json.loads((Path(config.model) / "config.json").read_text())
     served = ServedModel(
         config.served_model_name or config.model,
