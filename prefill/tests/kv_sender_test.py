@@ -195,8 +195,9 @@ def test_a_decode_server_restarted_on_its_address_is_asked_again_and_connected_a
     sender.close()
 
 
-def test_posts_queued_behind_a_busy_poster_go_as_one_write(decode, source):
-    cache = decode[1]
+def _sending(decode, source):
+    """A sender with one session connected, counting the descriptors of each transport write:
+    (sender, session, descriptors a write)."""
     sender = _sender(source)
     session = sender.open(_transfer(decode))
     deadline = time.monotonic() + 10
@@ -204,15 +205,28 @@ def test_posts_queued_behind_a_busy_poster_go_as_one_write(decode, source):
         time.sleep(0.01)
     writes, write = [], sender.agent.write
     sender.agent.write = lambda peer, ops, *rest: writes.append(len(ops)) or write(peer, ops, *rest)
+    return sender, session, writes
+
+
+def _hold_poster(sender, session, build, completes_layer=None):
+    """Posts `build` and returns once the poster is inside it, held there (so that what is
+    posted next queues up behind it) until the returned event is set: (post, release)."""
     building, released = threading.Event(), threading.Event()
 
-    def slow(target):  # holds the poster while the next layers queue up behind it
+    def held(target):
         building.set()
         released.wait(10)
-        return _layer(source, session, 0)(target)
+        return build(target)
 
-    first = sender.post(session, slow, completes_layer=0)
+    post = sender.post(session, held, completes_layer=completes_layer)
     assert building.wait(10)
+    return post, released
+
+
+def test_posts_queued_behind_a_busy_poster_go_as_one_write(decode, source):
+    cache = decode[1]
+    sender, session, writes = _sending(decode, source)
+    first, released = _hold_poster(sender, session, _layer(source, session, 0), completes_layer=0)
     behind = [sender.post(session, _layer(source, session, i), completes_layer=i) for i in (1, 0)]
     committed = sender.finish(session)
     released.set()
@@ -244,22 +258,8 @@ class _Pending:
 def test_layers_written_under_one_event_go_as_one_write_before_it_completes(decode, source):
     """A group of layers (publisher.GROUP_BYTES) shares one event: queued behind the poster,
     they join one write although the event has not completed, and it is waited on first."""
-    sender = _sender(source)
-    session = sender.open(_transfer(decode))
-    deadline = time.monotonic() + 10
-    while session.state is SessionState.CONNECTING and time.monotonic() < deadline:
-        time.sleep(0.01)
-    writes, write = [], sender.agent.write
-    sender.agent.write = lambda peer, ops, *rest: writes.append(len(ops)) or write(peer, ops, *rest)
-    building, released = threading.Event(), threading.Event()
-
-    def slow(target):
-        building.set()
-        released.wait(10)
-        return []
-
-    sender.post(session, slow)
-    assert building.wait(10)
+    sender, session, writes = _sending(decode, source)
+    _, released = _hold_poster(sender, session, lambda target: [])
     group, other = _Pending(), _Pending()
     posts = [sender.post(session, _layer(source, session, i), group, i) for i in (0, 1)]
     sender.post(session, _layer(source, session, 0), other)  # another event, not completed
