@@ -151,6 +151,7 @@ class Admission:
                 expected_bytes=len(prompt_ids) * self.kv_bytes_per_token,
             )
             self._live[request_id] = reservation
+            self._cond.notify_all()  # wait_reserved
             return reservation
 
     def admit_local(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> Reservation:
@@ -329,7 +330,16 @@ class Admission:
     @property
     def num_reserved(self) -> int:
         with self._cond:
-            return sum(r.state is RequestState.RESERVED for r in self._live.values())
+            return self._num_reserved_locked()
+
+    def wait_reserved(self, timeout: float) -> bool:
+        """Blocks until some ticket awaits its commits, for at most `timeout` seconds; whether
+        one does."""
+        with self._cond:
+            return self._cond.wait_for(self._num_reserved_locked, timeout)
+
+    def _num_reserved_locked(self) -> int:
+        return sum(r.state is RequestState.RESERVED for r in self._live.values())
 
     @property
     def num_live(self) -> int:

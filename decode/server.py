@@ -24,6 +24,7 @@ import grpc
 from prometheus_client import start_http_server
 
 from decode.admission import Admission
+from decode.commit_notices import CommitNotices
 from decode.engine_loop import EngineLoop
 from decode.kv_shards import DecodeRankAgent, kv_shard, ticket_destination
 from decode.metrics import DecodeMetrics
@@ -124,6 +125,7 @@ class DecodeServer:
             shards += [decode_pb2.KvShard.FromString(i) for i in self.engine.tp_workers.infos]
         self.instance_id = uuid.uuid4().hex
         destination = ticket_destination(layout, shards, cache, proposer_cache, self.instance_id)
+        destination.commit_by_notification = True  # self._commit_notices reads them
         pool = self.engine.pool
         self.metrics = DecodeMetrics(
             {
@@ -160,11 +162,13 @@ class DecodeServer:
             raise OSError(f"cannot listen on {address}: port taken? pick another --grpc-port")
         self._stop = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loop, daemon=True)
+        self._commit_notices: CommitNotices | None = None
         self.metrics_port: int | None = None
 
     def start(self) -> None:
         self._grpc.start()
         self._expiry.start()
+        self._commit_notices = CommitNotices(self.transport, self.admission, self.servicer.commit)
         if self.config.metrics_port is not None:
             server, _ = start_http_server(
                 self.config.metrics_port, self.config.kv.host, registry=self.metrics.registry
@@ -175,6 +179,8 @@ class DecodeServer:
         """Stops at once (grace None) or lets the RPCs under way finish for up to `grace` s."""
         self._stop.set()
         self._grpc.stop(grace=grace).wait()
+        if self._commit_notices is not None:
+            self._commit_notices.close()
         self.loop.stop()
         self.engine.close()
         self.transport.close()

@@ -109,9 +109,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return decode_pb2.ReserveResponse(ticket=ticket)
 
     def Commit(self, request, context):
-        committed, expected = self._call(
-            context,
-            self.admission.commit,
+        return self._call(context, self.commit, request)
+
+    def commit(self, request: decode_pb2.CommitRequest) -> decode_pb2.CommitResponse:
+        """One sender's commit, however it came: the Commit RPC, or a notification of the KV
+        transport (decode.commit_notices). Raises AdmissionError when refused."""
+        committed, expected = self.admission.commit(
             request.request_id,
             request.generation,
             request.sender_rank,

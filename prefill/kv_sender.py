@@ -10,7 +10,9 @@ A session's life (send_session.SessionState), one per ticket:
   -> SENDING: the poster thread posts writes in the order they were handed over (those handed
     over while connecting wait for the connect, then go in order)
   -> finish(): once the poster has posted the session's last write, a committer waits for every
-    write and sends Commit(bytes, layers), or Commit(error); its Future gives the SendStats.
+    write and sends Commit(bytes, layers), or Commit(error); its Future gives the SendStats. A
+    successful commit goes as a transport notification where the ticket takes one
+    (Ticket.commit_by_notification), so the prefill's reply does not wait on an RPC.
   Any failure (Hello refused, a bad ticket, a transport error, the deadline) -> FAILED: nothing
   more is written and the commit carries the reason, so the decode server fails the ticket at
   once instead of at its deadline (no commit when the server could not be reached at all).
@@ -49,7 +51,13 @@ from prefill.send_session import (
     Target,
     joins,
 )
-from prefill.ticket import KvTransfer, SpeculativeKv, kv_planes, ticket_problem
+from prefill.ticket import (
+    KvTransfer,
+    SpeculativeKv,
+    commit_notice,
+    kv_planes,
+    ticket_problem,
+)
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 from rpc import keepalive
 from transport.base import Peer, Transport, TransportError
@@ -361,6 +369,23 @@ class KvSender:
         for item in batch:
             item.future.set_result(transfers)
 
+    def _notify_commit(self, session: SendSession, request: decode_pb2.CommitRequest) -> bool:
+        """Sends a commit as a notification to rank 0's transport agent, where the ticket takes
+        one and this sender writes there (it has a peer); whether it was sent. A sender that
+        cannot falls back to the RPC, which the decode server takes as a repeat if both came."""
+        if not session.ticket.commit_by_notification:
+            return False
+        peer = next((t.peer for t in session.targets if t.shard.rank == 0), None)
+        if peer is None:
+            return False
+        try:
+            self.agent.write(peer, [], session.deadline, notify=commit_notice(request)).wait()
+        except TransportError as e:
+            _log.warning("KV send: commit notification of %s failed (%s): calling Commit",
+                         request.request_id, e)  # fmt: skip
+            return False
+        return True
+
     def _valid_bytes(self, session: SendSession, layers: int) -> int:
         """The prompt's bytes in `layers` layers sent: the model's, then the proposer's."""
         model_layers = min(layers, self.layout.model.num_layers)
@@ -401,7 +426,8 @@ class KvSender:
             with self._lock:
                 decode = self._decoders[session.transfer.decode_address]
             try:
-                decode.stub.Commit(request, timeout=COMMIT_TIMEOUT_S)
+                if error or not self._notify_commit(session, request):
+                    decode.stub.Commit(request, timeout=COMMIT_TIMEOUT_S)
             except grpc.RpcError as e:
                 error = error or f"commit refused: {e.details()}"
         future.set_result(

@@ -63,7 +63,7 @@ class SendStats:
     wait_seconds: float = 0.0
     """From finish() to the last write's completion."""
     commit_seconds: float = 0.0
-    """The Commit RPC."""
+    """Sending the commit: the Commit RPC, or the transport notification that stands for it."""
 
 
 @dataclass(eq=False)

@@ -19,6 +19,8 @@ import base64
 import time
 from dataclasses import dataclass
 
+from google.protobuf.message import DecodeError
+
 from proto.tandem.v1 import decode_pb2, layout_pb2
 
 TICKET_KEY = "tandem_ticket"
@@ -42,6 +44,9 @@ PROPOSER_KV_METHODS = ("draft_model", "mtp", "eagle3")
 sends (n-gram lookup needs none)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}
 """Bytes per element of the KV dtypes a descriptor names (`dtype_name`)."""
+COMMIT_NOTICE = b"tandem.commit.v1\n"
+"""What begins a Commit sent as a transport notification (Ticket.commit_by_notification): the
+serialized CommitRequest follows."""
 
 
 @dataclass(frozen=True)
@@ -302,3 +307,18 @@ def _tiles(ranges: list[tuple[int, int]], heads: int) -> bool:
             return False
         position = end
     return position == heads
+
+
+def commit_notice(request: decode_pb2.CommitRequest) -> bytes:
+    """A commit as the payload of a transport notification."""
+    return COMMIT_NOTICE + request.SerializeToString()
+
+
+def parse_commit_notice(payload: bytes) -> decode_pb2.CommitRequest | None:
+    """The commit a notification carries; None for a payload that is not one."""
+    if not payload.startswith(COMMIT_NOTICE):
+        return None
+    try:
+        return decode_pb2.CommitRequest.FromString(payload[len(COMMIT_NOTICE) :])
+    except DecodeError:
+        return None

@@ -10,7 +10,8 @@ transport) and, for each prompt length, times:
   reserve_ms        the Reserve RPC alone (part of disagg_ttft_ms)
   transfer_tail_ms  the prefill's own report: first layer's writes to last completion
   send_wait_ms      the prefill's own report: after its forward, waiting for the last writes
-  commit_ms         the prefill's own report: the Commit RPC
+  commit_ms         the prefill's own report: sending the commit (a transport notification
+                    where the decode server takes one, else the Commit RPC)
   prepare_ms, post_ms, write_ops, posts   the prefill's sender thread: building the write
                     descriptors, handing them to the transport, how many (all layers) and in how
                     many transport writes

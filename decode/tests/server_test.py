@@ -23,7 +23,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 from prefill.kv_writes import BlockLayout, LayerKV, layer_ops, valid_bytes
-from prefill.ticket import PREFILL_LAYOUT, layout_descriptor
+from prefill.ticket import PREFILL_LAYOUT, commit_notice, layout_descriptor
 from proto.tandem.v1 import decode_pb2
 from rpc import health
 from tests.servers import PeakRunning, serving_decode
@@ -101,18 +101,27 @@ class Sender:
         return out.token_id
 
     def commit(self, ticket, nbytes=None, layers: int = 30, generation=None, rank=0, heads=3):
-        return self.stub.Commit(
-            decode_pb2.CommitRequest(
-                request_id=ticket.request_id,
-                generation=ticket.generation if generation is None else generation,
-                sender_rank=rank,
-                bytes_written=valid_bytes(ticket.num_tokens, heads, 64 * 4, 30)
-                if nbytes is None
-                else nbytes,
-                layers_written=layers,
-            ),
-            timeout=10,
+        request = self.commit_request(ticket, nbytes, layers, generation, rank, heads)
+        return self.stub.Commit(request, timeout=10)
+
+    def commit_request(
+        self, ticket, nbytes=None, layers: int = 30, generation=None, rank=0, heads=3
+    ) -> decode_pb2.CommitRequest:
+        return decode_pb2.CommitRequest(
+            request_id=ticket.request_id,
+            generation=ticket.generation if generation is None else generation,
+            sender_rank=rank,
+            bytes_written=valid_bytes(ticket.num_tokens, heads, 64 * 4, 30)
+            if nbytes is None
+            else nbytes,
+            layers_written=layers,
         )
+
+    def notify(self, ticket, payload: bytes) -> None:
+        """Sends `payload` as a notification to the ticket's rank-0 agent, as a sender's commit
+        goes where the ticket takes one."""
+        peer = self._peer(ticket.shards[0].endpoint.metadata)
+        self.agent.write(peer, [], time.monotonic() + 10, notify=payload).wait()
 
     def generate(self, ticket, first_token: int, **kwargs):
         return self.stub.Generate(
@@ -223,6 +232,27 @@ def test_stale_commit_is_refused_and_changes_nothing(stack, reference):
     sender.commit(new)  # a duplicate commit of the same rank is harmless
     tokens = [t for m in sender.generate(new, first) for t in m.token_ids]
     assert tokens == reference[2]
+    _assert_pool_free(server, stub)
+
+
+def test_a_commit_by_notification_decodes_as_one_by_rpc(stack, reference):
+    """The server's tickets take commits as transport notifications: one that is not a commit,
+    or a refused one (too few layers), is logged and fails nothing else; a good one readies its
+    ticket without any Commit RPC, and the tokens are the single-engine ones."""
+    server, stub, sender = stack
+    bad = sender.reserve("bad-notice", PROMPTS[1])
+    assert bad.commit_by_notification
+    sender.notify(bad, b"not a commit")
+    sender.notify(bad, commit_notice(sender.commit_request(bad, layers=29)))
+    with pytest.raises(grpc.RpcError) as err:
+        list(sender.generate(bad, 1))
+    assert err.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
+    assert "29 layers" in err.value.details()
+
+    ticket = sender.reserve("notice", PROMPTS[0])
+    first = sender.prefill_and_write(ticket, PROMPTS[0])
+    sender.notify(ticket, commit_notice(sender.commit_request(ticket)))
+    assert [t for m in sender.generate(ticket, first) for t in m.token_ids] == reference[0]
     _assert_pool_free(server, stub)
 
 

@@ -16,7 +16,7 @@ from prefill.kv_sender import KvSender
 from prefill.kv_writes import BlockLayout, LayerKV, layer_ops
 from prefill.send_session import SessionState
 from prefill.tests.fake_decode import FakeDecode
-from prefill.ticket import DECODE_LAYOUT, KvTransfer, layout_descriptor
+from prefill.ticket import DECODE_LAYOUT, KvTransfer, layout_descriptor, parse_commit_notice
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc, layout_pb2
 
 LAYERS, HEADS, DIM, BLOCK, TOKENS = 2, 2, 8, 4, 10
@@ -64,7 +64,9 @@ def source():
     agent.close()
 
 
-def _transfer(decode, request_id: str = "t", instance_id: str = "") -> KvTransfer:
+def _transfer(
+    decode, request_id: str = "t", instance_id: str = "", by_notification: bool = False
+) -> KvTransfer:
     agent, cache, _, address = decode
     regions = [
         layout_pb2.LayerRegions(
@@ -80,7 +82,7 @@ def _transfer(decode, request_id: str = "t", instance_id: str = "") -> KvTransfe
         shards=[decode_pb2.KvShard(rank=0, heads=layout_pb2.HeadRange(start=0, end=HEADS),
                                    endpoint=endpoint, layers=regions)],
         layout=_layout(), num_senders=1, deadline_unix_ms=int((time.time() + 30) * 1000),
-        decode_instance_id=instance_id,
+        decode_instance_id=instance_id, commit_by_notification=by_notification,
     )  # fmt: skip
     return KvTransfer(ticket, address)
 
@@ -143,6 +145,36 @@ def test_failing_a_session_still_connecting_lets_its_writes_go_and_commits_why(d
     service.hello_gate.set()
     assert committed.result(timeout=10).error == "the request ended"
     assert service.commits[0].error == "the request ended" and not cache.any()
+    sender.close()
+
+
+def test_a_ticket_taking_notifications_gets_its_commit_as_one_after_the_writes(decode, source):
+    """Where the ticket says so, a successful commit travels as the transport's notification to
+    rank 0's agent, after every write landed, and no Commit RPC is made; a failed session
+    still calls Commit, whose answer it needs."""
+    agent, cache, service, _ = decode
+    sender = _sender(source)
+    session = sender.open(_transfer(decode, "n", by_notification=True))
+    for layer in range(LAYERS):
+        sender.post(session, _layer(source, session, layer), completes_layer=layer)
+    stats = sender.finish(session).result(timeout=10)
+    assert stats.error == "" and service.commits == []
+    (notice,) = agent.notifications()
+    commit = parse_commit_notice(notice)
+    assert (commit.request_id, commit.generation, commit.layers_written, commit.error) == (
+        "n",
+        1,
+        LAYERS,
+        "",
+    )
+    assert commit.bytes_written == 2 * LAYERS * TOKENS * HEADS * DIM * 4 == stats.bytes_written
+    assert torch.equal(cache[:, :, 2], source[1][:, :, 0])  # the writes were done before it
+
+    failed = sender.open(_transfer(decode, "f", by_notification=True))
+    sender.fail(failed, "the request ended")
+    assert sender.finish(failed).result(timeout=10).error == "the request ended"
+    assert [c.error for c in service.commits] == ["the request ended"]
+    assert agent.notifications() == []
     sender.close()
 
 
