@@ -103,6 +103,11 @@ class MoeKernels:
     experts: Callable[
         [torch.Tensor, Routing, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
     ]
+    # (h, Routing, gate_up_proj, down_proj, the shared MLP's gate_up and down matrices,
+    # residual [T, hidden], the next norm's weight) -> (residual + routed + shared output, that
+    # times the norm weight), the shared experts computed as more slots of the routed kernels;
+    # None where they cannot be (then `experts` and the shared MLP's own ops compute the layer)
+    experts_and_shared: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
 
 def gather_experts(
@@ -189,6 +194,7 @@ class MoE(nn.Module):
         assert moe is not None
         self.ops = ops
         self.route = kernels.route
+        self.experts_and_shared = kernels.experts_and_shared
         self.gate = Router(config, moe)
         self.experts = Experts(config, moe, kernels.experts)
         # The MLP every token goes through: n_shared_experts experts as one wider SwiGLU.
@@ -208,9 +214,18 @@ class MoE(nn.Module):
             return NormInput(self.ops.all_reduce(out), residual, next_norm.weight, next_norm.eps)
         if self.shared_experts is None:
             return NormInput(self.experts(h, routing), residual, next_norm.weight, next_norm.eps)
+        shared = self.shared_experts
+        if self.experts_and_shared is not None:
+            experts = self.experts
+            done = self.experts_and_shared(
+                h, routing, experts.matrix("gate_up_proj"), experts.matrix("down_proj"),
+                shared.gate_up_proj.matrix, shared.down_proj.matrix, residual, next_norm.weight,
+            )  # fmt: skip
+            if done is not None:
+                out, scaled = done
+                return NormInput(out, None, next_norm.weight, next_norm.eps, scaled)
         # The shared experts' SwiGLU from `inp` (on CUDA its norm is computed inside the
         # projection); the residual is added to the routed output by the experts' last kernel,
         # that sum to the shared output by its down projection's op.
-        shared = self.shared_experts
         x, _ = self.ops.gate_up_silu(inp, shared.gate_up_proj.matrix)
         return shared.down_proj.add_forward(x, self.experts(h, routing, residual), next_norm)

@@ -222,7 +222,28 @@ def _experts(
     return fused_experts(h, routing.weights, routing.ids, gate_up, down, sorted_pairs, residual)
 
 
-KERNELS = MoeKernels(route=route_tokens, experts=_experts)
+def _experts_and_shared(
+    h: torch.Tensor,
+    routing: Routing,
+    gate_up: Matrix,
+    down: Matrix,
+    shared_gate_up: Matrix,
+    shared_down: Matrix,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One token's layer with the shared experts as slots of the GEMV kernels; None for more
+    tokens (the tiled kernels do not take them) or matrices that do not fit as slots."""
+    shared = triton_moe_gemv.Shared(shared_gate_up, shared_down)
+    if not triton_moe_gemv.applies(h, gate_up, down, shared) or not h.is_contiguous():
+        return None
+    residual = residual if residual.is_contiguous() else residual.contiguous()
+    return triton_moe_gemv.one_token_moe(
+        h, routing.weights, routing.ids, gate_up, down, shared, residual, norm_weight
+    )
+
+
+KERNELS = MoeKernels(route=route_tokens, experts=_experts, experts_and_shared=_experts_and_shared)
 """engine.moe.MoE's kernels on CUDA."""
 
 

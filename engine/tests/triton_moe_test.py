@@ -272,9 +272,11 @@ def test_experts_with_routed_sort_match_own_sort():
     torch.testing.assert_close(out, own, atol=0, rtol=0)
 
 
-def test_moe_layer_with_triton_kernels_matches_torch_kernels():
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_moe_layer_with_triton_kernels_matches_torch_kernels(num_tokens):
     """engine.moe.MoE (deepseek-tiny: noaux_tc, 8 experts, a shared one) through KERNELS and
-    through TORCH_KERNELS, with the same weights."""
+    through TORCH_KERNELS, with the same weights: one token with the shared expert as a slot of
+    the GEMV kernels (its output's `scaled` for the next norm too), several with the tiles."""
     config = PRESETS["deepseek-tiny"]
     gen = torch.Generator().manual_seed(6)
     layers = [MoE(config, EAGER_OPS, kernels) for kernels in (triton_moe.KERNELS, TORCH_KERNELS)]
@@ -282,11 +284,18 @@ def test_moe_layer_with_triton_kernels_matches_torch_kernels():
         for param in layers[0].parameters():
             param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
         layers[1].load_state_dict(layers[0].state_dict())
-    x = torch.randn(5, config.hidden_size, generator=gen)
+    x = torch.randn(num_tokens, config.hidden_size, generator=gen)
     norm = RMSNorm(config.hidden_size, 1e-6, EAGER_OPS)
-    outs = [layer.to(DEVICE)(NormInput(x.to(DEVICE), None, norm.weight.to(DEVICE), 1e-6), norm)
+    norm.weight.data.uniform_(0.5, 1.5, generator=gen)
+    norm = norm.to(DEVICE)
+    outs = [layer.to(DEVICE)(NormInput(x.to(DEVICE), None, norm.weight, 1e-6), norm)
             for layer in layers]  # fmt: skip
-    torch.testing.assert_close(outs[0].x, outs[1].x, rtol=1e-5, atol=1e-5)
+    streams = [out.x if out.residual is None else out.x + out.residual for out in outs]
+    torch.testing.assert_close(streams[0], streams[1], rtol=1e-5, atol=1e-5)
+    fused = outs[0].scaled is not None
+    assert fused == (num_tokens == 1)
+    if fused:
+        torch.testing.assert_close(outs[0].scaled, outs[0].x * norm.weight)
 
 
 def _fp8_stack(stack: torch.Tensor, scheme: Fp8Scheme) -> Fp8Weight:
@@ -331,6 +340,71 @@ def test_fp8_experts_refuse_a_block_the_tiles_cannot_step_by():
     gate_up, down = (_fp8_stack(w.cpu(), Fp8Scheme(24, 24)) for w in (gate_up, down))
     with pytest.raises(ValueError, match="scale block of 24 columns is not a multiple of 16"):
         triton_moe.fused_experts(h, weights, ids, gate_up, down)
+
+
+def _shared_case(num_shared, hidden, inter, dtype, seed):
+    """A shared MLP of num_shared experts of width inter: gate_up [2 * S * I, H] (gate rows,
+    then up rows), down [H, S * I], a residual and a norm weight, on DEVICE."""
+    gen = torch.Generator().manual_seed(seed)
+    width = num_shared * inter
+    gate_up = torch.randn(2 * width, hidden, generator=gen) * hidden**-0.5
+    down = torch.randn(hidden, width, generator=gen) * width**-0.5
+    residual, norm_weight = torch.randn(2, 1, hidden, generator=gen)
+    return [t.to(dtype).to(DEVICE) for t in (gate_up, down, residual, norm_weight[0])]
+
+
+def _fp8_matrix(matrix: torch.Tensor, scheme: Fp8Scheme) -> Fp8Weight:
+    q, checkpoint_scale = quantize(matrix.float().cpu(), scheme)
+    scale = scheme.expand_scale(checkpoint_scale, matrix.shape[0]).contiguous()
+    return scheme.matrix(q.to(DEVICE), scale.to(DEVICE))
+
+
+# (shared experts, scale block): DeepSeek-V3's one shared expert and V2-Lite's two, in the
+# compute dtype, in fp8 with blocks of 16 columns (a slot's down columns start on a block) and
+# with one scale a row (each slot's columns under the same scale).
+SHARED_CASES = [(1, None), (2, None), (2, 16), (2, "row")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("num_shared", "block"), SHARED_CASES, ids=lambda v: str(v))
+def test_shared_experts_as_slots_add_their_mlp_and_scale_the_output(num_shared, block, dtype):
+    """one_token_moe: residual + the routed experts + the shared MLP of width S * I, the shared
+    experts computed as S more slots of the routed kernels; and that times the norm weight."""
+    h, weights, ids, gate_up, down = _case(1, 3, 8, 96, 48, dtype, seed=7)
+    shared_gate_up, shared_down, residual, norm_weight = _shared_case(num_shared, 96, 48, dtype, 8)
+    if block is not None:
+        scheme = Fp8Scheme(*(2 * [None if block == "row" else block]))
+        gate_up, down = (_fp8_stack(w.cpu(), scheme) for w in (gate_up, down))
+        shared_gate_up, shared_down = (
+            _fp8_matrix(w, scheme) for w in (shared_gate_up, shared_down)
+        )
+    shared = triton_moe_gemv.Shared(shared_gate_up, shared_down)
+    assert triton_moe_gemv.applies(h, gate_up, down, shared)
+    out, scaled = triton_moe_gemv.one_token_moe(
+        h, weights, ids, gate_up, down, shared, residual, norm_weight
+    )
+    dense = [w.dense(dtype) if isinstance(w, Fp8Weight) else w
+             for w in (gate_up, down, shared_gate_up, shared_down)]  # fmt: skip
+    gate, up = F.linear(h.double(), dense[2].double()).chunk(2, dim=-1)
+    mlp = F.linear(F.silu(gate) * up, dense[3].double())
+    ref = residual.double() + _reference(h, weights, ids, *dense[:2]) + mlp
+    _assert_matches(out, ref, dtype)
+    torch.testing.assert_close(scaled, (out.float() * norm_weight.float()).to(dtype))
+
+
+def test_shared_experts_that_do_not_fit_as_slots_are_left_to_their_own_ops():
+    """A shared MLP whose width is not a multiple of the routed experts', or of another dtype,
+    is not taken as slots; nor are several tokens (the tiled kernels take no shared slots)."""
+    h, _, _, gate_up, down = _case(1, 2, 4, 64, 48, torch.float32, seed=3)
+    shared_gate_up, shared_down, _, _ = _shared_case(1, 64, 72, torch.float32, 3)
+    assert not triton_moe_gemv.applies(h, gate_up, down, triton_moe_gemv.Shared(
+        shared_gate_up, shared_down))  # fmt: skip
+    shared_gate_up, shared_down, _, _ = _shared_case(2, 64, 48, torch.float32, 3)
+    fits = triton_moe_gemv.Shared(shared_gate_up, shared_down)
+    assert triton_moe_gemv.applies(h, gate_up, down, fits)
+    assert not triton_moe_gemv.applies(torch.cat([h, h]), gate_up, down, fits)
+    other = triton_moe_gemv.Shared(shared_gate_up.double(), shared_down.double())
+    assert not triton_moe_gemv.applies(h, gate_up, down, other)
 
 
 def _capture(step):
