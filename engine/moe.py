@@ -108,6 +108,9 @@ class MoeKernels:
     # times the norm weight), the shared experts computed as more slots of the routed kernels;
     # None where they cannot be (then `experts` and the shared MLP's own ops compute the layer)
     experts_and_shared: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    # (x [T, hidden], norm weight, eps, gate.weight, correction bias, MoeConfig) -> (rms_norm of
+    # x, its Routing), the norm computed by the router's own kernel; None where it cannot be
+    norm_and_route: Callable[..., tuple[torch.Tensor, Routing] | None] | None = None
 
 
 def gather_experts(
@@ -195,6 +198,7 @@ class MoE(nn.Module):
         self.ops = ops
         self.route = kernels.route
         self.experts_and_shared = kernels.experts_and_shared
+        self.norm_and_route = kernels.norm_and_route
         self.gate = Router(config, moe)
         self.experts = Experts(config, moe, kernels.experts)
         # The MLP every token goes through: n_shared_experts experts as one wider SwiGLU.
@@ -203,9 +207,7 @@ class MoE(nn.Module):
 
     def forward(self, inp: NormInput, next_norm: RMSNorm) -> NormInput:
         """next_norm(MoE output + the input's x + residual), as engine.model.MLP."""
-        h, residual = inp.compute(self.ops)
-        gate = self.gate
-        routing = self.route(h, gate.weight, gate.e_score_correction_bias, gate.moe)
+        h, residual, routing = self._norm_and_route(inp)
         if self.ops.all_reduce is not None:  # tensor-parallel: partial outputs, summed once
             out = self.experts(h, routing)
             if self.shared_experts is not None:
@@ -229,3 +231,17 @@ class MoE(nn.Module):
         # that sum to the shared output by its down projection's op.
         x, _ = self.ops.gate_up_silu(inp, shared.gate_up_proj.matrix)
         return shared.down_proj.add_forward(x, self.experts(h, routing, residual), next_norm)
+
+    def _norm_and_route(self, inp: NormInput) -> tuple[torch.Tensor, torch.Tensor, Routing]:
+        """(the normalized input, x + residual, its Routing): the norm inside the router's
+        kernel where the kernels can (an input with no residual still to add), else its own."""
+        gate = self.gate
+        if self.norm_and_route is not None and inp.residual is None:
+            done = self.norm_and_route(
+                inp.x, inp.weight, inp.eps, gate.weight, gate.e_score_correction_bias, gate.moe
+            )
+            if done is not None:
+                h, routing = done
+                return h, inp.x, routing
+        h, residual = inp.compute(self.ops)
+        return h, residual, self.route(h, gate.weight, gate.e_score_correction_bias, gate.moe)

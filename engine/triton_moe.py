@@ -59,7 +59,7 @@ import triton.language as tl
 from engine import triton_fp8_scales, triton_moe_gemv, triton_pdl
 from engine.fp8 import Fp8Weight, Matrix
 from engine.moe import MoeKernels, Routing
-from engine.triton_route import route_tokens
+from engine.triton_route import route_normed_tokens, route_tokens
 
 __all__ = ["KERNELS", "fused_experts"]
 
@@ -243,7 +243,12 @@ def _experts_and_shared(
     )
 
 
-KERNELS = MoeKernels(route=route_tokens, experts=_experts, experts_and_shared=_experts_and_shared)
+KERNELS = MoeKernels(
+    route=route_tokens,
+    experts=_experts,
+    experts_and_shared=_experts_and_shared,
+    norm_and_route=route_normed_tokens,
+)
 """engine.moe.MoE's kernels on CUDA."""
 
 

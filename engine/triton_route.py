@@ -43,16 +43,45 @@ def route_tokens(
     return route_and_sort(router_logits(h, weight), correction_bias, moe)
 
 
-def router_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def route_normed_tokens(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    moe: MoeConfig,
+) -> tuple[torch.Tensor, Routing] | None:
+    """engine.moe.MoeKernels.norm_and_route on CUDA: h = the RMSNorm of x [T, H] (rounded as
+    engine.triton_ops.rms_norm rounds it) computed inside the router's logits kernel, which
+    stores it, and the routing of h: (h, Routing). One kernel less than norm, logits, routing;
+    None past the logits kernel's sizes."""
+    num_tokens = x.shape[0]
+    if num_tokens > _MAX_LOGITS_TOKENS or num_tokens == 0 or x.stride(-1) != 1:
+        return None
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    logits = router_logits(x, weight, (norm_weight, eps, h))
+    return h, route_and_sort(logits, correction_bias, moe)
+
+
+def router_logits(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """F.linear(h.float(), weight) -> [T, E] float32: h [T, H] (any float dtype, upcast
     exactly), weight [E, H] float32. At decode sizes one kernel with a program per (BLOCK_E
     experts, BLOCK_T tokens): at T=1 a program per expert (64 programs at DeepSeek-V2-Lite's
     512 KB of weights, 256 at V3's 7 MB), each streaming its expert's row; wider tiles as T
-    grows, so that each weight is read once per BLOCK_T tokens. Untuned."""
+    grows, so that each weight is read once per BLOCK_T tokens. Untuned.
+    norm: (norm weight [H], eps, out [T, H]): h is the norm's input, normalized by every
+    program for its dots (a first pass over the row for its mean square) and stored into `out`
+    by the first program of each token block."""
     num_tokens, hidden = h.shape
     num_experts = weight.shape[0]
     if num_tokens > _MAX_LOGITS_TOKENS or num_tokens == 0:
+        assert norm is None, "route_normed_tokens keeps to the kernel's sizes"
         return F.linear(h.float(), weight)
+    norm_weight, eps, normed = norm if norm is not None else (h, 0.0, h)
     assert weight.dtype == torch.float32 and weight.shape[1] == hidden, (weight.dtype, weight.shape)
     assert weight.stride(-1) == 1, weight.stride()
     h = h if h.stride(-1) == 1 else h.contiguous()
@@ -64,19 +93,22 @@ def router_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     )
     pdl = triton_pdl.enabled(h.device)
     _logits_kernel[(triton.cdiv(num_experts, block_e), triton.cdiv(num_tokens, block_t))](
-        h, weight, logits,
+        h, weight, logits, norm_weight, normed, eps,
         num_tokens, num_experts, hidden, h.stride(0), weight.stride(0), logits.stride(0),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h, EVEN_H=hidden % block_h == 0,
-        PDL=pdl, num_warps=_NUM_WARPS, launch_pdl=pdl,
+        NORM=norm is not None, PDL=pdl, num_warps=_NUM_WARPS, launch_pdl=pdl,
     )  # fmt: skip
     return logits
 
 
 @triton.jit
 def _logits_kernel(
-    h_ptr,  # [T, H] any float dtype
+    h_ptr,  # [T, H] any float dtype (NORM: the norm's input)
     w_ptr,  # [E, H] float32
     out_ptr,  # [T, E] float32
+    norm_w_ptr,  # [H]: NORM's weight
+    normed_ptr,  # [T, H] contiguous: NORM's output, stored by the programs of expert block 0
+    eps,
     T,
     E,
     H,
@@ -87,27 +119,65 @@ def _logits_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr,
     EVEN_H: tl.constexpr,
+    NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    triton_pdl.await_previous_kernel(PDL)
     tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     # Rows past T and E re-read the last one: loads stay unpredicated but on H; only the store
     # is masked.
     x_rows = h_ptr + tl.minimum(tokens, T - 1).to(tl.int64) * stride_ht
     w_rows = w_ptr + tl.minimum(experts, E - 1).to(tl.int64) * stride_we
-    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for k in range(0, H, BLOCK_H):
-        ks = k + tl.arange(0, BLOCK_H)
-        if EVEN_H:
-            x = tl.load(x_rows[:, None] + ks[None, :])
-            w = tl.load(w_rows[:, None] + ks[None, :])
-        else:
-            x = tl.load(x_rows[:, None] + ks[None, :], mask=(ks < H)[None, :], other=0.0)
-            w = tl.load(w_rows[:, None] + ks[None, :], mask=(ks < H)[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], 2)
+    # The router's weights are no kernel's output: the first tile is requested while the
+    # kernel before (which writes h) ends.
+    w = _row_tile(w_rows, 0, H, BLOCK_H, EVEN_H)
+    triton_pdl.await_previous_kernel(PDL)
+    inv_rms = tl.zeros([BLOCK_T], tl.float32)
+    if NORM:  # engine.triton_ops.rms_norm's arithmetic, the whole row first
+        squares = tl.zeros([BLOCK_T], tl.float32)
+        for k in range(0, H, BLOCK_H):
+            x32 = _row_tile(x_rows, k, H, BLOCK_H, EVEN_H).to(tl.float32)
+            squares += tl.sum(x32 * x32, 1)
+        inv_rms = tl.rsqrt(squares / H + eps)
+    x = _normed_tile(x_rows, norm_w_ptr, normed_ptr, inv_rms, tokens, 0, T, H,
+                     BLOCK_H, EVEN_H, NORM)  # fmt: skip
+    acc = tl.sum(x[:, None, :] * w[None, :, :], 2)
+    for k in range(BLOCK_H, H, BLOCK_H):
+        w = _row_tile(w_rows, k, H, BLOCK_H, EVEN_H)
+        x = _normed_tile(x_rows, norm_w_ptr, normed_ptr, inv_rms, tokens, k, T, H,
+                         BLOCK_H, EVEN_H, NORM)  # fmt: skip
+        acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
     out_ptrs = out_ptr + tokens[:, None] * stride_ot + experts[None, :]
     tl.store(out_ptrs, acc, mask=(tokens < T)[:, None] & (experts < E)[None, :])
+
+
+@triton.jit
+def _normed_tile(
+    x_rows, norm_w_ptr, normed_ptr, inv_rms, tokens, k, T, H,
+    BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
+    """Columns [k, k + BLOCK_H) of the tokens' rows in float32, normalized (NORM: rounded to
+    their dtype as the norm's output, which expert block 0's programs store)."""
+    x = _row_tile(x_rows, k, H, BLOCK_H, EVEN_H)
+    if not NORM:
+        return x.to(tl.float32)
+    ks = k + tl.arange(0, BLOCK_H)
+    normed = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype).to(tl.float32)
+    norm_w = tl.load(norm_w_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
+    h = (norm_w[None, :] * normed).to(normed_ptr.dtype.element_ty)
+    if tl.program_id(0) == 0:
+        mask = (tokens < T)[:, None] & (ks < H)[None, :]
+        tl.store(normed_ptr + tokens.to(tl.int64)[:, None] * H + ks[None, :], h, mask=mask)
+    return h.to(tl.float32)
+
+
+@triton.jit
+def _row_tile(rows, k, H, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr):
+    """Columns [k, k + BLOCK_H) of the rows at `rows` ([R] pointers), zero past H."""
+    ks = k + tl.arange(0, BLOCK_H)
+    if EVEN_H:
+        return tl.load(rows[:, None] + ks[None, :])
+    return tl.load(rows[:, None] + ks[None, :], mask=(ks < H)[None, :], other=0.0)
 
 
 def route_and_sort(

@@ -17,7 +17,7 @@ from engine.tests import triton_mode  # before triton: picks the interpreter on 
 
 # isort: split
 
-from engine import triton_moe, triton_moe_gemv, triton_route
+from engine import triton_moe, triton_moe_gemv, triton_ops, triton_route
 from engine.deepseek_config import MoeConfig
 from engine.fp8 import Fp8Scheme, Fp8Weight, quantize
 from engine.model import EAGER_OPS, NormInput, RMSNorm
@@ -181,6 +181,22 @@ def test_router_logits_match_f_linear(shape, dtype):
     logits = triton_route.router_logits(h, weight)
     assert logits.dtype == torch.float32 and logits.shape == (num_tokens, num_experts)
     torch.testing.assert_close(logits, F.linear(h.float(), weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("num_tokens", "hidden"), [(1, 96), (1, 4096), (5, 160)])
+def test_norm_in_the_router_kernel_equals_the_norm_kernel_then_routing(num_tokens, hidden, dtype):
+    """route_normed_tokens: the RMSNorm computed by the logits kernel's programs (hidden in one
+    K step, masked, or in two) is the norm kernel's output bit for bit, and routes as torch."""
+    moe = ROUTERS["v2_lite"]
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(num_tokens, hidden, generator=gen) * 3).to(dtype).to(DEVICE)
+    norm_weight = torch.rand(hidden, generator=gen).add(0.5).to(dtype).to(DEVICE)
+    weight = (torch.randn(64, hidden, generator=gen) * hidden**-0.5).to(DEVICE)
+    h, routing = triton_route.route_normed_tokens(x, norm_weight, 1e-6, weight, None, moe)
+    torch.testing.assert_close(h, triton_ops.rms_norm(x, norm_weight, 1e-6), atol=0, rtol=0)
+    logits = triton_route.router_logits(h, weight)
+    _assert_routes_as_torch(routing, logits, None, moe)
 
 
 def test_router_logits_leave_large_batches_to_f_linear():
