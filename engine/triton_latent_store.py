@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from engine import triton_pdl
-from engine.triton_ops import _rotate, to_cache
+from engine.triton_ops import _rotate, rms_normalized, to_cache
 
 
 def store_latent(
@@ -95,9 +95,9 @@ def _store_latent_kernel(
     x = tl.load(row + dims, mask=mask, other=0.0)
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / RANK + eps)
-    normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + dims, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst + dims, to_cache((w * normed).to(x.dtype), cache_ptr), mask=mask)
+    w = tl.load(w_ptr + dims, mask=mask, other=0.0)
+    normed = rms_normalized(x, inv_rms, w).to(x.dtype)
+    tl.store(dst + dims, to_cache(normed, cache_ptr), mask=mask)
     cos = tl.load(cos_ptr + token * HALF + half, mask=half < HALF, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + token * HALF + half, mask=half < HALF, other=0.0).to(tl.float32)
     _rotate(row + RANK, dst + RANK, 0, 0, cos, sin, 1, half, HALF, 1, INTERLEAVED)

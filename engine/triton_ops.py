@@ -26,7 +26,7 @@ import triton.language as tl
 
 from engine import triton_pdl
 
-__all__ = ["add_rms_norm", "greedy_tokens", "rms_norm", "rope", "silu_and_mul"]
+__all__ = ["add_rms_norm", "greedy_tokens", "rms_norm", "rms_normalized", "rope", "silu_and_mul"]
 
 _SILU_BLOCK = 1024
 _ARGMAX_CHUNK = 4096
@@ -159,9 +159,18 @@ def _rms_norm_kernel(
         tl.store(sum_ptr + row * width + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / width + eps)
-    normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * width + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = rms_normalized(x, inv_rms, w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * width + cols, out, mask=mask)
+
+
+@triton.jit
+def rms_normalized(x, inv_rms, weight):
+    """RMSNorm's arithmetic, for every kernel that normalizes: x (its dtype) times inv_rms in
+    fp32, rounded to x's dtype, times weight in fp32 (rounded by the caller to its output's
+    dtype). inv_rms and weight broadcast against x."""
+    normed = (x.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32)
+    return weight.to(tl.float32) * normed
 
 
 @triton.jit

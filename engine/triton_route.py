@@ -21,6 +21,7 @@ import triton.language as tl
 from engine import triton_pdl
 from engine.deepseek_config import MoeConfig
 from engine.moe import Routing, route
+from engine.triton_ops import rms_normalized
 
 _NUM_WARPS = 4
 # route_and_sort's one program: at most this many (token, slot) pairs (decode batches), and
@@ -133,7 +134,7 @@ def _logits_kernel(
     w = _row_tile(w_rows, 0, H, BLOCK_H, EVEN_H)
     triton_pdl.await_previous_kernel(PDL)
     inv_rms = tl.zeros([BLOCK_T], tl.float32)
-    if NORM:  # engine.triton_ops.rms_norm's arithmetic, the whole row first
+    if NORM:  # engine.triton_ops.rms_norm's mean square, the whole row first
         squares = tl.zeros([BLOCK_T], tl.float32)
         for k in range(0, H, BLOCK_H):
             x32 = _row_tile(x_rows, k, H, BLOCK_H, EVEN_H).to(tl.float32)
@@ -162,9 +163,8 @@ def _normed_tile(
     if not NORM:
         return x.to(tl.float32)
     ks = k + tl.arange(0, BLOCK_H)
-    normed = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype).to(tl.float32)
-    norm_w = tl.load(norm_w_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
-    h = (norm_w[None, :] * normed).to(normed_ptr.dtype.element_ty)
+    norm_w = tl.load(norm_w_ptr + ks, mask=ks < H, other=0.0)
+    h = rms_normalized(x, inv_rms[:, None], norm_w[None, :]).to(normed_ptr.dtype.element_ty)
     if tl.program_id(0) == 0:
         mask = (tokens < T)[:, None] & (ks < H)[None, :]
         tl.store(normed_ptr + tokens.to(tl.int64)[:, None] * H + ks[None, :], h, mask=mask)
