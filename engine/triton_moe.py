@@ -237,7 +237,6 @@ def _experts_and_shared(
     shared = triton_moe_gemv.Shared(shared_gate_up, shared_down)
     if not triton_moe_gemv.applies(h, gate_up, down, shared) or not h.is_contiguous():
         return None
-    residual = residual if residual.is_contiguous() else residual.contiguous()
     return triton_moe_gemv.one_token_moe(
         h, routing.weights, routing.ids, gate_up, down, shared, residual, norm_weight
     )

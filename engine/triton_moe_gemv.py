@@ -124,16 +124,14 @@ def one_token_moe(
     """A MoE layer's output for one token: residual + its routed experts (as one_token_experts)
     + its shared experts, and that times the next norm's weight [H] (engine.model.NormInput's
     `scaled`): ([1, H], [1, H])."""
-    assert applies(h, gate_up, down, shared), "the shared experts do not fit as slots"
-    out, scaled = _launch(h, weights, ids, gate_up, down, residual, shared, norm_weight)
-    return out, scaled
+    return _launch(h, weights, ids, gate_up, down, residual, shared, norm_weight)
 
 
 def _launch(h, weights, ids, gate_up, down, residual, shared, norm_weight):
     _, hidden = h.shape
     top_k = ids.shape[1]
     inter = down.shape[2]
-    assert applies(h, gate_up, down) and h.is_contiguous(), h.shape
+    assert applies(h, gate_up, down, shared) and h.is_contiguous(), h.shape
     ids = ids if ids.is_contiguous() else ids.contiguous()
     weights = weights if weights.is_contiguous() else weights.contiguous()
     pdl = triton_pdl.enabled(h.device)
