@@ -7,9 +7,10 @@ transport's notifications and hands each commit to the same method the Commit RP
 (DecodeServicer.commit), so both ways are one behaviour.
 
 The transports offer no blocking wait for notifications, so the thread polls them every
-`poll_s` while some ticket awaits its commits, and sleeps on admission otherwise: an idle
-server does not spin. A commit has reached the decode server by the time the prefill replies;
-the router's Generate then needs one more hop, against which a poll of 0.5 ms is short.
+`poll_s` while some ticket awaits its commits (asking admission whether one still does every
+RECHECK_S), and sleeps on admission otherwise: an idle server does not spin. A commit has
+reached the decode server by the time the prefill replies; the router's Generate then needs one
+more hop, against which a poll of 0.5 ms is short.
 A refused commit (its ticket expired or was aborted, a wrong byte count) has no one to answer:
 it is logged, and the ticket fails in admission as it would after a refused RPC.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from decode.admission import Admission
@@ -27,6 +29,9 @@ from proto.tandem.v1 import decode_pb2
 from transport.base import Transport, TransportError
 
 POLL_S = 0.0005
+RECHECK_S = 0.05
+"""While tickets await commits, admission is asked again this often, not at every poll: its
+count walks every live request under the lock that the RPCs take."""
 IDLE_S = 0.5
 """With no ticket awaiting commits, the transport is still read this often: a commit of a ticket
 that has since failed is logged instead of waiting in the transport."""
@@ -57,10 +62,12 @@ class CommitNotices:
 
     def _run(self) -> None:
         while not self._closed.is_set():
-            awaited = self._admission.wait_reserved(IDLE_S)
-            self._read()
-            if awaited:
-                self._closed.wait(self._poll_s)
+            if not self._admission.wait_reserved(IDLE_S):
+                self._read()
+                continue
+            recheck = time.monotonic() + RECHECK_S
+            while time.monotonic() < recheck and not self._closed.wait(self._poll_s):
+                self._read()
 
     def _read(self) -> None:
         try:
