@@ -3,7 +3,8 @@ the one-row GEMV for linear layers (engine.triton_linear). Where the GEMV applie
 the op before or after a projection:
 - the residual add after o_proj and down_proj, storing the sum times the next norm's weight too
   (`add_linear`);
-- with that, the RMSNorm before qkv_proj and gate_up_proj (`triton_linear.Prenorm`);
+- with that, the RMSNorm before qkv_proj, gate_up_proj and MLA's fused_qkv_a_proj
+  (`triton_linear.Prenorm`);
 - RoPE after qkv_proj and SwiGLU after gate_up_proj.
 Attention is the backend's."""
 
@@ -49,6 +50,13 @@ def gate_up_silu(inp: NormInput, weight: Matrix) -> tuple[torch.Tensor, torch.Te
     return triton_ops.silu_and_mul(triton_linear.linear(x, weight)), summed
 
 
+def norm_linear(
+    inp: NormInput, weight: Matrix, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x, norm, summed = _gemv_input(inp, lambda x: triton_linear.gemv_applies(x, weight))
+    return triton_linear.linear(x, weight, bias, norm), summed
+
+
 def add_linear(
     x: torch.Tensor,
     weight: Matrix,
@@ -82,4 +90,5 @@ CUDA_OPS = ModelOps(
     qkv_rope=qkv_rope,
     gate_up_silu=gate_up_silu,
     add_linear=add_linear,
+    norm_linear=norm_linear,
 )

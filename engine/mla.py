@@ -125,9 +125,9 @@ class MlaAttention(nn.Module):
         """next_norm(attention output + the input's x + residual); writes the new tokens'
         latent rows into kv_cache = (latent plane,)."""
         mla = self.mla
-        h, residual = inp.compute(self.ops)
-        tokens = h.shape[0]
-        q, kv_a = self.fused_qkv_a_proj(h).split([self.q_a_rows, mla.latent_dim], dim=-1)
+        qkv_a, residual = self.ops.norm_linear(inp, self.fused_qkv_a_proj.matrix, None)
+        tokens = qkv_a.shape[0]
+        q, kv_a = qkv_a.split([self.q_a_rows, mla.latent_dim], dim=-1)
         if mla.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(tokens, self.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim)
@@ -138,7 +138,7 @@ class MlaAttention(nn.Module):
             cache, kv_a, q_pe, norm.weight, norm.eps, cos, sin,
             mla.rope_interleave, meta.slot_mapping,
         )  # fmt: skip
-        w = self._kv_b(h.dtype)
+        w = self._kv_b(qkv_a.dtype)
         if meta.max_query_len == 1:  # decode only: the backend's kernels (CUDA-graph safe)
             o = self.backend.decode_attention(q_nope, q_pe, cache, meta, w, self.scale)
         else:

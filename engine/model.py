@@ -130,6 +130,14 @@ def gate_up_silu(inp: NormInput, weight: Matrix) -> tuple[torch.Tensor, torch.Te
     return silu_and_mul(linear(h, weight, None)), summed
 
 
+def norm_linear(
+    inp: NormInput, weight: Matrix, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projection of the normalized input, and the input's x + residual."""
+    h, summed = inp.compute(EAGER_OPS)
+    return linear(h, weight, bias), summed
+
+
 def add_linear(
     x: torch.Tensor,
     weight: Matrix,
@@ -156,6 +164,7 @@ class ModelOps:
     qkv_rope: Callable[..., tuple[torch.Tensor, ...]]
     gate_up_silu: Callable[[NormInput, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     add_linear: Callable[..., NormInput]
+    norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # Logits of a shard of the vocabulary -> of all of it (tensor parallelism's lm_head,
     # engine/tensor_parallel.py); the identity on one device.
     gather_vocab: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
@@ -164,7 +173,9 @@ class ModelOps:
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
-EAGER_OPS = ModelOps(rms_norm, add_rms_norm, rope, linear, qkv_rope, gate_up_silu, add_linear)
+EAGER_OPS = ModelOps(
+    rms_norm, add_rms_norm, rope, linear, qkv_rope, gate_up_silu, add_linear, norm_linear
+)
 
 
 class Linear(nn.Linear):

@@ -88,11 +88,18 @@ class Prenorm(NamedTuple):
     eps: float
 
 
-def linear(x: torch.Tensor, weight: Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with one-row CUDA inputs computed by the GEMV kernel and fp8 matrices by
-    engine.triton_fp8_gemm otherwise."""
+def linear(
+    x: torch.Tensor,
+    weight: Matrix,
+    bias: torch.Tensor | None = None,
+    norm: Prenorm | None = None,
+) -> torch.Tensor:
+    """F.linear, with one-row CUDA inputs computed by the GEMV kernel (which applies `norm`
+    where given: x is then the scaled input) and fp8 matrices by engine.triton_fp8_gemm
+    otherwise."""
     if gemv_applies(x, weight):
-        return _gemv(x, weight, bias, _STORE, weight.shape[0])
+        return _gemv(x, weight, bias, _STORE, weight.shape[0], norm=norm)
+    assert norm is None, "a Prenorm needs the GEMV: check gemv_applies first"
     if isinstance(weight, Fp8Weight):
         return triton_fp8_gemm.linear(x, weight, bias)
     return F.linear(x, weight, bias)

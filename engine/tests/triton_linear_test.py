@@ -142,10 +142,11 @@ def test_rope_epilogue_equals_the_separate_kernels(heads, kv_heads, head_dim, hi
     ],
 )
 def test_residual_add_and_norm_in_the_gemvs(heads, kv_heads, head_dim, hidden, dtype):
-    """o_proj's GEMV adds the residual and stores the sum times the next norm's weight; qkv_proj's
-    and gate_up_proj's then apply the norm. The sum is bit for bit the separate add's; the
-    products are close to float64, and no further from it than those of the norm's own kernel
-    followed by the same GEMVs (the fused path does not round the normalized input)."""
+    """o_proj's GEMV adds the residual and stores the sum times the next norm's weight; qkv_proj's,
+    gate_up_proj's and a plain projection's (MLA's fused_qkv_a_proj) then apply the norm. The
+    sum is bit for bit the separate add's; the products are close to float64, and no further
+    from it than those of the norm's own kernel followed by the same GEMVs (the fused path does
+    not round the normalized input)."""
     gen = torch.Generator().manual_seed(8)
     o_w = _weight(gen, hidden, heads * head_dim, dtype)
     qkv_w = _weight(gen, (heads + 2 * kv_heads) * head_dim, hidden, dtype)
@@ -154,6 +155,7 @@ def test_residual_add_and_norm_in_the_gemvs(heads, kv_heads, head_dim, hidden, d
     residual = (torch.randn(1, hidden, generator=gen) * 3).to(dtype).to(DEVICE)
     norm_w = (1 + torch.rand(hidden, generator=gen)).to(dtype).to(DEVICE)
     cos, sin = _angles(head_dim, dtype)
+    plain_w = _weight(gen, 3 * head_dim, hidden, dtype)
 
     inp = cuda_ops.add_linear(attn, o_w, residual, norm_w, 1e-5)
     # The norm's kernel stores the sum as it would be without the fusion.
@@ -166,18 +168,23 @@ def test_residual_add_and_norm_in_the_gemvs(heads, kv_heads, head_dim, hidden, d
     assert torch.allclose(inp.scaled.float(), expected_scaled, rtol=one_rounding, atol=0)
     *qkv, summed = cuda_ops.qkv_rope(inp, qkv_w, None, cos, sin, heads, kv_heads)
     act, mlp_summed = cuda_ops.gate_up_silu(inp, gate_up_w)
-    assert summed is inp.x and mlp_summed is inp.x
+    projected, plain_summed = cuda_ops.norm_linear(inp, plain_w, None)
+    assert summed is inp.x and mlp_summed is inp.x and plain_summed is inp.x
 
     rotated = (heads + kv_heads) * head_dim
     separate_qkv = model.split_heads(
         triton_linear.linear_rope(h, qkv_w, None, cos, sin, head_dim, rotated), heads, kv_heads
     )
     separate = (*separate_qkv, triton_linear.linear_silu(h, gate_up_w))
+    separate += (triton_linear.linear(h, plain_w),)
     h64 = model.rms_norm(expected_sum.double(), norm_w.double(), 1e-5)
     q64, k64, v64 = model.split_heads(F.linear(h64, qkv_w.double()), heads, kv_heads)
     exact = (*model.rope(q64, k64, cos.double(), sin.double()), v64)
-    exact += (model.silu_and_mul(F.linear(h64, gate_up_w.double())),)
-    for ours, theirs, ref in zip((*qkv, act), separate, exact, strict=True):
+    exact += (
+        model.silu_and_mul(F.linear(h64, gate_up_w.double())),
+        F.linear(h64, plain_w.double()),
+    )
+    for ours, theirs, ref in zip((*qkv, act, projected), separate, exact, strict=True):
         error = _relative_error(ours, ref)
         assert error < 2 * TOLERANCE[dtype]  # rounded twice
         assert error < 1.5 * _relative_error(theirs, ref)  # no worse than the separate kernels
