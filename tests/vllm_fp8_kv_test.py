@@ -8,7 +8,8 @@ Greedy tokens must equal vLLM's own with its fp8 cache (the same vLLM process an
 request without a ticket), for a short prompt and one prefilled in several chunks; the decode
 server must have had exactly the prompt's fp8 KV committed (one byte an element); and a decode
 server whose KV cache is float32 must refuse vLLM's fp8 cache, naming both, the request failing
-at once."""
+at once. vLLM's CPU build holds an fp8 cache only on CPUs with AVX-512 or AMX: elsewhere those
+tests cannot run, and vLLM started with the flag must stop at start-up naming what is missing."""
 
 from __future__ import annotations
 
@@ -21,8 +22,18 @@ from transformers import AutoTokenizer
 
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from tests.servers import MODEL, counter, metrics_url, start_decode
-from tests.vllm_servers import MAX_BATCHED_TOKENS, complete, generate, prefill, start_vllm, stop
+from tests.vllm_servers import (
+    MAX_BATCHED_TOKENS,
+    complete,
+    fp8_kv_refusal,
+    generate,
+    prefill,
+    start_vllm,
+    stop,
+)
 
+REFUSAL = fp8_kv_refusal()
+needs_fp8_cpu = pytest.mark.skipif(REFUSAL is not None, reason=f"vLLM on this CPU: {REFUSAL}")
 NEW_TOKENS = 12
 FP8 = ("--kv-cache-dtype", "fp8")
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64  # layers, K and V, KV heads, head_dim: one byte each
@@ -69,6 +80,7 @@ def _generate(stub, ticket, first_token: int) -> list[int]:
     return generate(stub, ticket, first_token, NEW_TOKENS)
 
 
+@needs_fp8_cpu
 def test_vllms_fp8_kv_decoded_by_tandem_equals_vllm_alone(stack, prompts):
     address, http = stack
     metrics = metrics_url(address)
@@ -84,6 +96,7 @@ def test_vllms_fp8_kv_decoded_by_tandem_equals_vllm_alone(stack, prompts):
         assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
+@needs_fp8_cpu
 def test_a_float32_decode_server_refuses_vllms_fp8_kv_naming_both(stack, prompts):
     _, http = stack
     decode, address = start_decode("tcp")
@@ -100,3 +113,9 @@ def test_a_float32_decode_server_refuses_vllms_fp8_kv_naming_both(stack, prompts
             assert "decode has 'float32', sender has 'fp8_e4m3'" in details, details
     finally:
         stop(decode)
+
+
+@pytest.mark.skipif(REFUSAL is None, reason="this CPU holds vLLM's fp8 cache: the tests above run")
+def test_vllm_refuses_an_fp8_cache_at_start_up_on_a_cpu_that_cannot_hold_one():
+    with pytest.raises(RuntimeError, match="FP8 KV cache on CPU requires x86 with AVX-512 or AMX"):
+        stop(start_vllm("tcp", *FP8)[0])

@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 
 import httpx
+import torch
 
 from prefill.ticket import transfer_params
 from prefill.vllm_launch import READY, free_port, vllm_args
@@ -44,6 +45,18 @@ def start_vllm(
     args = vllm_args(model, "127.0.0.1", port, "float32", transport, *SMALL, *extra)
     proc, _ = start(args, READY, timeout=300)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def fp8_kv_refusal() -> str | None:
+    """Why vLLM's CPU build refuses an fp8 KV cache on this machine (it needs AVX-512 or AMX),
+    by vLLM's own check; None where it takes one."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        _get_attn_isa(torch.float32, 16, 64, "fp8")
+    except NotImplementedError as e:
+        return str(e)
+    return None
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -39,10 +39,25 @@ def _vllm_cpu_write(isa, kv_cache_dtype="auto"):
     return write
 
 
-def _isa_vllm_picks(dtype, block_size, head_dim):
+def _isa_vllm_picks(dtype, block_size, head_dim, kv_cache_dtype=None):
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    return _get_attn_isa(dtype, block_size, head_dim)
+    return _get_attn_isa(dtype, block_size, head_dim, kv_cache_dtype)
+
+
+def _fp8_refusal() -> str | None:
+    """Why vLLM's CPU kernels hold no fp8 cache on this machine (they need AVX-512 or AMX), by
+    vLLM's own check; None where they do."""
+    try:
+        _isa_vllm_picks(torch.float32, 32, DIM, "fp8")
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+FP8_REFUSAL = _fp8_refusal()
+needs_fp8_cpu = pytest.mark.skipif(FP8_REFUSAL is not None, reason=f"vLLM: {FP8_REFUSAL}")
+AMX = torch.cpu._is_amx_tile_supported()
 
 
 # (block size, head_dim): vLLM's default CPU block; small blocks and wide heads; a head_dim
@@ -68,6 +83,7 @@ def test_the_plain_kernels_are_read_as_vllm_cpu_on_every_machine():
         assert detect_cpu_layout(like, HEADS, DIM, _vllm_cpu_write("vec")) == "vllm-cpu"
 
 
+@needs_fp8_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_fp8_cache_is_read_through_the_same_layouts(dtype):
     """vLLM's fp8 KV cache on CPU (uint8 to vLLM, e4m3 bytes at scale 1): the layout of the
@@ -91,6 +107,7 @@ def test_an_fp8_cache_is_read_through_the_same_layouts(dtype):
     assert torch.equal(token_rows(views.v, blocks, rows), codes)
 
 
+@needs_fp8_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tandems_fp8_kv_write_stores_the_bytes_vllms_cpu_kernel_stores(dtype):
     """engine.attention.to_cache against vLLM's own fp8 cache write, on values from subnormal to
@@ -187,7 +204,8 @@ def _cpu_mla_write(latent, cache, slots) -> None:
 
 
 def _amx_mla_write(latent, cache, slots) -> None:
-    """AMX_MLA's store (its kernel runs on any x86 CPU; bf16 only)."""
+    """AMX_MLA's store (bf16 only; in vLLM's build for CPUs with AMX tiles, where vLLM picks
+    AMX_MLA for MLA models)."""
     from vllm import _custom_ops as ops
 
     kv_c, k_pe = latent[:, :KV_LORA].contiguous(), latent[:, KV_LORA:].contiguous()
@@ -199,7 +217,13 @@ def _amx_mla_write(latent, cache, slots) -> None:
     [
         ("CPU_MLA", _cpu_mla_write, torch.float32, 16),  # the CPU platform's block size for it
         ("CPU_MLA", _cpu_mla_write, torch.bfloat16, 16),
-        ("AMX_MLA", _amx_mla_write, torch.bfloat16, 32),
+        pytest.param(
+            "AMX_MLA",
+            _amx_mla_write,
+            torch.bfloat16,
+            32,
+            marks=pytest.mark.skipif(not AMX, reason="no AMX tiles: vLLM runs CPU_MLA here"),
+        ),
     ],
 )
 def test_the_latent_view_reads_what_vllms_cpu_mla_kernels_wrote(backend, write, dtype, block_size):
