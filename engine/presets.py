@@ -139,6 +139,9 @@ PRESETS["tiny-fp8"] = dataclasses.replace(PRESETS["tiny"], fp8=Fp8Scheme(48, 48)
 PRESETS["tiny-8l"] = dataclasses.replace(PRESETS["tiny"], num_layers=8)
 # 32x32 blocks (powers of two, as real checkpoints' 128): the one-row GEMV on CUDA steps by them.
 PRESETS["tiny-fp8-b32"] = dataclasses.replace(PRESETS["tiny"], fp8=Fp8Scheme(32, 32))
+# tiny-kv4 in fp8 with 64x64 blocks: TP 2 leaves each rank whole blocks, TP 4 does not (one
+# KV head of 32 rows a rank).
+PRESETS["tiny-kv4-fp8"] = dataclasses.replace(PRESETS["tiny-kv4"], fp8=Fp8Scheme(64, 64))
 
 # A DeepSeek-V3-shaped model for CPU tests: one dense layer, then MoE layers of 8 routed experts
 # (top-2 from the best group of 2) and a shared one; MLA with a q bottleneck; YaRN RoPE.

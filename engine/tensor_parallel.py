@@ -16,7 +16,8 @@ ties the ranks together.
 Every rank computes the same hidden states (an all-reduce hands every rank the same sum), so
 rank 0 alone samples. Weights come from the same Hugging Face-named tensors as on one device,
 each cut to the rank's part by `TpShape.shard` (a checkpoint's, or random ones drawn whole:
-engine.weights.random_checkpoint), so TP N holds exactly the weights of TP 1.
+engine.weights.random_checkpoint), so TP N holds exactly the weights of TP 1. An fp8 matrix's
+block scales are cut with it: each rank's part must hold whole blocks, as in vLLM.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from engine.model import CausalLM, Linear, ModelOps, NormInput
 _ROW_SPLIT = ("q_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 _COLUMN_SPLIT = ("o_proj", "down_proj")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+# An fp8 checkpoint's scales: per [block_n, block_k] block of a matrix, split with it as the
+# matrix is (whole blocks: _check_fp8_blocks), or one per tensor, which every part keeps.
+_SCALES = {"weight_scale_inv": "blocks", "weight_scale": "tensor"}
 
 
 def check_supported(model_config: ModelConfig, size: int) -> None:
@@ -44,8 +48,6 @@ def check_supported(model_config: ModelConfig, size: int) -> None:
     if size == 1:
         return
     what = f"tensor_parallel_size {size}"
-    if model_config.fp8 is not None:
-        raise ValueError(f"{what}: fp8 weights run at tensor_parallel_size 1 only so far")
     kv_heads = model_config.num_kv_heads
     if kv_heads % size and size % kv_heads:
         raise ValueError(
@@ -58,6 +60,62 @@ def check_supported(model_config: ModelConfig, size: int) -> None:
     for field, value in sizes.items():
         if value % size:
             raise ValueError(f"{what} does not divide the model's {field} ({value})")
+    _check_fp8_blocks(model_config, size)
+
+
+def _check_fp8_blocks(config: ModelConfig, size: int) -> None:
+    """A rank's part of a block-scaled fp8 matrix must hold whole scale blocks (its rows a
+    multiple of block_n where rows are split, its columns of block_k where columns are), so
+    that its scales are the checkpoint's blocks it covers, as vLLM requires."""
+    fp8 = config.fp8
+    if fp8 is None or fp8.block_n is None:
+        return  # per-tensor scales: every part keeps the tensor's one scale
+    for projection, split, per_rank in _split_parts(config, size):
+        block = fp8.block_n if split == "rows" else fp8.block_k
+        if per_rank % block:
+            fits = [1] + [s for s in range(2, size) if size % s == 0 and _blocks_fit(config, s)]
+            raise ValueError(
+                f"tensor_parallel_size {size}: each rank's part of {projection} is {per_rank} "
+                f"{split}, not a multiple of the fp8 scale blocks' {block} "
+                f"(weight_block_size {[fp8.block_n, fp8.block_k]}); tensor_parallel_size "
+                f"{', '.join(map(str, fits))} would split it"
+            )
+
+
+def _blocks_fit(config: ModelConfig, size: int) -> bool:
+    fp8 = config.fp8
+    return all(
+        per_rank % (fp8.block_n if split == "rows" else fp8.block_k) == 0
+        for _, split, per_rank in _split_parts(config, size)
+    )
+
+
+def _split_parts(config: ModelConfig, size: int) -> list[tuple[str, str, int]]:
+    """(projection, "rows" or "columns", how many of them a rank holds) of each split matrix."""
+    heads = config.num_heads // size
+    mla, moe = config.mla, config.moe
+    if mla is None:
+        kv_rows = len(rank_kv_heads(config.num_kv_heads, size, 0)) * config.head_dim
+        parts = [
+            ("q_proj", "rows", heads * config.head_dim),
+            ("k_proj and v_proj", "rows", kv_rows),
+            ("o_proj", "columns", heads * config.head_dim),
+        ]
+    else:
+        q_name = "q_proj" if mla.q_lora_rank is None else "q_b_proj"
+        parts = [
+            (q_name, "rows", heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)),
+            ("kv_b_proj", "rows", heads * (mla.qk_nope_head_dim + mla.v_head_dim)),
+            ("o_proj", "columns", heads * mla.v_head_dim),
+        ]
+    if moe is None or moe.first_k_dense_replace > 0:
+        mlp = config.intermediate_size // size
+        parts += [("gate_proj and up_proj", "rows", mlp), ("down_proj", "columns", mlp)]
+    if moe is not None:
+        experts = moe.moe_intermediate_size // size
+        parts += [("the experts' gate_proj and up_proj", "rows", experts)]
+        parts += [("the experts' down_proj", "columns", experts)]
+    return parts
 
 
 def kv_head_replicas(num_kv_heads: int, size: int) -> int:
@@ -129,11 +187,17 @@ class TpShape:
             rows = tensor[self.vocab_start : self.vocab_start + self.vocab_rows]
             padding = self.vocab_rows - rows.shape[0]
             return F.pad(rows, (0, 0, 0, padding)) if padding else rows
-        module = name.rsplit(".", 2)[-2]
+        module, leaf = name.rsplit(".", 2)[-2:]
+        scales = _SCALES.get(leaf)
+        if scales == "tensor":
+            return tensor  # one fp8 scale for the whole tensor: every part keeps it
+        config = self.model_config
         if module in ("k_proj", "v_proj"):  # the rank's KV heads, replicated if fewer than ranks
-            config = self.model_config
             heads = rank_kv_heads(config.num_kv_heads, self.size, self.rank)
-            return tensor[heads.start * config.head_dim : heads.stop * config.head_dim]
+            start, stop = heads.start * config.head_dim, heads.stop * config.head_dim
+            if scales == "blocks":  # _check_fp8_blocks: the heads' rows are whole blocks
+                start, stop = start // config.fp8.block_n, stop // config.fp8.block_n
+            return tensor[start:stop]
         if module in _ROW_SPLIT:
             return tensor.chunk(self.size, dim=0)[self.rank]
         if module in _COLUMN_SPLIT:

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.fp8 import FP8_DTYPE, Fp8Scheme, quantize
+from engine.fp8 import FP8_DTYPE, quantize
 from engine.model import CausalLM
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -143,87 +143,76 @@ def init_random_weights(
     from those, with the config's block scales), norms 1, biases 0.
 
     std 0.02 (Hugging Face's initializer_range) keeps activations and logits finite at any
-    depth; the same seed on the same device gives the same weights.
+    depth; the same seed on the same device gives the same weights. They are loaded as the
+    checkpoint random_checkpoint writes, so a tensor-parallel rank that loads its part of that
+    checkpoint holds exactly this model's weights.
     """
-    _check_dtype(dtype)
-    _materialize(model, dtype, device)
-    scales = {  # an fp8 matrix -> its scales
-        id(getattr(m, name)): getattr(m, name + SCALE)
-        for m in model.modules()
-        if getattr(m, "fp8", None) is not None
-        for name in m.fp8_parameters
-    }
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, drawn in _random_draws(model, seed, device):
-            param = params[name]
-            if id(param) in scales:  # drawn in float32, then quantized as a checkpoint is
-                _quantize_into(drawn, param, scales[id(param)], model.config.fp8)
-            else:
-                param.copy_(drawn)
-    model.init_buffers()
+    names, tensors = random_checkpoint(model, seed, dtype, device)
+    load_tensors(model, names, tensors, dtype, device, "random weights")
 
 
 def random_checkpoint(
     model: CausalLM, seed: int, dtype: torch.dtype, device: torch.device | str
 ) -> tuple[list[str], Iterator[tuple[str, torch.Tensor]]]:
-    """The weights init_random_weights gives `model` (meta-built, left as it is), as Hugging
-    Face-named tensors drawn one parameter at a time: a tensor-parallel rank loads its part of
-    them (load_tensors with a shard) and so holds the same weights as one device would."""
+    """The Hugging Face-named tensors of deterministic random weights for the meta-built
+    `model` (left on the meta device), drawn one parameter at a time: matrices N(0, 0.02), norms
+    1, biases 0. An fp8 matrix is drawn in float32 and each of its checkpoint tensors (a fused
+    projection's parts, a stack's experts) quantized as an FP8 checkpoint's are, yielded with
+    its scales."""
     parts: dict[str, list[tuple[str, Index]]] = {}
     for hf_name, (param_name, rows) in _targets(model).items():
         parts.setdefault(param_name, []).append((hf_name, rows))
     names = [hf_name for param_parts in parts.values() for hf_name, _ in param_parts]
     _set_dtypes(model, dtype)
+    fp8 = _fp8_matrices(model)
+    scheme = getattr(model.config, "fp8", None)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for param_name, drawn in _random_draws(model, seed, device):
-            for hf_name, rows in parts[param_name]:
-                yield hf_name, drawn[rows]
+        generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
+        for name, param in model.named_parameters():
+            if name.endswith(SCALE):
+                continue
+            drawn = _draw(name, param, name in fp8, generator, device)
+            if name not in fp8:
+                for hf_name, rows in parts[name]:
+                    yield hf_name, drawn[rows]
+                continue
+            for (hf_name, rows), (scale_name, _) in zip(
+                parts[name], parts[name + SCALE], strict=True
+            ):
+                q, scale = quantize(drawn[rows], scheme)
+                yield hf_name, q
+                yield scale_name, scale
 
     return names, tensors()
 
 
-def _random_draws(
-    model: CausalLM, seed: int, device: torch.device | str
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(parameter name, its random value) in parameter order: norms 1, biases 0, matrices
-    N(0, 0.02) drawn in the parameter's dtype from one generator (fp8 ones in float32, their
-    scales left out); the parameters may be on the meta device."""
-    generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
-    fp8 = {
-        id(getattr(m, name))
-        for m in model.modules()
+def _fp8_matrices(model: nn.Module) -> set[str]:
+    """The names of the model's fp8 matrices (each has its scales beside it: `<name>_scale`)."""
+    return {
+        f"{module_name}.{name}" if module_name else name
+        for module_name, m in model.named_modules()
         if getattr(m, "fp8", None) is not None
         for name in m.fp8_parameters
     }
-    for name, param in model.named_parameters():
-        if name.endswith(SCALE):
-            continue
-        # An fp8 matrix is drawn in float32 and quantized by the caller.
-        drawn_dtype = torch.float32 if id(param) in fp8 else param.dtype
-        drawn = torch.empty(param.shape, dtype=drawn_dtype, device=device)
-        if name.endswith("norm.weight"):
-            drawn.fill_(1.0)
-        elif name.endswith(".bias"):
-            drawn.zero_()
-        else:
-            drawn.normal_(0.0, 0.02, generator=generator)
-        yield name, drawn
 
 
-def _quantize_into(
-    w: torch.Tensor, param: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme
-) -> None:
-    """Each [N, K] matrix of w ([N, K], or stacked [experts, N, K]) quantized into param, its
-    scales expanded into scale."""
-    for matrix, q_out, scale_out in zip(
-        w.view(-1, *w.shape[-2:]), param.view(-1, *w.shape[-2:]),
-        scale.view(-1, *scale.shape[-2:]), strict=True,
-    ):  # fmt: skip
-        q, block_scales = quantize(matrix, scheme)
-        q_out.copy_(q)
-        scale_out.copy_(scheme.expand_scale(block_scales, q.shape[0]))
+def _draw(
+    name: str,
+    param: torch.Tensor,
+    fp8: bool,
+    generator: torch.Generator,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """A parameter's random value (`param` may be on the meta device): norms 1, biases 0,
+    matrices N(0, 0.02) drawn in the parameter's dtype (an fp8 one's in float32, to be
+    quantized)."""
+    drawn = torch.empty(param.shape, dtype=torch.float32 if fp8 else param.dtype, device=device)
+    if name.endswith("norm.weight"):
+        return drawn.fill_(1.0)
+    if name.endswith(".bias"):
+        return drawn.zero_()
+    return drawn.normal_(0.0, 0.02, generator=generator)
 
 
 def _check_dtype(dtype: torch.dtype) -> None:

@@ -7,12 +7,14 @@ import torch
 
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
+from engine.fp8 import Fp8Scheme
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
 from engine.speculative import SpeculativeConfig
 from engine.tensor_parallel import TpShape
 from engine.tests.tiny_hf import hf_deepseek, hf_model
+from tools.fp8_checkpoint import quantize_folder
 
 GREEDY = SamplingParams(temperature=0.0)
 # Staggered lengths, one longer than a prefill chunk: chunked prefill, mixed and decode steps.
@@ -86,6 +88,26 @@ def test_tp2_from_a_checkpoint_equals_tp1(tmp_path, kind):
     assert _generate(_config(str(tmp_path), tp=2), prompts) == one
 
 
+def test_fp8_weights_tp2_equal_tp1():
+    # Random weights quantized as a checkpoint's (64x64 blocks), each rank's part cut from it
+    # with its scales: whole blocks of every split matrix.
+    prompts = [[1, 5, 9, 200, 30], list(range(100, 160))]
+    one = _generate(_config("random:tiny-kv4-fp8"), prompts)
+    assert _generate(_config("random:tiny-kv4-fp8", tp=2), prompts) == one
+
+
+@pytest.mark.parametrize("blocks", [(8, 8), (None, None)], ids=["blocks", "per-tensor"])
+def test_deepseek_fp8_checkpoint_tp2_equals_tp1(tmp_path, blocks):
+    # Every projection fp8 (q_proj, kv_b_proj and o_proj split by heads, the latent's
+    # replicated, experts by channels); 8x8 blocks cut with the matrices, or one scale a tensor
+    # that every rank keeps.
+    hf_deepseek(q_lora_rank=None).save_pretrained(tmp_path / "src")
+    quantize_folder(tmp_path / "src", tmp_path / "fp8", Fp8Scheme(*blocks))
+    prompts = [[3, 7, 11, 50], [9] * 20]
+    one = _generate(_config(str(tmp_path / "fp8")), prompts)
+    assert _generate(_config(str(tmp_path / "fp8"), tp=2), prompts) == one
+
+
 def test_tp2_ngram_speculation_equals_tp1():
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3)
     prompts = [[5, 6, 7, 8] * 6, [1, 2, 3]]
@@ -116,6 +138,12 @@ def test_configurations_that_do_not_split_are_refused_before_starting():
         LLMEngine.build(_config(tp=3))
     with pytest.raises(ValueError, match=r"does not divide the model's num_heads \(4\)"):
         LLMEngine.build(_config("random:deepseek-tiny", tp=8))
+    with pytest.raises(
+        ValueError,
+        match=r"each rank's part of k_proj and v_proj is 32 rows, not a multiple of the fp8 "
+        r"scale blocks' 64 \(weight_block_size \[64, 64\]\); tensor_parallel_size 1, 2 would",
+    ):
+        LLMEngine.build(_config("random:tiny-kv4-fp8", tp=4))
     spec = SpeculativeConfig("draft_model", 2, model="random:tiny-kv4")
     with pytest.raises(ValueError, match="draft_model runs at tensor_parallel_size 1"):
         _config(tp=2, speculative_config=spec)
