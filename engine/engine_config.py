@@ -105,10 +105,10 @@ class EngineConfig:
         if size == 1:
             return
         spec = self.speculative_config
-        if spec is not None and spec.method != "ngram":
+        if spec is not None and spec.method not in ("ngram", "draft_model"):
             raise ValueError(
                 f"speculative_config: {spec.method} runs at tensor_parallel_size 1 only so far "
-                "(ngram runs at any)"
+                "(ngram and draft_model run at any)"
             )
 
     @property

@@ -49,9 +49,10 @@ def build_parts(
     # Before any graph is captured: the graphs then keep them too.
     model.model.aux_layers = eagle3_aux_layers(config, model_config)
     dtype = DTYPES[config.dtype]
-    draft = load_draft_model(config, model_config)
+    # Speculation runs on rank 0 alone, its proposer whole (decode/kv_shards.py).
+    draft = load_draft_model(config, model_config) if tp is None or tp.shape.rank == 0 else None
     token_bytes = model_config.kv_bytes_per_token(config.kv_dtype)
-    token_bytes += extra_kv_bytes_per_token(config, model_config, draft)
+    token_bytes += extra_kv_bytes_per_token(config)
     block_bytes = token_bytes * config.block_size
     num_blocks = int(config.kv_cache_gb * 2**30) // block_bytes
     if num_blocks < 1:

@@ -40,7 +40,10 @@ def load_draft_model(config: EngineConfig, target: ModelConfig) -> Draft | None:
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
-    draft_config = replace(config, model=spec.model, speculative_config=None)
+    # Whole on this device at any tensor_parallel_size: speculation runs on rank 0 alone.
+    draft_config = replace(
+        config, model=spec.model, speculative_config=None, tensor_parallel_size=1
+    )
     model_config, model = load_model(draft_config)
     if model_config.vocab_size != target.vocab_size:
         raise ValueError(
@@ -56,12 +59,11 @@ def load_draft_model(config: EngineConfig, target: ModelConfig) -> Draft | None:
     return model_config, model
 
 
-def extra_kv_bytes_per_token(config: EngineConfig, target: ModelConfig, draft: Draft | None) -> int:
-    """KV bytes a token takes besides the target's: its draft model's or MTP layers' (their
-    caches have the target's block count: they share block ids)."""
-    if draft is not None:
-        return draft[0].kv_bytes_per_token(config.kv_dtype)
-    extra = mtp_config(config, target) or _eagle3_layer(config)
+def extra_kv_bytes_per_token(config: EngineConfig) -> int:
+    """KV bytes a token takes besides the target's: its proposer's (their caches have the
+    target's block count: they share block ids). Every tensor-parallel rank counts them, so
+    that all have the same block count, though only rank 0 speculates."""
+    extra = proposer_cache_config(config)
     return 0 if extra is None else extra.kv_bytes_per_token(config.kv_dtype)
 
 

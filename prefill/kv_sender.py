@@ -394,7 +394,7 @@ class KvSender:
         num_tokens = session.ticket.num_tokens
         nbytes = valid_bytes(num_tokens, heads, self.token_bytes, model_layers, planes)
         spec = self.speculative
-        if layers > model_layers:
+        if layers > model_layers and session.writes_proposer:
             extra = layers - model_layers
             nbytes += valid_bytes(num_tokens, spec.num_heads, spec.token_bytes, extra, spec.planes)
         return nbytes

@@ -120,8 +120,14 @@ class LayerwiseSend:
 
     def proposer_ready(self) -> None:
         """Called on the engine thread once the proposer's KV of the prompt was written
-        (LLMEngine.fill_proposer)."""
+        (LLMEngine.fill_proposer); on a tensor-parallel rank without the proposer (it runs on
+        rank 0 alone), when the prompt's send ends: its layers complete with no writes."""
         written, first = self._written(), len(self.kv_cache.kv_caches)
+        if self.proposer_cache is None:
+            self.session.writes_proposer = False
+            for i in range(self.sender.speculative.num_layers):
+                self.sender.post(self.session, _no_writes, None, completes_layer=first + i)
+            return
         for i in range(len(self.proposer_cache.kv_caches)):
             ops = partial(self._proposer_ops, i)
             self.sender.post(self.session, ops, written, completes_layer=first + i)
@@ -185,6 +191,10 @@ def _plane_addresses(planes) -> list[int]:
     if isinstance(planes, tuple | list):
         return [plane.data_ptr() for plane in planes]
     return [planes.k.addr, planes.v.addr] if planes.HasField("v") else [planes.k.addr]
+
+
+def _no_writes(target: Target) -> list[WriteOp]:
+    return []
 
 
 def _block_layout(cache: KVCache) -> BlockLayout:

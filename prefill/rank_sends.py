@@ -145,6 +145,8 @@ class PrefillRankAgent:
             self._store.set(key, "")
             return
         send = self.sends.pop(request_id)
+        if self._rank_sender.sender.speculative is not None:
+            send.proposer_ready()  # rank 0 alone holds the proposer: its layers, no writes
         done = self._rank_sender.sender.finish(send.session)
         done.add_done_callback(lambda f: self._report(key, f.result()))
 

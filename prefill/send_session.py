@@ -77,6 +77,9 @@ class SendSession:
     dst_layout: BlockLayout | None = None
     proposer_dst_layout: BlockLayout | None = None
     """The decode server's speculative proposer cache, when the layout has one."""
+    writes_proposer: bool = True
+    """Whether this sender writes the proposer's layers: the one rank holding the proposer
+    does; every other completes them with no writes (and no bytes)."""
     src_blocks: list[int] = field(default_factory=list)
     """The adapter's: the request's blocks in its engine's cache, in token order."""
     connected: threading.Event = field(default_factory=threading.Event)

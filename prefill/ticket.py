@@ -182,11 +182,13 @@ def _speculative_problem(ticket: decode_pb2.Ticket) -> str | None:
             f"{ticket.speculative_head_stride_bytes} bytes is not one HND block "
             f"({ticket.layout.block_size} tokens x {spec.token_bytes} bytes)"
         )
-    layers = [layer for shard in ticket.shards for layer in shard.speculative_layers]
-    if len(layers) != spec.num_layers or len(ticket.shards) != 1:
+    # The proposer runs whole on one decode rank: one shard lists all its layers.
+    holders = [shard.speculative_layers for shard in ticket.shards if shard.speculative_layers]
+    if len(holders) != 1 or len(holders[0]) != spec.num_layers:
         return (
             f"ticket {ticket.request_id}: not the proposer's {spec.num_layers} layers in one shard"
         )
+    layers = holders[0]
     if any(layer.HasField("v") != (spec.planes == 2) for layer in layers):
         return f"ticket {ticket.request_id}: proposer regions do not hold {spec.planes} plane(s)"
     return None

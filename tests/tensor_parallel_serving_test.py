@@ -232,6 +232,42 @@ def test_kv_heads_replicated_over_ranks_are_sent_once_and_received_by_each(tmp_p
         stop(*reversed(procs))
 
 
+def test_a_draft_model_through_tp2_prefill_and_decode_accepts_every_proposal(folder, reference):
+    # The model drafting for itself on rank 0 of each server (whole, its KV cache there): the
+    # prefill's rank 0 computes the draft's prompt KV and sends it with its heads into the
+    # decode's rank 0, whose proposals the decode ranks verify together.
+    spec = json.dumps({"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3})
+    model = ["--model", str(folder), *ARGS, "--transport", "tcp", "--tensor-parallel-size", "2",
+             "--speculative-config", spec]  # fmt: skip
+    procs = []
+    try:
+        decode, m = start(
+            ["decode.server", *model, "--grpc-port", "0", "--metrics-port", "0"],
+            r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
+        )  # fmt: skip
+        procs.append(decode)
+        address, metrics = f"127.0.0.1:{m.group(1)}", f"http://127.0.0.1:{m.group(2)}/metrics"
+        prefill, m = start(["prefill.server", *model, "--port", "0"], r"serving on (http://\S+)")
+        procs.append(prefill)
+        router, m = start(
+            ["router.server", "--model", str(folder), "--served-model-name", "tiny-kv4",
+             "--port", "0", "--prefill", m.group(1), "--decode", address,
+             "--no-decode-only-fallback"],
+            r"serving on (http://[\d.:]+)",
+        )  # fmt: skip
+        procs.append(router)
+        for prompt, expected in zip(PROMPTS, reference, strict=True):
+            reply = _complete(m.group(1), prompt)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == expected
+        drafted = counter(metrics, "tandem_decode_spec_draft_tokens_total")
+        assert drafted > 0
+        assert counter(metrics, "tandem_decode_spec_accepted_tokens_total") == drafted
+        assert decode_pool_free(address) is not None
+    finally:
+        stop(*reversed(procs))
+
+
 def test_tools_serve_runs_the_stack_tensor_parallel(folder, reference):
     proc, m = start(
         ["tools.serve", "--model", str(folder), "--decode-tp", "2", "--prefill-tp", "2",

@@ -115,6 +115,23 @@ def test_tp2_ngram_speculation_equals_tp1():
     assert _generate(_config(tp=2, speculative_config=spec), prompts) == one
 
 
+def test_tp2_with_a_draft_model_on_rank_0_equals_tp1(tp1_output):
+    # The draft runs whole on rank 0, its KV cache there alone (no rank > 0 holds any); the
+    # ranks verify its proposals together. The draft is the target's own weights: every
+    # proposal accepted, as at TP 1.
+    spec = SpeculativeConfig("draft_model", 3, model="random:tiny-kv4")
+    engine = LLMEngine.build(_config(tp=2, speculative_config=spec))
+    try:
+        stop = StopConditions(max_tokens=24, ignore_eos=True)
+        assert engine.generate(PROMPTS, GREEDY, stop) == tp1_output
+        assert engine.pool.num_free == engine.kv_cache.num_blocks
+        stats = engine.spec_stats
+        assert stats.num_draft_tokens > 3 * len(PROMPTS)
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    finally:
+        engine.close()
+
+
 def test_a_rank_that_dies_fails_the_engine_naming_it():
     engine = LLMEngine.build(_config(tp=2))
     try:
@@ -144,9 +161,9 @@ def test_configurations_that_do_not_split_are_refused_before_starting():
         r"scale blocks' 64 \(weight_block_size \[64, 64\]\); tensor_parallel_size 1, 2 would",
     ):
         LLMEngine.build(_config("random:tiny-kv4-fp8", tp=4))
-    spec = SpeculativeConfig("draft_model", 2, model="random:tiny-kv4")
-    with pytest.raises(ValueError, match="draft_model runs at tensor_parallel_size 1"):
-        _config(tp=2, speculative_config=spec)
+    spec = SpeculativeConfig("mtp", 2)
+    with pytest.raises(ValueError, match="mtp runs at tensor_parallel_size 1"):
+        _config("random:deepseek-tiny", tp=2, speculative_config=spec)
     if torch.cuda.device_count() < 2:  # this machine: too few GPUs for two ranks
         with pytest.raises(ValueError, match="needs devices up to cuda:1; this machine has"):
             LLMEngine.build(_config(tp=2, device="cuda"))
