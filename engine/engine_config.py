@@ -91,24 +91,14 @@ class EngineConfig:
                 "async_scheduling: not with speculative_config (drafts follow from the last "
                 "step's tokens); leave it unset"
             )
-        self._check_tensor_parallel()
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size: {self.tensor_parallel_size} must be at least 1"
+            )
         if spec is not None and spec.acceptance_curve is not None and not self.benchmark_mode:
             raise ValueError(
                 "speculative_config.acceptance_curve: simulated acceptance returns tokens that "
                 "are not the model's; it runs only in benchmark mode (--benchmark-mode)"
-            )
-
-    def _check_tensor_parallel(self) -> None:
-        size = self.tensor_parallel_size
-        if size < 1:
-            raise ValueError(f"tensor_parallel_size: {size} must be at least 1")
-        if size == 1:
-            return
-        spec = self.speculative_config
-        if spec is not None and spec.method not in ("ngram", "draft_model"):
-            raise ValueError(
-                f"speculative_config: {spec.method} runs at tensor_parallel_size 1 only so far "
-                "(ngram and draft_model run at any)"
             )
 
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig
@@ -21,10 +22,11 @@ from engine.spec_build import (
     eagle3_aux_layers,
     extra_kv_bytes_per_token,
     load_draft_model,
+    reads_target_embedding,
     verify_graphs,
 )
 from engine.step_executor import StepExecutor
-from engine.tensor_parallel import TpRank
+from engine.tensor_parallel import TpRank, gather_embedding
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class EngineParts:
     kv_cache: KVCache
     max_model_len: int
     executor: StepExecutor
+    proposer_embedding: torch.Tensor | None = None
+    """Under tensor parallelism, with MTP layers or an EAGLE-3 head: the target's embedding,
+    whole on rank 0 (its own rows are all a rank holds), for the proposer there."""
 
 
 def build_parts(
@@ -46,6 +51,9 @@ def build_parts(
     """The parts of rank `tp` (of the one device without it); `wrap_attention` as
     LLMEngine.build's."""
     model_config, model = load_model(config, wrap_attention, tp)
+    embedding = None
+    if tp is not None and reads_target_embedding(config):
+        embedding = gather_embedding(model, tp.shape, tp.group)
     # Before any graph is captured: the graphs then keep them too.
     model.model.aux_layers = eagle3_aux_layers(config, model_config)
     dtype = DTYPES[config.dtype]
@@ -77,4 +85,4 @@ def build_parts(
     executor = StepExecutor(
         model, kv_cache, graphs, verify_graphs(config, model, kv_cache, max_model_len)
     )
-    return EngineParts(model_config, model, draft, kv_cache, max_model_len, executor)
+    return EngineParts(model_config, model, draft, kv_cache, max_model_len, executor, embedding)

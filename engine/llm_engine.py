@@ -127,6 +127,7 @@ class LLMEngine:
             parts.draft,
             kv_cache.num_blocks,
             parts.max_model_len,
+            parts.proposer_embedding,
         )
         return cls(
             config=config,

@@ -8,7 +8,8 @@ attention over a latent cache of its own, and the MoE MLP), and gives its hidden
 (before the shared head's norm) and logits over the vocabulary (shared_head.norm, then
 shared_head.head). Deeper drafts chain the layer on itself: draft d + 1 comes from g of draft
 d's position and draft d's token, layer d mod num_mtp_layers. The embedding is the target's
-(DeepSeek-V3's checkpoints store an identical copy with the layer, not loaded).
+(DeepSeek-V3's checkpoints store an identical copy with the layer, not loaded); under tensor
+parallelism, where the target holds a rank's rows, the layer (on rank 0) gets it whole.
 
 engine.hidden_proposer proposes with these layers (as it does with EAGLE-3 heads).
 """
@@ -55,6 +56,9 @@ class MtpLayer(DeepseekDecoderLayer):
         self.hnorm = RMSNorm(hidden, config.rms_norm_eps, ops)
         self.eh_proj = Linear(2 * hidden, hidden, False, ops)
         self.shared_head = SharedHead(config, ops)
+        self.embed_tokens: torch.nn.Embedding | None = None
+        """The target's, whole (set after loading) where the target holds a tensor-parallel
+        rank's rows of it; None: the target's own."""
 
     def init_buffers(self) -> None:
         """Nothing of its own: RoPE is the target's (engine.weights calls this after filling)."""
@@ -73,7 +77,8 @@ class MtpLayer(DeepseekDecoderLayer):
         """(g [T, hidden], logits [T, vocab] float32) for tokens `input_ids` at `positions`,
         each with the hidden state before it (the target's, or g of the draft before).
         `logit_rows`: the logits of these rows only (a whole prompt's would not fit)."""
-        embedded = target.model.embed_tokens(input_ids)
+        embed = self.embed_tokens if self.embed_tokens is not None else target.model.embed_tokens
+        embedded = embed(input_ids)
         embedded = torch.where((positions == 0)[:, None], 0.0, embedded).to(embedded.dtype)
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
         cos, sin = target.model.rotary_emb(positions, x.dtype)

@@ -67,22 +67,34 @@ def extra_kv_bytes_per_token(config: EngineConfig) -> int:
     return 0 if extra is None else extra.kv_bytes_per_token(config.kv_dtype)
 
 
+def reads_target_embedding(config: EngineConfig) -> bool:
+    """Whether the proposer looks tokens up in the target's embedding: MTP layers, and
+    EAGLE-3 heads without an embedding of their own."""
+    spec = config.speculative_config
+    return spec is not None and spec.method in ("mtp", "eagle3")
+
+
 def build_proposer(
     config: EngineConfig,
     target: tuple[ModelConfig, CausalLM],
     draft: Draft | None,
     num_blocks: int,
     max_model_len: int,
+    embedding: torch.Tensor | None = None,
 ) -> Proposer | None:
+    """The engine's proposer, on rank 0 (the one device): whole at any tensor_parallel_size.
+    `embedding`: the target's whole embedding where its model holds a rank's rows of it."""
     spec = config.speculative_config
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec)
+    # Under tensor parallelism target[0] is rank 0's share of the heads; the proposer is whole.
+    shape = target[0] if embedding is None else read_model_config(config)
     if spec.method == "mtp":
-        return build_mtp(config, target[0], target[1], num_blocks, max_model_len)
+        return build_mtp(config, shape, target[1], num_blocks, max_model_len, embedding)
     if spec.method == "eagle3":
-        return build_eagle3(config, target[0], target[1], num_blocks, max_model_len)
+        return build_eagle3(config, shape, target[1], num_blocks, max_model_len, embedding)
     assert draft is not None
     model_config, model = draft
     model.model.rotary_emb.cache(max_model_len, DTYPES[config.dtype])
@@ -152,9 +164,10 @@ def build_mtp(
     model: CausalLM,
     num_blocks: int,
     max_model_len: int,
+    embedding: torch.Tensor | None = None,
 ) -> HiddenStateProposer:
     """The MTP layers on the engine's device (random, or the checkpoint's), over a latent cache
-    of their own with the target's block count."""
+    of their own with the target's block count; looking tokens up in `embedding` if given."""
     latent, experts = mla_kernels(config)
     ops = model_ops(config)
     layers = []
@@ -162,6 +175,7 @@ def build_mtp(
         with torch.device("meta"):
             layer = MtpLayer(target, index, ops, latent, experts)
         fill(layer, config, seed_offset=1 + index)
+        _give_embedding(layer, embedding)
         layers.append(layer)
     mtp = mtp_config(config, target)
     return _hidden_proposer(config, model, layers, mtp, num_blocks, max_model_len)
@@ -180,9 +194,11 @@ def build_eagle3(
     model: CausalLM,
     num_blocks: int,
     max_model_len: int,
+    embedding: torch.Tensor | None = None,
 ) -> HiddenStateProposer:
     """The EAGLE-3 head on the engine's device, over a KV cache of its own with the target's
-    block count; its `fc` prepares the target's recorded aux states."""
+    block count; its `fc` prepares the target's recorded aux states. A head without an
+    embedding of its own looks tokens up in `embedding` if given, else the target's."""
     eagle = _eagle3(config)
     num_aux = len(eagle.target_layers(target))
     head = load_head(
@@ -190,9 +206,17 @@ def build_eagle3(
         model_ops(config), DTYPES[config.dtype], config.device, config.seed + 1,
     )  # fmt: skip
     head.rotary_emb.cache(max_model_len, DTYPES[config.dtype])
+    _give_embedding(head, embedding)
     return _hidden_proposer(
         config, model, [head], eagle.layer, num_blocks, max_model_len, head.prepare
     )
+
+
+def _give_embedding(layer: MtpLayer | Eagle3Head, embedding: torch.Tensor | None) -> None:
+    """A proposer layer without an embedding of its own gets `embedding` (after its weights
+    are loaded: it is not one of them); None: it keeps reading the target's."""
+    if embedding is not None and layer.embed_tokens is None:
+        layer.embed_tokens = torch.nn.Embedding.from_pretrained(embedding, freeze=True)
 
 
 def _eagle3(config: EngineConfig) -> Eagle3Config | None:

@@ -260,6 +260,18 @@ def apply_tp(model: CausalLM, shape: TpShape, group: dist.ProcessGroup) -> Causa
     return model
 
 
+def gather_embedding(model: CausalLM, shape: TpShape, group: dist.ProcessGroup) -> torch.Tensor:
+    """The vocabulary-parallel embedding's rows of every rank, whole on rank 0 (an empty
+    tensor elsewhere): a collective of every rank. Rank 0's MTP layers and EAGLE-3 heads look
+    tokens up in it, without collectives (they run on rank 0 alone)."""
+    rows = model.model.embed_tokens.weight.contiguous()
+    parts = [torch.empty_like(rows) for _ in range(shape.size)] if shape.rank == 0 else None
+    dist.gather(rows, parts, dst=0, group=group)
+    if parts is None:
+        return rows.new_empty(0)
+    return torch.cat(parts)[: shape.model_config.vocab_size]
+
+
 @dataclass(frozen=True)
 class TpRank:
     """What a rank's model is built with: its shape and the group its collectives run in."""

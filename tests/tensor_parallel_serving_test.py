@@ -103,11 +103,7 @@ def stack(folder):
 @pytest.fixture(scope="module")
 def reference(folder) -> list[str]:
     """Greedy texts of one engine at TP 1."""
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    engine = LLMEngine.build(EngineConfig(model=str(folder), dtype="float32", block_size=16))
-    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    stop_at = StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [tokenizer.decode(out) for out in engine.generate(prompts, SamplingParams(), stop_at)]
+    return _one_engine(folder)
 
 
 def _complete(url: str, prompt: str, n: int = 1, max_tokens: int = MAX_TOKENS, **extra):
@@ -175,13 +171,7 @@ def mla_stack(tmp_path_factory):
 
 def test_mla_moe_through_tp2_prefill_and_decode_equals_one_engine(mla_stack):
     folder, urls, address, metrics = mla_stack
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    engine = LLMEngine.build(EngineConfig(model=str(folder), dtype="float32", block_size=16))
-    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    stop_at = StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True)
-    expected = [
-        tokenizer.decode(out) for out in engine.generate(prompts, SamplingParams(), stop_at)
-    ]
+    expected = _one_engine(folder)
     for tp, url in urls.items():
         for prompt, text in zip(PROMPTS, expected, strict=True):
             body = {"model": "tiny-mla", "prompt": prompt, "max_tokens": MAX_TOKENS,
@@ -232,13 +222,22 @@ def test_kv_heads_replicated_over_ranks_are_sent_once_and_received_by_each(tmp_p
         stop(*reversed(procs))
 
 
-def test_a_draft_model_through_tp2_prefill_and_decode_accepts_every_proposal(folder, reference):
-    # The model drafting for itself on rank 0 of each server (whole, its KV cache there): the
-    # prefill's rank 0 computes the draft's prompt KV and sends it with its heads into the
-    # decode's rank 0, whose proposals the decode ranks verify together.
-    spec = json.dumps({"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3})
+@pytest.mark.parametrize("method", ["draft_model", "mtp"])
+def test_a_proposer_through_tp2_prefill_and_decode_equals_one_engine(
+    folder, reference, tmp_path, method
+):
+    # The proposer runs whole on rank 0 of each server, its KV cache there: the model drafting
+    # for itself (every proposal accepted), or an MLA model's MTP layer. The prefill's rank 0
+    # computes the proposer's prompt KV and sends it into the decode's rank 0, whose proposals
+    # the decode ranks verify together.
+    if method == "mtp":
+        folder = write_tiny_mla(tmp_path, mtp=True)
+        reference = _one_engine(folder)
+        spec = {"method": "mtp", "num_speculative_tokens": 2}
+    else:
+        spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3}
     model = ["--model", str(folder), *ARGS, "--transport", "tcp", "--tensor-parallel-size", "2",
-             "--speculative-config", spec]  # fmt: skip
+             "--speculative-config", json.dumps(spec)]  # fmt: skip
     procs = []
     try:
         decode, m = start(
@@ -262,10 +261,20 @@ def test_a_draft_model_through_tp2_prefill_and_decode_accepts_every_proposal(fol
             assert reply.json()["choices"][0]["text"] == expected
         drafted = counter(metrics, "tandem_decode_spec_draft_tokens_total")
         assert drafted > 0
-        assert counter(metrics, "tandem_decode_spec_accepted_tokens_total") == drafted
+        if method == "draft_model":
+            assert counter(metrics, "tandem_decode_spec_accepted_tokens_total") == drafted
         assert decode_pool_free(address) is not None
     finally:
         stop(*reversed(procs))
+
+
+def _one_engine(folder: Path) -> list[str]:
+    """Greedy texts of one engine at TP 1, without speculation."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    engine = LLMEngine.build(EngineConfig(model=str(folder), dtype="float32", block_size=16))
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    stop_at = StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [tokenizer.decode(out) for out in engine.generate(prompts, SamplingParams(), stop_at)]
 
 
 def test_tools_serve_runs_the_stack_tensor_parallel(folder, reference):

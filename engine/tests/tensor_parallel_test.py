@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU (gloo): rank processes started by the engine, TP N == TP 1."""
 
+import dataclasses
 import time
 
 import pytest
@@ -34,15 +35,20 @@ def _config(model: str = "random:tiny-kv4", tp: int = 1, **kw) -> EngineConfig:
     )
 
 
-def _generate(config: EngineConfig, prompts=PROMPTS, max_tokens: int = 24) -> list[list[int]]:
+def _run(config: EngineConfig, prompts=PROMPTS, max_tokens: int = 24):
+    """(greedy outputs, the engine's speculation counters)."""
     engine = LLMEngine.build(config)
     try:
         stop = StopConditions(max_tokens=max_tokens, ignore_eos=True)
         out = engine.generate(prompts, GREEDY, stop)
         assert engine.pool.num_free == engine.kv_cache.num_blocks  # every block back
-        return out
+        return out, engine.spec_stats
     finally:
         engine.close()
+
+
+def _generate(config: EngineConfig, prompts=PROMPTS, max_tokens: int = 24) -> list[list[int]]:
+    return _run(config, prompts, max_tokens)[0]
 
 
 @pytest.fixture(scope="module")
@@ -120,16 +126,36 @@ def test_tp2_with_a_draft_model_on_rank_0_equals_tp1(tp1_output):
     # ranks verify its proposals together. The draft is the target's own weights: every
     # proposal accepted, as at TP 1.
     spec = SpeculativeConfig("draft_model", 3, model="random:tiny-kv4")
-    engine = LLMEngine.build(_config(tp=2, speculative_config=spec))
-    try:
-        stop = StopConditions(max_tokens=24, ignore_eos=True)
-        assert engine.generate(PROMPTS, GREEDY, stop) == tp1_output
-        assert engine.pool.num_free == engine.kv_cache.num_blocks
-        stats = engine.spec_stats
-        assert stats.num_draft_tokens > 3 * len(PROMPTS)
-        assert stats.num_accepted_tokens == stats.num_draft_tokens
-    finally:
-        engine.close()
+    out, stats = _run(_config(tp=2, speculative_config=spec))
+    assert out == tp1_output
+    assert stats.num_draft_tokens > 3 * len(PROMPTS)
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+@pytest.mark.parametrize(
+    "target, spec",
+    [
+        ("random:deepseek-tiny", SpeculativeConfig("mtp", 3)),
+        ("random:tiny-8l", SpeculativeConfig("eagle3", 3, model="random:eagle3-tiny")),
+    ],
+    ids=["mtp", "eagle3"],
+)
+def test_tp2_with_a_hidden_state_proposer_on_rank_0_equals_tp1(target, spec):
+    # MTP layers, or an EAGLE-3 head, whole on rank 0: fed its hidden states (every rank's are
+    # the same), looking tokens up in the target's embedding gathered whole there. Output
+    # unchanged by speculation; and where a simulated acceptance curve takes drafts as output
+    # tokens, the same as at TP 1: the same drafts.
+    prompts = [[1, 5, 9, 200, 30], list(range(100, 160)), [11, 12, 13]]
+    plain = _generate(_config(target), prompts)
+    out, stats = _run(_config(target, tp=2, speculative_config=spec), prompts)
+    assert out == plain and stats.num_draft_tokens > 0
+    curve = dataclasses.replace(spec, acceptance_curve="mean-2.5-depth-3")
+    drafts = [
+        _run(_config(target, tp=tp, speculative_config=curve, benchmark_mode=True), prompts)
+        for tp in (1, 2)
+    ]
+    assert drafts[0][0] == drafts[1][0] != plain
+    assert drafts[1][1].num_accepted_tokens == drafts[0][1].num_accepted_tokens > 0
 
 
 def test_a_rank_that_dies_fails_the_engine_naming_it():
@@ -161,9 +187,6 @@ def test_configurations_that_do_not_split_are_refused_before_starting():
         r"scale blocks' 64 \(weight_block_size \[64, 64\]\); tensor_parallel_size 1, 2 would",
     ):
         LLMEngine.build(_config("random:tiny-kv4-fp8", tp=4))
-    spec = SpeculativeConfig("mtp", 2)
-    with pytest.raises(ValueError, match="mtp runs at tensor_parallel_size 1"):
-        _config("random:deepseek-tiny", tp=2, speculative_config=spec)
     if torch.cuda.device_count() < 2:  # this machine: too few GPUs for two ranks
         with pytest.raises(ValueError, match="needs devices up to cuda:1; this machine has"):
             LLMEngine.build(_config(tp=2, device="cuda"))
