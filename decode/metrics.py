@@ -9,18 +9,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.prefix_cache import PrefixCache
 from engine.speculative import SpecStats
 
 
 class DecodeMetrics:
     def __init__(
-        self, gauges: dict[str, Callable[[], float]], spec_stats: SpecStats | None = None
+        self,
+        gauges: dict[str, Callable[[], float]],
+        spec_stats: SpecStats | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """`gauges`: name suffix -> a function read at scrape time (pool and queue sizes);
-        `spec_stats`: the engine's speculation counters, when it speculates."""
+        `spec_stats`: the engine's speculation counters, when it speculates; `prefix_cache`:
+        its prefix cache's, when it has one."""
         self.registry = CollectorRegistry()
         if spec_stats is not None:
             self.registry.register(_SpecCollector(spec_stats))
+        if prefix_cache is not None:
+            self.registry.register(_PrefixCacheCollector(prefix_cache))
         help_text = {
             "kv_blocks_total": "KV blocks in the pool",
             "kv_blocks_free": "KV blocks free",
@@ -79,3 +86,17 @@ class _SpecCollector(Collector):
         for position, count in enumerate(list(stats.accepted_per_position)):
             per_position.add_metric([str(position)], count)
         yield per_position
+
+
+class _PrefixCacheCollector(Collector):
+    """Prefix caching's counters at scrape time (vLLM's prefix_cache_queries and _hits)."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        for name, doc, value in (
+            ("queries", "tokens of admitted prompts looked up", self.cache.queried_tokens),
+            ("hits", "of those, tokens whose KV was cached", self.cache.hit_tokens),
+        ):
+            yield CounterMetricFamily(f"tandem_decode_prefix_cache_{name}", doc, value=value)

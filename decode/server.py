@@ -138,6 +138,7 @@ class DecodeServer:
                 "engine_up": lambda: float(self.loop.failure is None),
             },
             self.engine.spec_stats if config.engine.speculative_config else None,
+            self.engine.scheduler.prefix_cache,
         )
         self.servicer = DecodeServicer(self.admission, self.loop, destination, self.metrics)
         # NOTE: without so_reuseport=0 a second server would silently share a taken port.

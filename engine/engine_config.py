@@ -65,6 +65,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Ranks the model is split over (engine/tensor_parallel.py), one process each: this one is
     rank 0; on CUDA rank r runs on the device r past `device`'s. kv_cache_gb is per rank."""
+    enable_prefix_caching: bool = False
+    """Sequences start with the KV of the full blocks their tokens share with blocks computed
+    before, kept until their blocks are needed (engine/prefix_cache.py)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -94,6 +97,11 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size: {self.tensor_parallel_size} must be at least 1"
+            )
+        if self.enable_prefix_caching and spec is not None and spec.method != "ngram":
+            raise ValueError(
+                f"enable_prefix_caching: not with speculative_config method {spec.method} yet "
+                "(its proposer's KV of a cached prefix would be missing); ngram works with it"
             )
         if spec is not None and spec.acceptance_curve is not None and not self.benchmark_mode:
             raise ValueError(
@@ -189,6 +197,12 @@ class EngineConfig:
             help="ranks (processes, one GPU each on CUDA) the model is split over",
         )
         parser.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=False,
+            help="reuse the KV of full blocks a prompt shares with earlier ones (as vLLM's)",
+        )
+        parser.add_argument(
             "--benchmark-mode",
             action="store_true",
             help="allow simulated draft acceptance (speculative_config.acceptance_curve)",
@@ -212,6 +226,7 @@ class EngineConfig:
             async_scheduling=args.async_scheduling,
             speculative_config=args.speculative_config,
             benchmark_mode=args.benchmark_mode,
+            enable_prefix_caching=args.enable_prefix_caching,
             tensor_parallel_size=args.tensor_parallel_size,
         )
 

@@ -131,6 +131,10 @@ class BlockPool:
         self._run_len = {0: num_blocks}  # run start -> run length
         self._run_at_end = {num_blocks: 0}  # run end (exclusive) -> run start, for merging
         self._lock = threading.Lock()
+        # Prefix caching (engine/prefix_cache.py): blocks named by their KV's tokens, found by
+        # `lookup` until `allocate` hands them out again (a free one keeps its KV till then).
+        self._named: dict[bytes, int] = {}
+        self._name_of: dict[int, bytes] = {}
 
     @property
     def num_total(self) -> int:
@@ -170,8 +174,38 @@ class BlockPool:
             ids.sort()
         for block_id in ids:
             self._refs[block_id] = 1
+            name = self._name_of.pop(block_id, None)
+            if name is not None:  # its KV is about to be overwritten
+                del self._named[name]
         self._num_free -= n
         return ids
+
+    def name(self, block_id: int, name: bytes) -> None:
+        """Names an allocated block by the tokens its KV holds (engine/prefix_cache.py):
+        `lookup` finds it by that name until `allocate` hands it out again, after its owners
+        have freed it. A name another block holds already stays that block's."""
+        with self._lock:
+            assert self._refs[block_id] > 0, f"naming free block {block_id}"
+            if name not in self._named and block_id not in self._name_of:
+                self._named[name] = block_id
+                self._name_of[block_id] = name
+
+    def lookup(self, names: Iterable[bytes]) -> list[int]:
+        """The blocks named by the longest run of `names` from the first, each with one more
+        owner (a free one taken out of the free runs, its KV intact)."""
+        with self._lock:
+            ids = []
+            for name in names:
+                block_id = self._named.get(name)
+                if block_id is None:
+                    break
+                ids.append(block_id)
+            for block_id in ids:
+                if self._refs[block_id] == 0:
+                    self._take_one(block_id)
+                    self._num_free -= 1
+                self._refs[block_id] += 1
+            return ids
 
     def incref(self, ids: Iterable[int]) -> None:
         """Adds an owner to each of ids, which must be allocated."""
@@ -204,6 +238,18 @@ class BlockPool:
             self._starts[index] = start + count  # still sorted: it stays below the next run
             self._run_len[start + count] = length - count
             self._run_at_end[end] = start + count
+
+    def _take_one(self, block_id: int) -> None:
+        """Removes block_id from the free run holding it (splitting the run)."""
+        start = self._starts[bisect.bisect_right(self._starts, block_id) - 1]
+        end = start + self._run_len[start]
+        assert start <= block_id < end, f"block {block_id} is not free"
+        self._take(start, end - start)
+        for run_start, run_end in ((start, block_id), (block_id + 1, end)):
+            if run_end > run_start:
+                bisect.insort(self._starts, run_start)
+                self._run_len[run_start] = run_end - run_start
+                self._run_at_end[run_end] = run_start
 
     def _release(self, block_id: int) -> None:
         """Puts block_id back, merged with the free runs that end right before or start after."""

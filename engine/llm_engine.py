@@ -29,6 +29,7 @@ from engine.grammar import Grammar, GrammarCompiler
 from engine.kv_cache import BlockPool, KVCache, fork_blocks
 from engine.model_loader import Backend
 from engine.model_runner import LaunchedStep, ModelRunner
+from engine.prefix_cache import PrefixCache
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence, StopConditions
@@ -118,6 +119,9 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.num_speculative_tokens,
         )
+        prefix_cache = None
+        if config.enable_prefix_caching:
+            prefix_cache = PrefixCache(pool, config.block_size)
         async_scheduling = config.async_scheduling
         if async_scheduling is None:
             async_scheduling = executor.graphs is not None and config.speculative_config is None
@@ -134,7 +138,7 @@ class LLMEngine:
             model_config=parts.model_config,
             kv_cache=kv_cache,
             pool=pool,
-            scheduler=Scheduler(sched_config, pool),
+            scheduler=Scheduler(sched_config, pool, prefix_cache),
             runner=ModelRunner(
                 executor, Sampler(config.seed), config.max_num_seqs, acceptance_curve(config)
             ),

@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from engine.kv_cache import BlockPool
+from engine.prefix_cache import PrefixCache
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -94,9 +95,13 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(
+        self, config: SchedulerConfig, pool: BlockPool, prefix_cache: PrefixCache | None = None
+    ) -> None:
         self.config = config
         self.pool = pool
+        self.prefix_cache = prefix_cache
+        """Prefix caching: admitted sequences start with the cached blocks of their tokens."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -168,10 +173,15 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
+            cached = self._take_cached(seq)
             n = min(seq.num_uncomputed, budget)
             room = self._draft_room(seq, budget)
             if not self._grow(seq, seq.num_computed + n + room):
+                if cached is not None:  # back to the pool, named: found again next time
+                    self._drop_blocks(seq)
                 break
+            if cached is not None:
+                self.prefix_cache.count(seq, cached)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -235,6 +245,8 @@ class Scheduler:
         finished = []
         for item in plan.scheduled:
             seq = item.seq
+            if self.prefix_cache is not None and not seq.finished:
+                self.prefix_cache.record(seq)  # the forward wrote its blocks' KV
             if not item.samples or seq.finished:
                 continue
             kept = accepted[seq.seq_id] if item.draft else 0
@@ -275,11 +287,23 @@ class Scheduler:
         seq.block_ids.extend(ids)
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.num_preemptions += 1
+    def _take_cached(self, seq: Sequence) -> int | None:
+        """Prefix caching: a sequence without KV takes the cached blocks of its leading
+        tokens; how many tokens they hold (None: not looked up)."""
+        if self.prefix_cache is None or seq.block_ids:
+            return None
+        return self.prefix_cache.take(seq)
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        """Frees seq's blocks: its KV is to be computed again (found cached, where it still is)."""
         self.pool.free(seq.block_ids)
         seq.block_ids = []
+        seq.num_named = 0
         seq.num_computed = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        self._drop_blocks(seq)
         seq.num_draft_computed = 0
         seq.draft_hidden = None
         seq.status = SequenceStatus.WAITING

@@ -98,6 +98,12 @@ class Sequence:
         self.block_ids: list[int] = []
         self.num_computed = 0
         """Tokens whose KV is in the cache; the next forward starts at this position."""
+        self.block_names: list[bytes] = []
+        """Prefix caching (engine/prefix_cache.py): the names of its first full blocks."""
+        self.num_named = 0
+        """Prefix caching: its leading blocks named in the pool (reset with its blocks)."""
+        self.num_cached_tokens: int | None = None
+        """Prefix caching: prompt tokens whose KV the cache gave it when first admitted."""
         self.generator: torch.Generator | None = None
         """Seeded requests' own random stream, on the engine's device (set by the engine)."""
         self.num_draft_computed = 0

@@ -67,27 +67,31 @@ def _check_fp8_blocks(config: ModelConfig, size: int) -> None:
     """A rank's part of a block-scaled fp8 matrix must hold whole scale blocks (its rows a
     multiple of block_n where rows are split, its columns of block_k where columns are), so
     that its scales are the checkpoint's blocks it covers, as vLLM requires."""
+    misfit = _fp8_misfit(config, size)
+    if misfit is None:
+        return
+    projection, split, per_rank, block = misfit
+    fits = [1] + [s for s in range(2, size) if size % s == 0 and not _fp8_misfit(config, s)]
+    raise ValueError(
+        f"tensor_parallel_size {size}: each rank's part of {projection} is {per_rank} {split}, "
+        f"not a multiple of the fp8 scale blocks' {block} (weight_block_size "
+        f"{[config.fp8.block_n, config.fp8.block_k]}); tensor_parallel_size "
+        f"{', '.join(map(str, fits))} would split it"
+    )
+
+
+def _fp8_misfit(config: ModelConfig, size: int) -> tuple[str, str, int, int] | None:
+    """The first split fp8 matrix whose rank's part holds a partial scale block: (projection,
+    "rows" or "columns", how many a rank holds, the block); None if none does, or the scales
+    are per tensor (every part keeps the tensor's one scale)."""
     fp8 = config.fp8
     if fp8 is None or fp8.block_n is None:
-        return  # per-tensor scales: every part keeps the tensor's one scale
+        return None
     for projection, split, per_rank in _split_parts(config, size):
         block = fp8.block_n if split == "rows" else fp8.block_k
         if per_rank % block:
-            fits = [1] + [s for s in range(2, size) if size % s == 0 and _blocks_fit(config, s)]
-            raise ValueError(
-                f"tensor_parallel_size {size}: each rank's part of {projection} is {per_rank} "
-                f"{split}, not a multiple of the fp8 scale blocks' {block} "
-                f"(weight_block_size {[fp8.block_n, fp8.block_k]}); tensor_parallel_size "
-                f"{', '.join(map(str, fits))} would split it"
-            )
-
-
-def _blocks_fit(config: ModelConfig, size: int) -> bool:
-    fp8 = config.fp8
-    return all(
-        per_rank % (fp8.block_n if split == "rows" else fp8.block_k) == 0
-        for _, split, per_rank in _split_parts(config, size)
-    )
+            return projection, split, per_rank, block
+    return None
 
 
 def _split_parts(config: ModelConfig, size: int) -> list[tuple[str, str, int]]:

@@ -252,7 +252,8 @@ class PrefillServer:
             "model": self.name,
             "choices": choices,
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                      "total_tokens": prompt + completion},
+                      "total_tokens": prompt + completion,
+                      "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens}},
             "kv_transfer_params": results[0].kv_transfer_params,
         }  # fmt: skip
 

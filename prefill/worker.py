@@ -85,7 +85,7 @@ class Job:
         logprobs = self.logprobs if self.sampling.logprobs is not None else None
         result = Result(
             seq.output_ids, finish_reason, seq.num_prompt_tokens, kv_transfer_params, logprobs,
-            self._timing(),
+            self._timing(), seq.num_cached_tokens or 0,
         )  # fmt: skip
         with contextlib.suppress(InvalidStateError):
             self.future.set_result(result)
@@ -112,6 +112,8 @@ class Result:
     """One per token_ids entry when the request's sampling.logprobs is set, else None."""
     timing: dict[str, float] = field(default_factory=dict)
     """Milliseconds by phase (Job._timing), for the reply's Server-Timing header."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV the prefix cache held (engine/prefix_cache.py)."""
 
 
 @dataclass(frozen=True)

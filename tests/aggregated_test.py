@@ -1,6 +1,8 @@
 """Aggregated serving and the decode-only fallback, with real processes (the bundled SmolLM2 on
 the CPU, over tcp): a router started with --aggregated in front of the decode server alone
-answers with the same greedy text as the disaggregated stack; with the only prefill stopped, the
+answers with the same greedy text as the disaggregated stack; with prefix caching on both
+servers, a prompt sent again reuses its cached blocks (counted in the decode server's
+tandem_decode_prefix_cache_hits_total), text unchanged; with the only prefill stopped, the
 disaggregated router serves every request through the decode server (each counted in
 tandem_router_decode_only_fallback_total), text unchanged; the prefill started again at its
 address takes the requests back. Afterwards no KV block stays allocated on the decode server.
@@ -33,8 +35,8 @@ FALLBACK = "tandem_router_decode_only_fallback_total"
 @pytest.fixture(scope="module")
 def stack():
     """The decode server, its prefill, a disaggregated and an aggregated router in front."""
-    decode, address = start_decode("tcp")
-    prefill, prefill_url = start_prefill("tcp")
+    decode, address = start_decode("tcp", "float32", "--enable-prefix-caching")
+    prefill, prefill_url = start_prefill("tcp", 0, "--enable-prefix-caching")
     router, url = start_router([prefill_url], [address])
     aggregated, aggregated_url = start_router([], [address], "--aggregated")
     procs = {"prefill": prefill}
@@ -66,6 +68,34 @@ def test_aggregated_answers_as_the_disaggregated_stack(stack):
     assert counter(decode_metrics, LOCAL) - before == len(PROMPTS)
     assert _mode(aggregated_url) == "aggregated"
     assert counter(f"{aggregated_url}/metrics", FALLBACK) == 0
+    assert decode_pool_free(address)
+
+
+def test_a_prompt_prefilled_again_reuses_the_cached_blocks_of_the_first(stack):
+    # The decode server caches prefixes: its full blocks of a prompt it prefilled (or was sent)
+    # serve the same prompt's next request; the text is unchanged.
+    address, prefill_url, url, aggregated_url, _ = stack
+    decode_metrics = metrics_url(address)
+    prompt = "Repeat after me: " + ", ".join(str(i) for i in range(40))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    texts, hits = [], []
+    # The prefill caches prefixes too: the last request's KV is its cached blocks', sent.
+    for target in (aggregated_url, aggregated_url, url, url):
+        before = counter(decode_metrics, "tandem_decode_prefix_cache_hits_total")
+        reply = httpx.post(f"{target}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        texts.append(reply.json()["choices"][0]["text"])
+        hits.append(counter(decode_metrics, "tandem_decode_prefix_cache_hits_total") - before)
+    assert texts[0] == texts[1] == texts[2] == texts[3]
+    prompt_tokens = reply.json()["usage"]["prompt_tokens"]
+    # The second: every full block but the one holding the prompt's last token. The
+    # disaggregated ones' KV came from their prefill: nothing looked up here.
+    assert hits == [0, (prompt_tokens - 1) // 16 * 16, 0, 0]
+    # The prefill's reply names what its cache held, as OpenAI's usage does.
+    reply = httpx.post(f"{prefill_url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (prompt_tokens - 1) // 16 * 16
     assert decode_pool_free(address)
 
 

@@ -18,6 +18,7 @@ Llama of 8 heads and 4 KV heads with SmolLM2's tokenizer, as a Hugging Face fold
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import threading
@@ -187,39 +188,19 @@ def test_kv_heads_replicated_over_ranks_are_sent_once_and_received_by_each(tmp_p
     # 2 KV heads, prefill and decode at TP 4: each head lives on two ranks of each; the first
     # prefill rank of each pair sends it (sender ranks 0 and 1), to both decode ranks holding it.
     folder = write_tiny_kv4(tmp_path / "kv2", num_kv_heads=2)
-    model = ["--model", str(folder), *ARGS, "--transport", "tcp", "--tensor-parallel-size", "4"]
-    procs = []
-    try:
-        decode, m = start(
-            ["decode.server", *model, "--grpc-port", "0", "--metrics-port", "0"],
-            r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
-        )  # fmt: skip
-        procs.append(decode)
-        address, metrics = f"127.0.0.1:{m.group(1)}", f"http://127.0.0.1:{m.group(2)}/metrics"
-        prefill, m = start(["prefill.server", *model, "--port", "0"], r"serving on (http://\S+)")
-        procs.append(prefill)
-        router, m = start(
-            ["router.server", "--model", str(folder), "--served-model-name", "kv2", "--port",
-             "0", "--prefill", m.group(1), "--decode", address, "--no-decode-only-fallback"],
-            r"serving on (http://[\d.:]+)",
-        )  # fmt: skip
-        procs.append(router)
+    with _stack(folder, "--tensor-parallel-size", "4") as (url, address, metrics):
         tokenizer = AutoTokenizer.from_pretrained(folder)
         engine = LLMEngine.build(EngineConfig(model=str(folder), dtype="float32", block_size=16))
         stop_at = StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True)
         [expected] = engine.generate(
             [tokenizer(PROMPTS[0])["input_ids"]], SamplingParams(), stop_at
         )
-        body = {"model": "kv2", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
-                "temperature": 0, "ignore_eos": True}  # fmt: skip
-        reply = httpx.post(f"{m.group(1)}/v1/completions", json=body, timeout=120)
+        reply = _complete(url, PROMPTS[0])
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"] == tokenizer.decode(expected)
         assert _sent_bytes(metrics, 0) > 0 and _sent_bytes(metrics, 1) > 0
         assert _sent_bytes(metrics, 2) == 0  # two senders: one per distinct head
         assert decode_pool_free(address) is not None
-    finally:
-        stop(*reversed(procs))
 
 
 @pytest.mark.parametrize("method", ["draft_model", "mtp"])
@@ -236,8 +217,24 @@ def test_a_proposer_through_tp2_prefill_and_decode_equals_one_engine(
         spec = {"method": "mtp", "num_speculative_tokens": 2}
     else:
         spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3}
-    model = ["--model", str(folder), *ARGS, "--transport", "tcp", "--tensor-parallel-size", "2",
-             "--speculative-config", json.dumps(spec)]  # fmt: skip
+    args = ("--tensor-parallel-size", "2", "--speculative-config", json.dumps(spec))
+    with _stack(folder, *args) as (url, address, metrics):
+        for prompt, expected in zip(PROMPTS, reference, strict=True):
+            reply = _complete(url, prompt)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == expected
+        drafted = counter(metrics, "tandem_decode_spec_draft_tokens_total")
+        assert drafted > 0
+        if method == "draft_model":
+            assert counter(metrics, "tandem_decode_spec_accepted_tokens_total") == drafted
+        assert decode_pool_free(address) is not None
+
+
+@contextlib.contextmanager
+def _stack(folder: Path, *args: str):
+    """A decode server and a prefill of `folder`, both with `args`, over tcp, and a router in
+    front: (the router's URL, the decode server's address, its metrics URL)."""
+    model = ["--model", str(folder), *ARGS, "--transport", "tcp", *args]
     procs = []
     try:
         decode, m = start(
@@ -255,15 +252,7 @@ def test_a_proposer_through_tp2_prefill_and_decode_equals_one_engine(
             r"serving on (http://[\d.:]+)",
         )  # fmt: skip
         procs.append(router)
-        for prompt, expected in zip(PROMPTS, reference, strict=True):
-            reply = _complete(m.group(1), prompt)
-            assert reply.status_code == 200, reply.text
-            assert reply.json()["choices"][0]["text"] == expected
-        drafted = counter(metrics, "tandem_decode_spec_draft_tokens_total")
-        assert drafted > 0
-        if method == "draft_model":
-            assert counter(metrics, "tandem_decode_spec_accepted_tokens_total") == drafted
-        assert decode_pool_free(address) is not None
+        yield m.group(1), address, metrics
     finally:
         stop(*reversed(procs))
 

@@ -88,6 +88,11 @@ def main() -> None:
     parser.add_argument("--max-model-len", default=None, help="default: the model's")
     parser.add_argument("--kv-cache-gb", default="1")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8 (every engine's)")
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="every engine reuses the KV of prompt blocks it computed before",
+    )
     parser.add_argument("--speculative-config", default=None,
                         help="JSON, the decode's (and, for draft_model, mtp and eagle3, the "
                              "prefill's: it sends the proposer's prompt KV)")  # fmt: skip
@@ -113,6 +118,8 @@ def main() -> None:
     shared = ["--load-format", args.load_format]
     if args.max_model_len:
         shared += ["--max-model-len", args.max_model_len]
+    if args.enable_prefix_caching:
+        shared.append("--enable-prefix-caching")
     common += shared
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
     # A draft model, MTP layers or an EAGLE-3 head need the prompt's KV of their own, which the

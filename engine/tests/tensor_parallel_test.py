@@ -94,6 +94,19 @@ def test_tp2_from_a_checkpoint_equals_tp1(tmp_path, kind):
     assert _generate(_config(str(tmp_path), tp=2), prompts) == one
 
 
+def test_tp2_with_prefix_caching_equals_tp1(tp1_output):
+    # The prompts again: their cached blocks hold every rank's heads of their KV.
+    engine = LLMEngine.build(_config(tp=2, enable_prefix_caching=True))
+    try:
+        stop = StopConditions(max_tokens=24, ignore_eos=True)
+        for _ in range(2):
+            assert engine.generate(PROMPTS, GREEDY, stop) == tp1_output
+        assert engine.scheduler.prefix_cache.hit_tokens >= 48  # the 60-token prompt's blocks
+        assert engine.pool.num_free == engine.kv_cache.num_blocks
+    finally:
+        engine.close()
+
+
 def test_fp8_weights_tp2_equal_tp1():
     # Random weights quantized as a checkpoint's (64x64 blocks), each rank's part cut from it
     # with its scales: whole blocks of every split matrix.

@@ -183,7 +183,8 @@ def test_n_choices_sample_with_seed_plus_index(server):
     for choice in choices:
         names = [f"token_id:{t}" for t in choice["token_ids"]]
         assert len(names) == 3 and choice["logprobs"]["tokens"] == names
-    assert two["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    assert two["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10,
+                            "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     tokens = [c["token_ids"] for c in choices]
     assert [c["token_ids"] for c in complete(n=2, seed=7)["choices"]] == tokens
     assert complete(seed=7)["choices"][0]["token_ids"] == tokens[0]

@@ -1,0 +1,111 @@
+"""Prefix caching (engine/prefix_cache.py): the pool's named blocks, and an engine that reuses
+the KV of full blocks its prompts share with earlier ones, with output unchanged (float32 tiny
+Llama, greedy) and the block pool all free after every test."""
+
+import pytest
+import torch
+
+from engine.kv_cache import BlockPool
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling import SamplingParams
+from engine.sequence import StopConditions
+from engine.speculative import SpeculativeConfig
+
+GREEDY = SamplingParams(temperature=0.0)
+STOP = StopConditions(max_tokens=12, ignore_eos=True)
+BLOCK = 16
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * BLOCK  # random:tiny: layers x K,V x KV heads x dim x fp32
+
+
+def test_a_named_block_is_found_after_its_free_until_the_pool_hands_it_out():
+    pool = BlockPool(8)
+    ids = pool.allocate(3)
+    pool.name(ids[0], b"a")
+    pool.name(ids[1], b"b")
+    pool.name(ids[2], b"a")  # a name held stays its first block's
+    pool.free(ids)
+    assert pool.num_free == 8
+    assert pool.lookup([b"a", b"b", b"c"]) == ids[:2]  # the longest run from the first
+    assert pool.num_free == 6 and pool.refcount(ids[0]) == 1
+    assert pool.lookup([b"b"]) == [ids[1]] and pool.refcount(ids[1]) == 2
+    pool.free([ids[0], ids[1], ids[1]])
+    assert pool.allocate(8) is not None  # every block handed out: names forgotten
+    assert pool.lookup([b"a"]) == [] and pool.num_free == 0
+
+
+def test_a_free_block_taken_back_splits_its_run():
+    pool = BlockPool(8)
+    ids = pool.allocate(8)
+    pool.name(4, b"x")
+    pool.free(ids)
+    assert pool.lookup([b"x"]) == [4]
+    assert pool.allocate(4) == [0, 1, 2, 3]  # the runs either side stay whole
+    assert pool.allocate(3) == [5, 6, 7]
+    assert pool.allocate(1) is None
+    pool.free([0, 1, 2, 3, 4, 5, 6, 7])
+    assert pool.num_free == 8 and pool.allocate(8) == list(range(8))
+
+
+def _engine(cache: bool, kv_blocks: int = 64, **kw) -> LLMEngine:
+    return LLMEngine.build(
+        EngineConfig(
+            model="random:tiny",
+            dtype="float32",
+            block_size=BLOCK,
+            kv_cache_gb=kv_blocks * BLOCK_BYTES / 2**30,
+            max_num_seqs=8,
+            max_num_batched_tokens=32,
+            enable_prefix_caching=cache,
+            **kw,
+        )
+    )
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    out = engine.generate(prompts, GREEDY, STOP)
+    assert engine.pool.num_free == engine.kv_cache.num_blocks
+    return out
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_shared_prefix_is_computed_once_and_the_output_is_unchanged(async_scheduling):
+    # Async: blocks are named when a step is updated, after the next one was launched.
+    prefix = _prompt(0, 40)  # two full blocks, and 8 tokens of a third
+    first, second = prefix + _prompt(1, 9), prefix + _prompt(2, 30)
+    plain = _engine(cache=False)
+    expected = [_run(plain, [p])[0] for p in (first, second, second)]
+    engine = _engine(cache=True, async_scheduling=async_scheduling)
+    cache = engine.scheduler.prefix_cache
+    assert _run(engine, [first]) == expected[:1] and cache.hit_tokens == 0
+    assert _run(engine, [second]) == expected[1:2]
+    assert cache.hit_tokens == 32  # the prefix's full blocks
+    # The same prompt again: every full block but the one holding its last token.
+    assert _run(engine, [second]) == expected[2:]
+    assert cache.hit_tokens == 32 + (len(second) - 1) // BLOCK * BLOCK
+    assert cache.queried_tokens == len(first) + 2 * len(second)
+
+
+def test_blocks_handed_out_again_are_not_found_and_preempted_sequences_find_their_own():
+    # 10 blocks: a 70-token prompt growing to 82 takes 6; four at once preempt each other.
+    prompts = [_prompt(seed, 70) for seed in range(4)]
+    plain = _engine(cache=False, kv_blocks=10)
+    expected = _run(plain, prompts)
+    assert plain.scheduler.num_preemptions > 0
+    engine = _engine(cache=True, kv_blocks=10)
+    assert _run(engine, prompts) == expected
+    assert engine.scheduler.num_preemptions > 0
+    hits = engine.scheduler.prefix_cache.hit_tokens
+    assert hits > 0  # a preempted sequence re-admitted with its blocks still cached
+    # The last prompt's blocks were the last written; the first's have been handed out since.
+    assert _run(engine, prompts[:1]) == expected[:1]
+    assert engine.scheduler.prefix_cache.hit_tokens == hits
+
+
+def test_prefix_caching_with_a_proposer_of_its_own_is_refused():
+    spec = SpeculativeConfig("draft_model", 2, model="random:tiny")
+    with pytest.raises(ValueError, match=r"enable_prefix_caching: not with .* draft_model yet"):
+        EngineConfig(model="random:tiny", speculative_config=spec, enable_prefix_caching=True)
