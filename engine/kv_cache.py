@@ -9,6 +9,7 @@ gets a copy of a partial last one, which its owner goes on writing into.
 
 import bisect
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -118,6 +119,10 @@ class BlockPool:
     contiguous ranges whenever one fits: the transport moves a run of adjacent blocks as one
     descriptor, and descriptor count, not bytes, bounds transfer time.
 
+    Free blocks that hold KV a prefix cache may still reuse (named: engine/prefix_cache.py)
+    are kept apart, least recently freed first, and handed out only when the runs cannot serve
+    an allocation, the oldest first.
+
     Thread-safe: the decode server reserves blocks for incoming KV from its RPC threads while
     the engine's thread allocates and frees them for running sequences.
     """
@@ -135,6 +140,8 @@ class BlockPool:
         # `lookup` until `allocate` hands them out again (a free one keeps its KV till then).
         self._named: dict[bytes, int] = {}
         self._name_of: dict[int, bytes] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        """Free named blocks, outside the runs, least recently freed first."""
 
     @property
     def num_total(self) -> int:
@@ -157,6 +164,20 @@ class BlockPool:
     def _allocate(self, n: int) -> list[int] | None:
         if n > self._num_free:
             return None
+        from_runs = min(n, self._num_free - len(self._cached))
+        ids = self._take_runs(from_runs)
+        for _ in range(n - from_runs):  # the least recently freed named blocks, forgotten
+            block_id, _ = self._cached.popitem(last=False)
+            del self._named[self._name_of.pop(block_id)]
+            ids.append(block_id)
+        ids.sort()
+        for block_id in ids:
+            self._refs[block_id] = 1
+        self._num_free -= n
+        return ids
+
+    def _take_runs(self, n: int) -> list[int]:
+        """n ids out of the free runs (which hold at least n), ascending."""
         # First fit: the lowest run long enough gives one contiguous range.
         start = next((s for s in self._starts if self._run_len[s] >= n), None)
         if start is not None:
@@ -172,12 +193,6 @@ class BlockPool:
                 if len(ids) == n:
                     break
             ids.sort()
-        for block_id in ids:
-            self._refs[block_id] = 1
-            name = self._name_of.pop(block_id, None)
-            if name is not None:  # its KV is about to be overwritten
-                del self._named[name]
-        self._num_free -= n
         return ids
 
     def name(self, block_id: int, name: bytes) -> None:
@@ -202,7 +217,7 @@ class BlockPool:
                 ids.append(block_id)
             for block_id in ids:
                 if self._refs[block_id] == 0:
-                    self._take_one(block_id)
+                    del self._cached[block_id]
                     self._num_free -= 1
                 self._refs[block_id] += 1
             return ids
@@ -223,7 +238,10 @@ class BlockPool:
                 assert self._refs[block_id] > 0, f"double free of block {block_id}"
                 self._refs[block_id] -= 1
                 if self._refs[block_id] == 0:
-                    self._release(block_id)
+                    if block_id in self._name_of:  # its KV may serve again: kept apart
+                        self._cached[block_id] = None
+                    else:
+                        self._release(block_id)
                     self._num_free += 1
 
     def _take(self, start: int, count: int) -> None:
@@ -238,18 +256,6 @@ class BlockPool:
             self._starts[index] = start + count  # still sorted: it stays below the next run
             self._run_len[start + count] = length - count
             self._run_at_end[end] = start + count
-
-    def _take_one(self, block_id: int) -> None:
-        """Removes block_id from the free run holding it (splitting the run)."""
-        start = self._starts[bisect.bisect_right(self._starts, block_id) - 1]
-        end = start + self._run_len[start]
-        assert start <= block_id < end, f"block {block_id} is not free"
-        self._take(start, end - start)
-        for run_start, run_end in ((start, block_id), (block_id + 1, end)):
-            if run_end > run_start:
-                bisect.insort(self._starts, run_start)
-                self._run_len[run_start] = run_end - run_start
-                self._run_at_end[run_end] = run_start
 
     def _release(self, block_id: int) -> None:
         """Puts block_id back, merged with the free runs that end right before or start after."""

@@ -4,13 +4,13 @@ computed before (by any sequence) takes their KV instead of computing it again.
 A full block is named by a digest of its tokens and of the name of the block before it (sha256,
 chained: two blocks share a name only when every token up to their ends is the same). Once a
 forward has written a full block's KV (`Scheduler.update`), the block is named in the pool
-(`BlockPool.name`); when its sequences have freed it, it stays in the pool's free runs with its
-KV and name until the pool hands it out again. A waiting sequence without KV (new, or preempted)
-is admitted with the blocks of the longest run of its names the pool still holds
-(`BlockPool.lookup`) and computes from there; its last token is always computed, for the logits
-that sample the next one, so a cached block is never written.
+(`BlockPool.name`); when its sequences have freed it, the pool keeps it with its KV and name,
+and hands it out again only when no unnamed block is free, least recently freed first. A
+waiting sequence without KV (new, or preempted) is admitted with the blocks of the longest run
+of its names the pool still holds (`BlockPool.lookup`) and computes from there; its last token
+is always computed, for the logits that sample the next one, so a cached block is never
+written.
 
-Blocks go out again in the pool's order (first fit by position), not least recently used first.
 Not with a proposer that keeps a cache of its own (a draft model, MTP layers, an EAGLE-3 head):
 its KV of a cached prefix would be missing (EngineConfig refuses the combination).
 """

@@ -33,17 +33,23 @@ def test_a_named_block_is_found_after_its_free_until_the_pool_hands_it_out():
     assert pool.lookup([b"a"]) == [] and pool.num_free == 0
 
 
-def test_a_free_block_taken_back_splits_its_run():
+def test_allocations_take_unnamed_blocks_first_then_the_least_recently_freed_named():
     pool = BlockPool(8)
     ids = pool.allocate(8)
-    pool.name(4, b"x")
+    pool.name(2, b"x")
+    pool.name(5, b"y")
+    pool.free([5])
+    pool.free([2])  # freed after 5: kept longer
+    pool.free([0, 1, 3, 4, 6, 7])
+    assert pool.num_free == 8
+    assert pool.allocate(6) == [0, 1, 3, 4, 6, 7]  # the runs first: both names kept
+    assert pool.lookup([b"y"]) == [5]
+    pool.free([5])  # now the most recently freed
+    assert pool.allocate(1) == [2]  # the least recently freed goes, and its name with it
+    assert pool.lookup([b"x"]) == [] and pool.lookup([b"y"]) == [5]
+    assert pool.num_free == 0 and pool.allocate(1) is None
     pool.free(ids)
-    assert pool.lookup([b"x"]) == [4]
-    assert pool.allocate(4) == [0, 1, 2, 3]  # the runs either side stay whole
-    assert pool.allocate(3) == [5, 6, 7]
-    assert pool.allocate(1) is None
-    pool.free([0, 1, 2, 3, 4, 5, 6, 7])
-    assert pool.num_free == 8 and pool.allocate(8) == list(range(8))
+    assert pool.num_free == 8 and sorted(pool.allocate(8)) == ids
 
 
 def _engine(cache: bool, kv_blocks: int = 64, **kw) -> LLMEngine:
