@@ -98,11 +98,6 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size: {self.tensor_parallel_size} must be at least 1"
             )
-        if self.enable_prefix_caching and spec is not None and spec.method != "ngram":
-            raise ValueError(
-                f"enable_prefix_caching: not with speculative_config method {spec.method} yet "
-                "(its proposer's KV of a cached prefix would be missing); ngram works with it"
-            )
         if spec is not None and spec.acceptance_curve is not None and not self.benchmark_mode:
             raise ValueError(
                 "speculative_config.acceptance_curve: simulated acceptance returns tokens that "

@@ -33,7 +33,7 @@ from engine.prefix_cache import PrefixCache
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence, StopConditions
-from engine.spec_build import acceptance_curve, build_proposer
+from engine.spec_build import acceptance_curve, build_proposer, proposer_cache_config
 from engine.speculative import Proposer, SpecStats
 from engine.step_executor import StepExecutor
 from engine.tp_workers import AgentFactory, TpWorkers
@@ -121,7 +121,8 @@ class LLMEngine:
         )
         prefix_cache = None
         if config.enable_prefix_caching:
-            prefix_cache = PrefixCache(pool, config.block_size)
+            with_proposer = proposer_cache_config(config) is not None
+            prefix_cache = PrefixCache(pool, config.block_size, with_proposer)
         async_scheduling = config.async_scheduling
         if async_scheduling is None:
             async_scheduling = executor.graphs is not None and config.speculative_config is None

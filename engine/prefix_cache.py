@@ -11,8 +11,10 @@ of its names the pool still holds (`BlockPool.lookup`) and computes from there; 
 is always computed, for the logits that sample the next one, so a cached block is never
 written.
 
-Not with a proposer that keeps a cache of its own (a draft model, MTP layers, an EAGLE-3 head):
-its KV of a cached prefix would be missing (EngineConfig refuses the combination).
+With a speculative proposer that keeps a cache of its own (a draft model, MTP layers, an
+EAGLE-3 head: its blocks are the target's block ids), a block is named only once the proposer's
+KV of it is written too (`Sequence.num_draft_computed` covers it), and a sequence that takes
+cached blocks takes the proposer's KV of them with the target's.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from engine.sequence import Sequence
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, proposer_cache: bool = False) -> None:
+        """`proposer_cache`: a speculative proposer keeps KV of its own in the same blocks."""
         self.pool = pool
         self.block_size = block_size
+        self.proposer_cache = proposer_cache
         self.queried_tokens = 0
         """Tokens of the sequences admitted, looked up (vLLM's prefix_cache_queries)."""
         self.hit_tokens = 0
@@ -41,6 +45,8 @@ class PrefixCache:
         seq.block_ids = self.pool.lookup(self._names(seq, usable))
         seq.num_named = len(seq.block_ids)
         seq.num_computed = seq.num_named * self.block_size
+        if self.proposer_cache:
+            seq.num_draft_computed = seq.num_computed
         return seq.num_computed
 
     def count(self, seq: Sequence, hit_tokens: int) -> None:
@@ -51,8 +57,11 @@ class PrefixCache:
             seq.num_cached_tokens = hit_tokens
 
     def record(self, seq: Sequence) -> None:
-        """Names the sequence's full blocks whose KV a finished forward has written."""
+        """Names the sequence's full blocks whose KV a finished forward has written (and the
+        proposer's, if it keeps a cache)."""
         full = min(seq.num_computed, seq.num_tokens, len(seq.block_ids) * self.block_size)
+        if self.proposer_cache:
+            full = min(full, seq.num_draft_computed)
         full //= self.block_size
         if full <= seq.num_named:
             return

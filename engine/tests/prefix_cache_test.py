@@ -111,7 +111,37 @@ def test_blocks_handed_out_again_are_not_found_and_preempted_sequences_find_thei
     assert engine.scheduler.prefix_cache.hit_tokens == hits
 
 
-def test_prefix_caching_with_a_proposer_of_its_own_is_refused():
-    spec = SpeculativeConfig("draft_model", 2, model="random:tiny")
-    with pytest.raises(ValueError, match=r"enable_prefix_caching: not with .* draft_model yet"):
-        EngineConfig(model="random:tiny", speculative_config=spec, enable_prefix_caching=True)
+def test_a_draft_models_kv_of_cached_blocks_is_taken_with_the_targets():
+    # The model drafting for itself: its proposals are all accepted only if the draft's KV of
+    # the cached prefix is there, as the target's is.
+    spec = SpeculativeConfig("draft_model", 3, model="random:tiny")
+    prompt = _prompt(3, 70)
+    expected = _run(_engine(cache=False), [prompt])
+    engine = _engine(cache=True, speculative_config=spec)
+    for _ in range(2):
+        assert _run(engine, [prompt]) == expected
+    assert engine.scheduler.prefix_cache.hit_tokens == (len(prompt) - 1) // BLOCK * BLOCK
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_mtp_layers_kv_of_cached_blocks_gives_the_same_drafts():
+    # Under a simulated acceptance curve drafts become output tokens: the prompt sent again,
+    # its prefix cached (the target's and the MTP layer's KV), gives the drafts it gave when
+    # computed in full.
+    spec = SpeculativeConfig("mtp", 3, acceptance_curve="mean-2.5-depth-3")
+    prompt = _prompt(4, 70)
+
+    def twice(cache: bool) -> tuple[list, int]:
+        config = EngineConfig(
+            model="random:deepseek-tiny", dtype="float32", block_size=BLOCK,
+            kv_cache_gb=0.01, max_num_seqs=8, max_num_batched_tokens=32,
+            speculative_config=spec, benchmark_mode=True, enable_prefix_caching=cache,
+        )  # fmt: skip
+        engine = LLMEngine.build(config)
+        outputs = [_run(engine, [prompt]) for _ in range(2)]
+        return outputs, engine.scheduler.prefix_cache.hit_tokens if cache else 0
+
+    (first, second), _ = twice(cache=False)
+    cached, hits = twice(cache=True)
+    assert cached == [first, second] and hits == (len(prompt) - 1) // BLOCK * BLOCK
