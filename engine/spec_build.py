@@ -90,7 +90,7 @@ def build_proposer(
     if spec.method == "ngram":
         return NgramProposer(spec)
     # Under tensor parallelism target[0] is rank 0's share of the heads; the proposer is whole.
-    shape = target[0] if embedding is None else read_model_config(config)
+    shape = read_model_config(config) if config.tensor_parallel_size > 1 else target[0]
     if spec.method == "mtp":
         return build_mtp(config, shape, target[1], num_blocks, max_model_len, embedding)
     if spec.method == "eagle3":
