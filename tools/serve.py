@@ -86,7 +86,11 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: random weights of the folder's shape")  # fmt: skip
     parser.add_argument("--max-model-len", default=None, help="default: the model's")
-    parser.add_argument("--kv-cache-gb", default="1")
+    parser.add_argument("--kv-cache-gb", default="1", help="each engine's KV cache, GB")
+    parser.add_argument("--prefill-kv-cache-gb", default=None,
+                        help="the prefills' KV cache, GB, where it differs from the decode's: a "
+                             "prefill holds the prompts of one forward, a decode server every "
+                             "running sequence")  # fmt: skip
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8 (every engine's)")
     parser.add_argument(
         "--enable-prefix-caching",
@@ -112,8 +116,8 @@ def main() -> None:
         sys.exit(f"serve: --model {model} is not a Hugging Face folder (no config.json)")
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     common = ["--model", model, "--host", args.host, "--device", args.device, "--dtype", dtype,
-              "--transport", args.transport, "--kv-cache-gb", args.kv_cache_gb,
-              "--kv-cache-dtype", args.kv_cache_dtype]  # fmt: skip
+              "--transport", args.transport, "--kv-cache-dtype", args.kv_cache_dtype]  # fmt: skip
+    prefill_kv_gb = args.prefill_kv_cache_gb or args.kv_cache_gb
     # Flags vLLM takes under the same names.
     shared = ["--load-format", args.load_format]
     if args.max_model_len:
@@ -137,7 +141,8 @@ def main() -> None:
         decodes, metrics = [], []
         prefills = ["--aggregated"] if args.aggregated else []  # the router's prefill arguments
         for _ in range(args.num_decode):
-            proc, m = start(["decode.server", *common, "--grpc-port", "0", "--metrics-port", "0",
+            proc, m = start(["decode.server", *common, "--kv-cache-gb", args.kv_cache_gb,
+                             "--grpc-port", "0", "--metrics-port", "0",
                              "--tensor-parallel-size", str(args.decode_tp), *spec],
                             r"serving gRPC on [\d.]+:(\d+), metrics on :(\d+)",
                             timeout=900)  # fmt: skip
@@ -148,10 +153,11 @@ def main() -> None:
             prefill_tp = ["--tensor-parallel-size", str(args.prefill_tp)]
             if args.prefill == "vllm":
                 proc, url = _start_vllm(model, args.host, dtype, args.transport,
-                                        args.kv_cache_gb, prefill_spec, "--kv-cache-dtype",
+                                        prefill_kv_gb, prefill_spec, "--kv-cache-dtype",
                                         args.kv_cache_dtype, *shared, *prefill_tp)  # fmt: skip
             else:
-                proc, m = start(["prefill.server", *common, "--port", "0", *prefill_tp,
+                proc, m = start(["prefill.server", *common, "--kv-cache-gb", prefill_kv_gb,
+                                 "--port", "0", *prefill_tp,
                                  *prefill_spec, "--kv-send", args.kv_send],
                                 r"serving on (http://\S+)", timeout=900)  # fmt: skip
                 url = m.group(1)
