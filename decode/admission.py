@@ -20,6 +20,10 @@ storm of failures, once the deadlines have passed, the pool's free count is back
 baseline. A request id is live from reserve() until FINISHED or FAILED; a second reserve() of a
 live id is refused.
 
+With prefix caching (`prefix_cache`), reserve() gives a prompt the cached blocks it starts with
+(engine/prefix_cache.py) and new blocks for the rest; its senders write only the rest
+(`num_cached_tokens`, which the ticket carries).
+
 A prompt the decode server prefills itself (admit_local(): no Reserve, no sender) starts READY
 with no blocks, since the engine allocates its own as it prefills; from there it is any ticket.
 """
@@ -44,6 +48,7 @@ from decode.failures import (
     deadline_missed,
 )
 from engine.kv_cache import BlockPool
+from engine.prefix_cache import PrefixCache
 
 # Writers stop at the ticket's deadline (their transports enforce it); this much longer, a DMA
 # already issued may still land, so quarantined blocks wait for it too.
@@ -75,8 +80,10 @@ class Reservation:
     deadline: float
     """time.monotonic() by which every sender must have committed."""
     expected_bytes: int
-    """KV bytes of the prompt, all layers, every plane (K and V, or the MLA latent), summed over
-    every sender."""
+    """KV bytes of the prompt's uncached tokens, all layers, every plane (K and V, or the MLA
+    latent), summed over every sender."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV is in the first blocks already (found in the prefix cache)."""
     committed: dict[int, int] = field(default_factory=dict)
     """sender rank -> bytes it reported."""
     state: RequestState = RequestState.RESERVED
@@ -97,8 +104,11 @@ class Admission:
         max_model_len: int,
         default_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
+        """`prefix_cache`: the engine's, if it caches prefixes (over the same pool)."""
         self.pool = pool
+        self.prefix_cache = prefix_cache
         self.block_size = block_size
         self.num_layers = num_layers
         """Layers every sender writes: the model's, and its speculative proposer's if any."""
@@ -133,22 +143,27 @@ class Admission:
         with self._cond:
             self._check_not_live_locked(request_id)
             need = -(-len(prompt_ids) // self.block_size)
-            blocks = self.pool.allocate(need)
+            cached = self.prefix_cache.take_prompt(prompt_ids) if self.prefix_cache else []
+            blocks = self.pool.allocate(need - len(cached))
             if blocks is None:
+                self.pool.free(cached)
                 raise AdmissionError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{need} KV blocks needed for {len(prompt_ids)} tokens, "
+                    f"{need - len(cached)} KV blocks needed for {len(prompt_ids)} tokens"
+                    f"{f' ({len(cached)} more cached)' if cached else ''}, "
                     f"{self.pool.num_free} free of {self.pool.num_total}",
                 )
+            num_cached = len(cached) * self.block_size
             reservation = Reservation(
                 request_id=request_id,
                 generation=self._next_generation_locked(request_id),
                 prompt_ids=list(prompt_ids),
-                block_ids=blocks,
+                block_ids=cached + blocks,
                 num_senders=num_senders,
                 max_tokens=max_tokens,
                 deadline=self.clock() + (timeout_s or self.default_timeout_s),
-                expected_bytes=len(prompt_ids) * self.kv_bytes_per_token,
+                expected_bytes=(len(prompt_ids) - num_cached) * self.kv_bytes_per_token,
+                num_cached_tokens=num_cached,
             )
             self._live[request_id] = reservation
             self._cond.notify_all()  # wait_reserved
@@ -393,8 +408,9 @@ class Admission:
         total = sum(res.committed.values())
         if len(res.committed) == res.num_senders and total != res.expected_bytes:
             return (
-                f"senders wrote {total} bytes of KV, the prompt's {len(res.prompt_ids)} tokens "
-                f"need {res.expected_bytes}"
+                f"senders wrote {total} bytes of KV, the prompt's "
+                f"{len(res.prompt_ids) - res.num_cached_tokens} uncached tokens need "
+                f"{res.expected_bytes}"
             )
         return None
 

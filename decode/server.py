@@ -114,6 +114,7 @@ class DecodeServer:
             + (spec.bytes_per_token if spec else 0),
             self.engine.max_model_len,
             default_timeout_s=config.kv.transfer_timeout_s,
+            prefix_cache=self.engine.scheduler.prefix_cache,
         )
         self.loop = EngineLoop(self.engine)
         endpoint = layout_pb2.TransportEndpoint(

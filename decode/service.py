@@ -104,6 +104,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             block_ids=res.block_ids,
             num_senders=res.num_senders,
             deadline_unix_ms=deadline_unix_ms,
+            num_cached_tokens=res.num_cached_tokens,
         )
         ticket.MergeFrom(self.destination)
         return decode_pb2.ReserveResponse(ticket=ticket)

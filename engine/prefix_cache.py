@@ -11,6 +11,11 @@ of its names the pool still holds (`BlockPool.lookup`) and computes from there; 
 is always computed, for the logits that sample the next one, so a cached block is never
 written.
 
+A decode server looks a remotely prefilled prompt up the same way when it reserves blocks for
+its KV (`take_prompt`): the senders then write only the tokens after the blocks it found (the
+ticket's `num_cached_tokens`), and the received blocks are named once a forward has run on them
+as any others are.
+
 With a speculative proposer that keeps a cache of its own (a draft model, MTP layers, an
 EAGLE-3 head: its blocks are the target's block ids), a block is named only once the proposer's
 KV of it is written too (`Sequence.num_draft_computed` covers it), and a sequence that takes
@@ -20,6 +25,7 @@ cached blocks takes the proposer's KV of them with the target's.
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
 
 from engine.kv_cache import BlockPool
@@ -36,25 +42,41 @@ class PrefixCache:
         """Tokens of the sequences admitted, looked up (vLLM's prefix_cache_queries)."""
         self.hit_tokens = 0
         """Of those, the ones whose KV was found (vLLM's prefix_cache_hits)."""
+        self._counting = threading.Lock()
+        """The engine's thread and a decode server's Reserve threads both count."""
 
     def take(self, seq: Sequence) -> int:
         """Gives a sequence without KV the cached blocks its tokens start with (one more owner
         each); their tokens count as computed. Returns how many tokens that is."""
         assert not seq.block_ids and seq.num_computed == 0
         usable = (seq.num_tokens - 1) // self.block_size
-        seq.block_ids = self.pool.lookup(self._names(seq, usable))
+        seq.block_ids = self.pool.lookup(block_names(seq.token_ids, self.block_size, usable,
+                                                     seq.block_names))  # fmt: skip
         seq.num_named = len(seq.block_ids)
         seq.num_computed = seq.num_named * self.block_size
         if self.proposer_cache:
             seq.num_draft_computed = seq.num_computed
         return seq.num_computed
 
+    def take_prompt(self, token_ids: list[int]) -> list[int]:
+        """The cached blocks a prompt whose KV comes from elsewhere starts with, one more owner
+        each (its last token's block never: a prompt's senders always write something), and
+        counts the lookup."""
+        usable = (len(token_ids) - 1) // self.block_size
+        blocks = self.pool.lookup(block_names(token_ids, self.block_size, usable, []))
+        self._count(len(token_ids), len(blocks) * self.block_size)
+        return blocks
+
     def count(self, seq: Sequence, hit_tokens: int) -> None:
         """Counts an admitted sequence's lookup (`take`'s result)."""
-        self.queried_tokens += seq.num_tokens
-        self.hit_tokens += hit_tokens
+        self._count(seq.num_tokens, hit_tokens)
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = hit_tokens
+
+    def _count(self, queried: int, hit: int) -> None:
+        with self._counting:
+            self.queried_tokens += queried
+            self.hit_tokens += hit
 
     def record(self, seq: Sequence) -> None:
         """Names the sequence's full blocks whose KV a finished forward has written (and the
@@ -65,19 +87,19 @@ class PrefixCache:
         full //= self.block_size
         if full <= seq.num_named:
             return
-        names = self._names(seq, full)
+        names = block_names(seq.token_ids, self.block_size, full, seq.block_names)
         for i in range(seq.num_named, full):
             self.pool.name(seq.block_ids[i], names[i])
         seq.num_named = full
 
-    def _names(self, seq: Sequence, count: int) -> list[bytes]:
-        """The names of the sequence's first `count` full blocks (kept on it: its tokens only
-        grow)."""
-        names, size = seq.block_names, self.block_size
-        while len(names) < count:
-            start = len(names) * size
-            tokens = array("q", seq.token_ids[start : start + size])  # int64
-            digest = hashlib.sha256(names[-1] if names else b"tandem-prefix")
-            digest.update(tokens.tobytes())
-            names.append(digest.digest())
-        return names[:count]
+
+def block_names(token_ids, block_size: int, count: int, names: list[bytes]) -> list[bytes]:
+    """The names of the first `count` full blocks of `token_ids`, extending `names` (those of
+    its first blocks computed before, kept by a sequence: its tokens only grow)."""
+    while len(names) < count:
+        start = len(names) * block_size
+        tokens = array("q", token_ids[start : start + block_size])  # int64
+        digest = hashlib.sha256(names[-1] if names else b"tandem-prefix")
+        digest.update(tokens.tobytes())
+        names.append(digest.digest())
+    return names[:count]

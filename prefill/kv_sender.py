@@ -387,11 +387,12 @@ class KvSender:
         return True
 
     def _valid_bytes(self, session: SendSession, layers: int) -> int:
-        """The prompt's bytes in `layers` layers sent: the model's, then the proposer's."""
+        """The bytes in `layers` layers sent of the prompt's tokens the decode server has not
+        cached: the model's, then the proposer's."""
         model_layers = min(layers, self.layout.model.num_layers)
         heads = sum(len(t.heads) for t in session.targets)
         planes = kv_planes(self.layout.model)
-        num_tokens = session.ticket.num_tokens
+        num_tokens = session.ticket.num_tokens - session.ticket.num_cached_tokens
         nbytes = valid_bytes(num_tokens, heads, self.token_bytes, model_layers, planes)
         spec = self.speculative
         if layers > model_layers and session.writes_proposer:

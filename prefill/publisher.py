@@ -72,8 +72,9 @@ class LayerwiseSend:
         """One token's KV in one layer, every plane and head of this cache."""
         self._computed: list[int] = []
         """Layers of the forward written but not posted yet (GROUP_BYTES)."""
-        self.sent = 0
-        """Tokens of the prompt whose writes are posted, or armed for the next forward."""
+        self.sent = session.ticket.num_cached_tokens
+        """Tokens of the prompt whose writes are posted, or armed for the next forward (or in
+        the decode server's prefix cache already)."""
         self.complete = False
         """Armed for the forward that completes the prompt: everything is sent by then."""
         self.held: list[int] = []
@@ -165,7 +166,8 @@ class LayerwiseSend:
         cache, session = self.proposer_cache, self.session
         return self._layer_ops(
             cache.kv_caches[layer], regions, _block_layout(cache), session.proposer_dst_layout,
-            range(cache.storage.shape[3]), 0, session.src_blocks, 0, session.ticket.num_tokens,
+            range(cache.storage.shape[3]), 0, session.src_blocks, session.ticket.num_cached_tokens,
+            session.ticket.num_tokens,
         )  # fmt: skip
 
     def _layer_ops(

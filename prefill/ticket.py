@@ -156,6 +156,12 @@ def ticket_problem(ticket: decode_pb2.Ticket, num_layers: int, token_bytes: int)
             f"ticket {ticket.request_id}: {len(ticket.block_ids)} blocks of {block_size} "
             f"tokens cannot hold {ticket.num_tokens} tokens"
         )
+    cached = ticket.num_cached_tokens
+    if cached % block_size or (cached and cached >= ticket.num_tokens):
+        return (
+            f"ticket {ticket.request_id}: {cached} cached tokens is not a whole number of "
+            f"blocks of {block_size} below its {ticket.num_tokens} tokens"
+        )
     if any(len(shard.layers) != num_layers for shard in ticket.shards):
         return f"ticket {ticket.request_id}: not {num_layers} layers in every shard"
     planes = kv_planes(ticket.layout.model)

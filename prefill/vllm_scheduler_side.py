@@ -49,7 +49,7 @@ class _Tracked:
     transfer: KvTransfer
     error: str = ""
     sent: int = 0
-    """Prompt tokens planned in earlier steps."""
+    """Prompt tokens planned in earlier steps (or in the decode server's prefix cache)."""
     announced: bool = False
     """The worker side has had this request's ticket."""
     final: bool = False
@@ -105,7 +105,7 @@ class SchedulerSide:
                 f"ticket {ticket.request_id} expects {ticket.num_senders} sender rank(s), vLLM "
                 f"runs {self.num_senders} tensor-parallel rank(s)"
             )
-        self._tracked[req_id] = _Tracked(request, transfer, error)
+        self._tracked[req_id] = _Tracked(request, transfer, error, ticket.num_cached_tokens)
 
     def build_meta(self, num_scheduled_tokens: dict[str, int]) -> TandemMetadata:
         """This step's plans; `num_scheduled_tokens` is SchedulerOutput's (request id -> tokens

@@ -2,7 +2,8 @@
 the CPU, over tcp): a router started with --aggregated in front of the decode server alone
 answers with the same greedy text as the disaggregated stack; with prefix caching on both
 servers, a prompt sent again reuses its cached blocks (counted in the decode server's
-tandem_decode_prefix_cache_hits_total), text unchanged; with the only prefill stopped, the
+tandem_decode_prefix_cache_hits_total), text unchanged, and a disaggregated prompt's prefill
+sends only the KV of the blocks the decode server did not find; with the only prefill stopped, the
 disaggregated router serves every request through the decode server (each counted in
 tandem_router_decode_only_fallback_total), text unchanged; the prefill started again at its
 address takes the requests back. Afterwards no KV block stays allocated on the decode server.
@@ -30,6 +31,8 @@ from tests.servers import (
 PROMPTS = ["Count to ten:", "The capital of France is", "def fibonacci(n):"]
 LOCAL = "tandem_decode_local_prefills_total"
 FALLBACK = "tandem_router_decode_only_fallback_total"
+HITS = "tandem_decode_prefix_cache_hits_total"
+SENT = "tandem_decode_transfer_bytes_total"
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +91,39 @@ def test_a_prompt_prefilled_again_reuses_the_cached_blocks_of_the_first(stack):
         hits.append(counter(decode_metrics, "tandem_decode_prefix_cache_hits_total") - before)
     assert texts[0] == texts[1] == texts[2] == texts[3]
     prompt_tokens = reply.json()["usage"]["prompt_tokens"]
-    # The second: every full block but the one holding the prompt's last token. The
-    # disaggregated ones' KV came from their prefill: nothing looked up here.
-    assert hits == [0, (prompt_tokens - 1) // 16 * 16, 0, 0]
+    # From the second on: every full block but the one holding the prompt's last token (the
+    # disaggregated ones' found when their blocks were reserved).
+    assert hits == [0] + [(prompt_tokens - 1) // 16 * 16] * 3
     # The prefill's reply names what its cache held, as OpenAI's usage does.
     reply = httpx.post(f"{prefill_url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
     assert reply.status_code == 200, reply.text
     cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == (prompt_tokens - 1) // 16 * 16
+    assert decode_pool_free(address)
+
+
+def test_a_disaggregated_prompt_is_sent_only_past_the_decode_servers_cached_blocks(stack):
+    # The decode server's Reserve finds the blocks it holds of a prompt's start (here: those a
+    # first request's prompt left), its ticket says so, and the prefill writes only the rest;
+    # the text is the prefill engine's own.
+    address, prefill_url, url, _, _ = stack
+    decode_metrics = metrics_url(address)
+    first = [(7919 * i) % 40000 + 100 for i in range(41)]  # no earlier prompt starts so
+    second = first + [(104729 * i) % 40000 + 100 for i in range(30)]
+    hits, sent = [], []
+    for prompt in (first, second):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        before = [counter(decode_metrics, name) for name in (HITS, SENT)]
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        alone = httpx.post(f"{prefill_url}/v1/completions", json=body, timeout=60)
+        assert reply.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+        hits.append(counter(decode_metrics, HITS) - before[0])
+        sent.append(counter(decode_metrics, SENT) - before[1])
+    # The first prompt's two full blocks; its third holds its last token and the first output.
+    assert hits == [0, 32]
+    per_token = sent[0] / len(first)
+    assert sent[1] == per_token * (len(second) - 32)
     assert decode_pool_free(address)
 
 

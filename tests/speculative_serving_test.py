@@ -8,7 +8,8 @@ CPU, over tcp):
   client's request fails with that message instead of decoding with a recomputed prompt;
 - behind a prefill run with the same --speculative-config, which sends the draft's prompt KV
   after the model's, it answers with the same tokens, every proposal accepted, and the bytes
-  committed are the model's and the draft's for every prompt token;
+  committed are the model's and the draft's for every prompt token its prefix cache did not
+  hold;
 - the same decode server behind an aggregated router (it prefills itself, the draft too) answers
   with the same tokens, every proposal accepted;
 - a tiny DeepSeek-V3 folder with an MTP layer (SmolLM2's tokenizer), prefill and decode both
@@ -65,7 +66,9 @@ def stack():
     """An n-gram decode server behind a prefill and a router; a draft-model decode server
     behind a router to the same prefill, and behind an aggregated router."""
     ngram, ngram_address = start_decode("tcp", "float32", "--speculative-config", NGRAM)
-    draft, draft_address = start_decode("tcp", "float32", "--speculative-config", SELF_DRAFT)
+    draft, draft_address = start_decode(
+        "tcp", "float32", "--speculative-config", SELF_DRAFT, "--enable-prefix-caching"
+    )
     prefill, prefill_url = start_prefill("tcp")
     drafting, drafting_url = start_prefill("tcp", 0, "--speculative-config", SELF_DRAFT)
     router, url = start_router([prefill_url], [ngram_address])
@@ -171,16 +174,20 @@ def _prompt_tokens() -> int:
 def test_behind_a_prefill_that_sends_the_drafts_kv_every_proposal_is_accepted(stack, reference):
     address, sent_url = stack["draft_sent"]
     metrics = metrics_url(address)
-    sent_before = counter(metrics, "tandem_decode_transfer_bytes_total")
-    drafted_before = counter(metrics, "tandem_decode_spec_draft_tokens_total")
-    accepted_before = counter(metrics, "tandem_decode_spec_accepted_tokens_total")
+    names = ("transfer_bytes", "spec_draft_tokens", "spec_accepted_tokens", "prefix_cache_hits")
+    before = [counter(metrics, f"tandem_decode_{name}_total") for name in names]
     assert _texts(sent_url, every_draft_accepted=True) == reference
-    drafted = counter(metrics, "tandem_decode_spec_draft_tokens_total") - drafted_before
-    accepted = counter(metrics, "tandem_decode_spec_accepted_tokens_total") - accepted_before
+    sent, drafted, accepted, hits = (
+        counter(metrics, f"tandem_decode_{name}_total") - value
+        for name, value in zip(names, before, strict=True)
+    )
     assert drafted > 0 and accepted == drafted
+    # The decode server caches prefixes: the blocks of each prompt it prefilled itself before
+    # (the aggregated test), the draft's KV with them, were not sent again; every proposal from
+    # that KV is still accepted.
+    assert hits > 0
     per_token = MODEL_BYTES_PER_TOKEN + SpeculativeKv.parse(DRAFT_KV).bytes_per_token
-    sent = counter(metrics, "tandem_decode_transfer_bytes_total") - sent_before
-    assert sent == _prompt_tokens() * per_token
+    assert sent == (_prompt_tokens() - hits) * per_token
     assert decode_pool_free(address) is not None
 
 

@@ -5,7 +5,8 @@ decode server -> POST /v1/completions to vLLM with the ticket, max_tokens=1 -> G
 The greedy tokens must equal vLLM's own (vLLM without the connector, run first in this file)
 for concurrent prompts of different lengths, one prefilled in several chunks and one hitting
 vLLM's prefix cache; the decode server must have had exactly the prompt's KV committed, and one
-speculating with n-gram lookup must answer the same; a request without a ticket must be served
+speculating with n-gram lookup must answer the same, and one caching prefixes must be sent
+only the KV past the blocks it found; a request without a ticket must be served
 as if the connector were absent; a decode server whose KV dtype differs must be refused, the
 request failing at once; and `//tools:serve --prefill vllm` must answer as vLLM alone does."""
 
@@ -192,6 +193,29 @@ def test_an_ngram_decode_behind_vllm_equals_vllm_alone(stack, prompts, reference
                     for name in ("short", "long")}  # fmt: skip
         assert outs == {name: reference[name] for name in outs}
         assert counter(metrics_url(address), "tandem_decode_spec_draft_tokens_total") > 0
+    finally:
+        stop(decode)
+
+
+def test_vllm_writes_only_what_a_caching_decode_server_has_not_found(stack, prompts, reference):
+    """A decode server caching prefixes reserves "prefix_hit" with the blocks "long" left it:
+    vLLM's connector sends the tokens after them only, and the greedy tokens stay vLLM's."""
+    _, _, _, http = stack
+    decode, address = start_decode("tcp", "float32", "--enable-prefix-caching")
+    metrics = metrics_url(address)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            outs, committed = {}, []
+            for name in ("long", "prefix_hit"):
+                before = counter(metrics, "tandem_decode_transfer_bytes_total")
+                outs[name] = _disaggregated(stub, http, address, f"cached-{name}", prompts[name])
+                committed.append(counter(metrics, "tandem_decode_transfer_bytes_total") - before)
+        assert outs == {name: reference[name] for name in outs}
+        # The 16 blocks of 16 tokens "prefix_hit" shares with "long" were not sent again.
+        assert counter(metrics, "tandem_decode_prefix_cache_hits_total") == 256
+        assert committed == [len(prompts["long"]) * KV_BYTES_PER_TOKEN,
+                             (len(prompts["prefix_hit"]) - 256) * KV_BYTES_PER_TOKEN]  # fmt: skip
     finally:
         stop(decode)
 

@@ -9,6 +9,7 @@ import pytest
 from decode.admission import QUARANTINE_GRACE_S, Admission, RequestState
 from decode.failures import UNCLAIMED_S, AdmissionError, FailureKind
 from engine.kv_cache import BlockPool
+from engine.prefix_cache import PrefixCache, block_names
 
 LAYERS, PER_TOKEN = 4, 100  # 4 layers, 100 KV bytes per token
 
@@ -206,7 +207,7 @@ def test_stale_generation_is_refused_and_changes_nothing(admission):
 
 def test_wrong_byte_count_or_layers_fail_the_ticket(admission):
     admission.reserve("a", [1] * 20, num_senders=1, max_tokens=1)
-    short = "senders wrote 1999 bytes of KV, the prompt's 20 tokens need 2000"
+    short = "senders wrote 1999 bytes of KV, the prompt's 20 uncached tokens need 2000"
     assert _failure(lambda: admission.commit("a", 1, 0, 1999, LAYERS)) == (
         grpc.StatusCode.INVALID_ARGUMENT,
         FailureKind.BAD_COMMIT,
@@ -250,3 +251,34 @@ def test_capacity_and_argument_checks(admission):
     assert _code(lambda: admission.commit("a", 1, 5, 100, LAYERS)) == code.INVALID_ARGUMENT
     assert _code(lambda: admission.commit("zz", 1, 0, 100, LAYERS)) == code.NOT_FOUND
     admission.abort("a")
+
+
+def test_reserve_takes_the_cached_blocks_a_prompt_starts_with(clock):
+    pool = BlockPool(10)
+    cache = PrefixCache(pool, 16)
+    adm = Admission(pool, 16, LAYERS, PER_TOKEN, 1000, default_timeout_s=5, clock=clock,
+                    prefix_cache=cache)  # fmt: skip
+    # Blocks 0-2 held [0, 48) of an earlier prompt, named as its forward wrote them.
+    earlier = pool.allocate(3)
+    for block_id, name in zip(earlier, block_names(list(range(48)), 16, 3, []), strict=True):
+        pool.name(block_id, name)
+    pool.free(earlier)
+    # 40 shared tokens: two whole blocks found, the third (different from token 40 on) not.
+    res = adm.reserve("a", list(range(40)) + [99] * 10, num_senders=1, max_tokens=8)
+    assert (res.block_ids[:2], res.num_cached_tokens, res.expected_bytes) == ([0, 1], 32, 1800)
+    assert len(res.block_ids) == 4 and pool.refcount(0) == pool.refcount(1) == 1
+    # The same prompt again while "a" holds them: shared, not copied.
+    again = adm.reserve("b", list(range(40)) + [99] * 10, num_senders=1, max_tokens=8)
+    assert again.block_ids[:2] == [0, 1] and pool.refcount(0) == 2
+    # A prompt ending on a block's last token still sends that block: its last token's KV.
+    whole = adm.reserve("c", list(range(48)), num_senders=1, max_tokens=8)
+    assert whole.num_cached_tokens == 32 and whole.block_ids[:2] == [0, 1]
+    assert (cache.queried_tokens, cache.hit_tokens) == (148, 96)
+    # No room for the rest: refused, and the cached blocks it took are given back.
+    assert _code(lambda: adm.reserve("d", list(range(48)) + [5] * 40, 1, 8)) is (
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
+    assert pool.refcount(0) == 3
+    for request_id in "abc":
+        adm.abort(request_id, writers_possible=False)
+    assert pool.num_free == pool.num_total
