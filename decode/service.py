@@ -194,6 +194,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             max_model_len=self.admission.max_model_len,
             draining=self.draining,
             instance_id=self.destination.decode_instance_id,
+            prefix_caching=self.admission.prefix_cache is not None,
         )
 
     def _refuse_if_draining(self, context) -> None:

@@ -24,10 +24,9 @@ cached blocks takes the proposer's KV of them with the target's.
 
 from __future__ import annotations
 
-import hashlib
 import threading
-from array import array
 
+from engine.block_names import block_names
 from engine.kv_cache import BlockPool
 from engine.sequence import Sequence
 
@@ -91,15 +90,3 @@ class PrefixCache:
         for i in range(seq.num_named, full):
             self.pool.name(seq.block_ids[i], names[i])
         seq.num_named = full
-
-
-def block_names(token_ids, block_size: int, count: int, names: list[bytes]) -> list[bytes]:
-    """The names of the first `count` full blocks of `token_ids`, extending `names` (those of
-    its first blocks computed before, kept by a sequence: its tokens only grow)."""
-    while len(names) < count:
-        start = len(names) * block_size
-        tokens = array("q", token_ids[start : start + block_size])  # int64
-        digest = hashlib.sha256(names[-1] if names else b"tandem-prefix")
-        digest.update(tokens.tobytes())
-        names.append(digest.digest())
-    return names[:count]

@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from router.clients import DecodeClient, PrefillClient
 from router.errors import BackendError
+from router.prefix_affinity import PlacedBlocks, choose
 
 PROBE_INTERVAL_S = 2.0
 SETTLE_POLL_S = 0.01
@@ -52,6 +53,11 @@ class DecodeInstance:
     answered yet: what a deregistration waits for."""
     instance_id: str = ""
     """As its Stats said; another one at the same address is a restarted server."""
+    prefix_caching: bool = False
+    block_size: int = 0
+    """Its KV blocks' tokens (0 until its Stats answered)."""
+    placed: PlacedBlocks = field(default_factory=PlacedBlocks)
+    """The prompt blocks placed on it, as far as the router knows (router/prefix_affinity.py)."""
 
 
 class Membership:
@@ -83,7 +89,11 @@ class Membership:
                 "decode %s restarted (instance %s, was %s)",
                 decode.address, stats.instance_id, decode.instance_id,
             )  # fmt: skip
+            decode.placed = PlacedBlocks()  # its cache started empty
         decode.instance_id = stats.instance_id
+        decode.prefix_caching = stats.prefix_caching
+        decode.block_size = stats.layout.block_size
+        decode.placed.capacity = stats.kv_blocks_total
 
     async def _probe_prefill(self, prefill: PrefillInstance) -> None:
         prefill.healthy = await self.prefill_client.health(prefill.url)
@@ -132,16 +142,18 @@ class Membership:
         server said it decodes less."""
         return min((d.max_model_len for d in self.decodes if d.max_model_len), default=configured)
 
-    async def _pick_decode(self) -> DecodeInstance:
-        """The least loaded decode instance that is up; with none up, the down ones are asked
-        again first (one may be back since the last probe, e.g. restarted on its address)."""
+    async def _pick_decode(self, prompt_ids: list[int]) -> tuple[DecodeInstance, list[bytes]]:
+        """The decode instance that is up for a prompt: where its start is cached, or the
+        least loaded (router/prefix_affinity.py), and the prompt's block names there. With
+        none up, the down ones are asked again first (one may be back since the last probe,
+        e.g. restarted on its address)."""
         healthy = [d for d in self.decodes if d.healthy]
         if not healthy:
             await asyncio.gather(*(self._probe_decode(d) for d in self.decodes))
             healthy = [d for d in self.decodes if d.healthy]
         if not healthy:
             raise BackendError(503, "no decode instance is available")
-        return min(healthy, key=lambda d: d.outstanding_tokens)
+        return choose(healthy, prompt_ids)
 
     def _prefill_order(self) -> list[PrefillInstance]:
         """The instances to try, at most two (a failure is retried once, on another): least in

@@ -1,6 +1,7 @@
 """One request through the disaggregated stack (docs/design.md, steps 2-5):
 
-  pick a decode instance (least outstanding tokens) -> Reserve -> pick a prefill instance (least
+  pick a decode instance (where the prompt's start is cached, or the least outstanding tokens:
+  router/prefix_affinity.py) -> Reserve -> pick a prefill instance (least
   in flight) -> prefill with the ticket (on failure: once more, on another prefill), which
   samples every choice's first token and sends the prompt's KV once
   -> Generate, streamed back as lists of token ids, then a Finished, per choice.
@@ -92,7 +93,7 @@ class Orchestrator(Membership):
     async def _generate(
         self, request: GenerationRequest, request_id: str, placed: Generation
     ) -> AsyncIterator[Tokens | Finished]:
-        decode = await self._pick_decode()
+        decode, names = await self._pick_decode(request.prompt_ids)
         outstanding = request.max_tokens * request.n
         decode.outstanding_tokens += outstanding
         rid = f"{request_id}-{next(self._ids)}"
@@ -110,10 +111,11 @@ class Orchestrator(Membership):
                         raise
                     decode.healthy = False
                     arrival.end()
-                    other = await self._pick_decode()
+                    other, names = await self._pick_decode(request.prompt_ids)
                     decode.outstanding_tokens -= outstanding
                     other.outstanding_tokens += outstanding
                     decode, arrival = other, _Arrival(other)
+            decode.placed.place(names)
             stream = self.decode_client.generate(decode.address, generate)
             called = time.monotonic()
             async with contextlib.aclosing(stream):

@@ -3,7 +3,8 @@ the CPU, over tcp): a router started with --aggregated in front of the decode se
 answers with the same greedy text as the disaggregated stack; with prefix caching on both
 servers, a prompt sent again reuses its cached blocks (counted in the decode server's
 tandem_decode_prefix_cache_hits_total), text unchanged, and a disaggregated prompt's prefill
-sends only the KV of the blocks the decode server did not find; with the only prefill stopped, the
+sends only the KV of the blocks the decode server did not find; with two decode servers, a
+conversation's next turn goes to the one holding its start; with the only prefill stopped, the
 disaggregated router serves every request through the decode server (each counted in
 tandem_router_decode_only_fallback_total), text unchanged; the prefill started again at its
 address takes the requests back. Afterwards no KV block stays allocated on the decode server.
@@ -26,6 +27,7 @@ from tests.servers import (
     start_prefill,
     start_router,
     stop,
+    stream_long,
 )
 
 PROMPTS = ["Count to ten:", "The capital of France is", "def fibonacci(n):"]
@@ -125,6 +127,34 @@ def test_a_disaggregated_prompt_is_sent_only_past_the_decode_servers_cached_bloc
     per_token = sent[0] / len(first)
     assert sent[1] == per_token * (len(second) - 32)
     assert decode_pool_free(address)
+
+
+def _ids_text(url: str, prompt: list[int]) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["text"]
+
+
+def test_a_conversations_next_turn_goes_to_the_decode_server_holding_its_start(stack):
+    # Two decode servers caching prefixes, equally idle: the router sends a turn where the
+    # turn before it went (the first listed, `other`, were it the least loaded alone).
+    address, prefill_url, _, _, _ = stack
+    other, other_address = start_decode("tcp", "float32", "--enable-prefix-caching")
+    router, url = start_router([prefill_url], [other_address, address])
+    try:
+        stats = decode_pool_free(other_address)
+        assert stats.prefix_caching and stats.layout.block_size == 16
+        turn = [(7907 * i) % 40000 + 100 for i in range(41)]
+        before = counter(metrics_url(address), HITS)
+        # While a long request keeps `other` busy, the first turn goes to `address`.
+        _, error, _ = stream_long(url, 40, lambda: _ids_text(url, turn))
+        assert error is None
+        _ids_text(url, turn + [(104723 * i) % 40000 + 100 for i in range(10)])
+        assert counter(metrics_url(address), HITS) - before == 32
+        assert decode_pool_free(other_address)
+    finally:
+        stop(router, other)
 
 
 def test_with_the_prefill_stopped_the_decode_server_serves_until_it_is_back(stack):

@@ -8,8 +8,9 @@ import pytest
 
 from decode.admission import QUARANTINE_GRACE_S, Admission, RequestState
 from decode.failures import UNCLAIMED_S, AdmissionError, FailureKind
+from engine.block_names import block_names
 from engine.kv_cache import BlockPool
-from engine.prefix_cache import PrefixCache, block_names
+from engine.prefix_cache import PrefixCache
 
 LAYERS, PER_TOKEN = 4, 100  # 4 layers, 100 KV bytes per token
 

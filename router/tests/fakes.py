@@ -13,7 +13,7 @@ import grpc
 import httpx
 
 from prefill.ticket import KvTransfer
-from proto.tandem.v1 import decode_pb2
+from proto.tandem.v1 import decode_pb2, layout_pb2
 from router.clients import PrefillCallError, PrefillReply
 from router.openai_api import create_app
 from router.orchestrator import Orchestrator
@@ -186,6 +186,8 @@ class FakeDecode:
         """What Stats reports."""
         self.instance_id = "decode-instance-1"
         """What Stats reports of every address."""
+        self.prefix_caching = False
+        """What Stats reports of every address, with 16-token blocks, 1,000 of them."""
         self.reserve_gate: asyncio.Event | None = None
         """When set: Reserve answers only once the event is set."""
         self.generating = asyncio.Event()
@@ -268,6 +270,9 @@ class FakeDecode:
             max_model_len=self.max_model_len,
             draining=address in self.draining,
             instance_id=self.instance_id,
+            prefix_caching=self.prefix_caching,
+            layout=layout_pb2.LayoutDescriptor(block_size=16),
+            kv_blocks_total=1000,
         )
 
     async def close(self) -> None:

@@ -6,6 +6,7 @@ flight, no outstanding tokens, no reservation left on the fake decode server."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -86,6 +87,53 @@ def test_the_decode_with_fewest_outstanding_tokens_is_picked():
     asyncio.run(_generate(orchestrator))
     assert {address for _, address, _ in decode.calls} == {D1}
     orchestrator.decodes[0].outstanding_tokens = 0
+    _assert_idle(orchestrator, decode)
+
+
+def _placed_on(orchestrator, decode: FakeDecode, prompt_ids: list[int]) -> str:
+    """The address the request for `prompt_ids` was reserved on."""
+    calls = len(decode.calls)
+    request = dataclasses.replace(REQUEST, prompt_ids=prompt_ids)
+    asyncio.run(_generate(orchestrator, request))
+    return next(address for rpc, address, _ in decode.calls[calls:] if rpc == "Reserve")
+
+
+def test_a_prompt_goes_where_its_start_was_placed_while_the_load_is_balanced():
+    orchestrator, _, decode = _stack(decodes=(D0, D1))
+    decode.prefix_caching = True
+    asyncio.run(orchestrator.probe())  # their block size and caching
+    d0, d1 = orchestrator.decodes
+    turn = list(range(100, 140))  # 40 tokens: two full blocks a server could reuse
+    d0.outstanding_tokens = 100
+    assert _placed_on(orchestrator, decode, turn) == D1  # the least loaded
+    # D1 is busier now, but within the balance: the next turn follows its history there.
+    d0.outstanding_tokens, d1.outstanding_tokens = 0, 300
+    next_turn = turn + list(range(500, 520))
+    assert _placed_on(orchestrator, decode, next_turn) == D1
+    # Less than half of a prompt found: the least loaded.
+    assert _placed_on(orchestrator, decode, turn[:20] + list(range(600, 660))) == D0
+    # Far more loaded: the least loaded, whatever it holds.
+    d1.outstanding_tokens = 40000
+    assert _placed_on(orchestrator, decode, next_turn + [7] * 10) == D0
+    # A server restarted on its address has an empty cache: nothing of it is remembered.
+    d1.outstanding_tokens = 300
+    decode.instance_id = "decode-instance-2"
+    asyncio.run(orchestrator.probe())
+    assert _placed_on(orchestrator, decode, turn + [9] * 30) == D0
+    d1.outstanding_tokens = 0
+    _assert_idle(orchestrator, decode)
+
+
+def test_without_prefix_caching_the_least_loaded_decode_takes_every_prompt():
+    orchestrator, _, decode = _stack(decodes=(D0, D1))
+    asyncio.run(orchestrator.probe())
+    d0, d1 = orchestrator.decodes
+    turn = list(range(100, 140))
+    d0.outstanding_tokens = 100
+    assert _placed_on(orchestrator, decode, turn) == D1
+    d0.outstanding_tokens, d1.outstanding_tokens = 0, 300
+    assert _placed_on(orchestrator, decode, turn + [5] * 20) == D0
+    d1.outstanding_tokens = 0
     _assert_idle(orchestrator, decode)
 
 
