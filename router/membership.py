@@ -45,6 +45,9 @@ class PrefillInstance:
 class DecodeInstance:
     address: str
     outstanding_tokens: int = 0
+    active_tokens: int = 0
+    """The KV tokens of the requests placed on it and not ended: prompt and maximum output
+    each (router/prefix_affinity.py weighs it against the prompt tokens it holds)."""
     healthy: bool = True
     max_model_len: int = 0
     """The longest sequence it decodes, as its Stats said; 0 until it answered."""

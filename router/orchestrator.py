@@ -1,9 +1,9 @@
 """One request through the disaggregated stack (docs/design.md, steps 2-5):
 
-  pick a decode instance (where the prompt's start is cached, or the least outstanding tokens:
-  router/prefix_affinity.py) -> Reserve -> pick a prefill instance (least
-  in flight) -> prefill with the ticket (on failure: once more, on another prefill), which
-  samples every choice's first token and sends the prompt's KV once
+  pick a decode instance (the fewest outstanding tokens; among those caching prefixes, the
+  fewest tokens in hand once it holds the prompt: router/prefix_affinity.py) -> Reserve -> pick
+  a prefill instance (least in flight) -> prefill with the ticket (on failure: once more, on
+  another prefill), which samples every choice's first token and sends the prompt's KV once
   -> Generate, streamed back as lists of token ids, then a Finished, per choice.
 
 Cancelling the consumer (client gone) aborts the request on the decode server, and so does a
@@ -95,7 +95,9 @@ class Orchestrator(Membership):
     ) -> AsyncIterator[Tokens | Finished]:
         decode, names = await self._pick_decode(request.prompt_ids)
         outstanding = request.max_tokens * request.n
+        active = len(request.prompt_ids) + outstanding
         decode.outstanding_tokens += outstanding
+        decode.active_tokens += active
         rid = f"{request_id}-{next(self._ids)}"
         live = set(range(request.n))
         arrival = _Arrival(decode)
@@ -114,6 +116,8 @@ class Orchestrator(Membership):
                     other, names = await self._pick_decode(request.prompt_ids)
                     decode.outstanding_tokens -= outstanding
                     other.outstanding_tokens += outstanding
+                    decode.active_tokens -= active
+                    other.active_tokens += active
                     decode, arrival = other, _Arrival(other)
             decode.placed.place(names)
             stream = self.decode_client.generate(decode.address, generate)
@@ -154,6 +158,7 @@ class Orchestrator(Membership):
             arrival.end()
             placed.placement = None
             decode.outstanding_tokens -= outstanding
+            decode.active_tokens -= active
 
     async def _placed(
         self,

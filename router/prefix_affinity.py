@@ -9,10 +9,13 @@ there (the names the servers give them: engine/block_names.py), at most as many 
 instance has blocks, least recently placed forgotten first: an estimate, as SGLang's
 cache-aware router keeps.
 
-The choice (as SGLang's): while the load is balanced, the instance whose remembered blocks
-cover the longest start of the prompt, if that is at least MIN_MATCH of the prompt; otherwise,
-or while one instance's outstanding tokens exceed another's by more than IMBALANCE_TOKENS and
-IMBALANCE_RATIO times, the least loaded.
+The choice (as Dynamo's KV router costs it): among instances that cache prefixes, the one that
+would have the fewest tokens in hand once it took the prompt: the prompt's tokens it does not
+hold plus the KV tokens of the requests already placed there (`active_tokens`: prompt and
+maximum output each). A conversation's next turn so follows its history while the server
+holding it is no busier than what it saves, and a start every prompt shares (a system prompt)
+does not draw every request to one server. Ties, and instances that cache nothing: the
+fewest outstanding tokens.
 """
 
 from __future__ import annotations
@@ -21,10 +24,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from engine.block_names import block_names
-
-MIN_MATCH = 0.5
-IMBALANCE_TOKENS = 16384
-IMBALANCE_RATIO = 1.5
 
 
 class PlacedBlocks:
@@ -60,26 +59,26 @@ def prompt_names(token_ids: Sequence[int], block_size: int) -> list[bytes]:
 
 
 def choose(candidates: Sequence, token_ids: Sequence[int]) -> tuple[object, list[bytes]]:
-    """The instance (a DecodeInstance: outstanding_tokens, block_size, prefix_caching, placed)
-    to place a prompt on, by the rule above, and the prompt's names on it (empty where it
-    does not cache prefixes), which `PlacedBlocks.place` records once it is placed there."""
-    least = min(candidates, key=lambda d: d.outstanding_tokens)
-    most = max(d.outstanding_tokens for d in candidates)
-    imbalanced = (most - least.outstanding_tokens > IMBALANCE_TOKENS
-                  and most > IMBALANCE_RATIO * least.outstanding_tokens)  # fmt: skip
+    """The instance (a DecodeInstance: outstanding_tokens, active_tokens, block_size,
+    prefix_caching, placed) to place a prompt on, by the rule above, and the prompt's names on
+    it (empty where it does not cache prefixes), which `PlacedBlocks.place` records once it is
+    placed there."""
+    if not any(_caches(d) for d in candidates):
+        return min(candidates, key=lambda d: d.outstanding_tokens), []
     names = {}  # block size -> the prompt's names: hashed once a request
-    for decode in candidates:
-        if decode.prefix_caching and decode.block_size and decode.block_size not in names:
+    for decode in filter(_caches, candidates):
+        if decode.block_size not in names:
             names[decode.block_size] = prompt_names(token_ids, decode.block_size)
-    best, best_tokens = least, 0
-    if not imbalanced:
-        for decode in candidates:
-            if decode.prefix_caching and decode.block_size:
-                tokens = decode.placed.matched(names[decode.block_size]) * decode.block_size
-                if tokens > best_tokens or (
-                    tokens == best_tokens > 0
-                    and decode.outstanding_tokens < best.outstanding_tokens
-                ):
-                    best, best_tokens = decode, tokens
-    chosen = best if best_tokens >= MIN_MATCH * len(token_ids) else least
-    return chosen, names.get(chosen.block_size, []) if chosen.prefix_caching else []
+
+    def cost(decode) -> tuple[int, int]:
+        held = 0
+        if _caches(decode):
+            held = decode.placed.matched(names[decode.block_size]) * decode.block_size
+        return len(token_ids) - held + decode.active_tokens, decode.outstanding_tokens
+
+    chosen = min(candidates, key=cost)
+    return chosen, names[chosen.block_size] if _caches(chosen) else []
+
+
+def _caches(decode) -> bool:
+    return decode.prefix_caching and decode.block_size > 0

@@ -138,7 +138,7 @@ def _ids_text(url: str, prompt: list[int]) -> str:
 
 def test_a_conversations_next_turn_goes_to_the_decode_server_holding_its_start(stack):
     # Two decode servers caching prefixes, equally idle: the router sends a turn where the
-    # turn before it went (the first listed, `other`, were it the least loaded alone).
+    # turn before it went (to the first listed, `other`, were its load all it weighed).
     address, prefill_url, _, _, _ = stack
     other, other_address = start_decode("tcp", "float32", "--enable-prefix-caching")
     router, url = start_router([prefill_url], [other_address, address])

@@ -54,7 +54,7 @@ async def _generate(orchestrator: Orchestrator, request: GenerationRequest = REQ
 
 def _assert_idle(orchestrator: Orchestrator, decode: FakeDecode) -> None:
     assert all(p.in_flight == 0 for p in orchestrator.prefills)
-    assert all(d.outstanding_tokens == 0 for d in orchestrator.decodes)
+    assert all(d.outstanding_tokens == d.active_tokens == 0 for d in orchestrator.decodes)
     assert decode.live() == set(), "a reservation was neither generated, failed nor aborted"
 
 
@@ -98,29 +98,47 @@ def _placed_on(orchestrator, decode: FakeDecode, prompt_ids: list[int]) -> str:
     return next(address for rpc, address, _ in decode.calls[calls:] if rpc == "Reserve")
 
 
-def test_a_prompt_goes_where_its_start_was_placed_while_the_load_is_balanced():
+def test_a_prompt_goes_where_the_fewest_tokens_are_in_hand_once_it_holds_it():
+    # Among decode servers caching prefixes: the prompt's tokens a server does not hold (as
+    # far as the router placed them) plus the KV tokens already placed there.
     orchestrator, _, decode = _stack(decodes=(D0, D1))
     decode.prefix_caching = True
     asyncio.run(orchestrator.probe())  # their block size and caching
     d0, d1 = orchestrator.decodes
     turn = list(range(100, 140))  # 40 tokens: two full blocks a server could reuse
-    d0.outstanding_tokens = 100
-    assert _placed_on(orchestrator, decode, turn) == D1  # the least loaded
-    # D1 is busier now, but within the balance: the next turn follows its history there.
-    d0.outstanding_tokens, d1.outstanding_tokens = 0, 300
+    d0.active_tokens = 100
+    assert _placed_on(orchestrator, decode, turn) == D1  # 40 to D1's 140
+    # D1 holds 32 of the next turn's 50 tokens: 18 + 20 placed there beat D0's 50.
+    d0.active_tokens, d1.active_tokens = 0, 20
     next_turn = turn + list(range(500, 520))
     assert _placed_on(orchestrator, decode, next_turn) == D1
-    # Less than half of a prompt found: the least loaded.
-    assert _placed_on(orchestrator, decode, turn[:20] + list(range(600, 660))) == D0
-    # Far more loaded: the least loaded, whatever it holds.
-    d1.outstanding_tokens = 40000
+    # Busier than what it holds saves: D0.
+    d1.active_tokens = 100
     assert _placed_on(orchestrator, decode, next_turn + [7] * 10) == D0
     # A server restarted on its address has an empty cache: nothing of it is remembered.
-    d1.outstanding_tokens = 300
+    d1.active_tokens = 20
     decode.instance_id = "decode-instance-2"
     asyncio.run(orchestrator.probe())
-    assert _placed_on(orchestrator, decode, turn + [9] * 30) == D0
-    d1.outstanding_tokens = 0
+    d0.active_tokens = 10
+    assert _placed_on(orchestrator, decode, turn + [9] * 30) == D0  # 70 + 10 to 70 + 20
+    d0.active_tokens = d1.active_tokens = 0
+    _assert_idle(orchestrator, decode)
+
+
+def test_a_request_counts_its_prompt_and_output_as_active_until_it_ends():
+    orchestrator, _, decode = _stack(decodes=(D0,))
+    decode.stall = True
+
+    async def run() -> None:
+        task = asyncio.create_task(_generate(orchestrator))
+        await decode.generating.wait()
+        assert orchestrator.decodes[0].active_tokens == len(REQUEST.prompt_ids) + 8
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert orchestrator.decodes[0].active_tokens == 0
     _assert_idle(orchestrator, decode)
 
 
