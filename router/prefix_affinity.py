@@ -45,7 +45,8 @@ class PlacedBlocks:
         return count
 
     def place(self, names: Sequence[bytes]) -> None:
-        for name in names:
+        # The first blocks last: forgotten last, as a prompt's start is matched before its end.
+        for name in reversed(names):
             self._names[name] = None
             self._names.move_to_end(name)
         while len(self._names) > self.capacity:

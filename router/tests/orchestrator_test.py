@@ -15,6 +15,7 @@ from proto.tandem.v1 import decode_pb2
 from router.errors import BackendError
 from router.generation import Finished, GenerationRequest, Tokens
 from router.orchestrator import Orchestrator, PrefillFailed
+from router.prefix_affinity import PlacedBlocks
 from router.tests.fakes import (
     FakeDecode,
     FakePrefill,
@@ -504,3 +505,12 @@ def test_n_choices_start_from_their_own_first_tokens_and_stop_one_by_one():
     assert list(abort.choices) == [1] and abort.reason == "choice done"
     assert orchestrator.decodes[0].outstanding_tokens == 0
     _assert_idle(orchestrator, decode)
+
+
+def test_placed_blocks_forget_a_prompts_end_before_its_start():
+    placed = PlacedBlocks()
+    placed.capacity = 3
+    placed.place([b"a", b"b", b"c"])
+    placed.place([b"x", b"y"])  # two of the first prompt's names must go: its last two
+    assert placed.matched([b"a", b"b", b"c"]) == 1
+    assert placed.matched([b"x", b"y"]) == 2
