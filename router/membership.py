@@ -146,8 +146,9 @@ class Membership:
         return min((d.max_model_len for d in self.decodes if d.max_model_len), default=configured)
 
     async def _pick_decode(self, prompt_ids: list[int]) -> tuple[DecodeInstance, list[bytes]]:
-        """The decode instance that is up for a prompt: where its start is cached, or the
-        least loaded (router/prefix_affinity.py), and the prompt's block names there. With
+        """The decode instance that is up for a prompt (the least loaded; where some cache
+        prefixes, the one with the fewest tokens in hand once it holds the prompt:
+        router/prefix_affinity.py), and the prompt's block names there. With
         none up, the down ones are asked again first (one may be back since the last probe,
         e.g. restarted on its address)."""
         healthy = [d for d in self.decodes if d.healthy]
