@@ -47,6 +47,7 @@ from decode.failures import (
     FailureKind,
     deadline_missed,
 )
+from engine.block_names import prompt_block_names
 from engine.kv_cache import BlockPool
 from engine.prefix_cache import PrefixCache
 
@@ -140,10 +141,14 @@ class Admission:
                 f"num_senders: {num_senders} must be >= 1, or 0 (as the commits name)",
             )
         self._check_request(request_id, prompt_ids, max_tokens)
+        # Hashed before the lock: a long prompt's names take milliseconds.
+        names = prompt_block_names(prompt_ids, self.block_size) if self.prefix_cache else []
         with self._cond:
             self._check_not_live_locked(request_id)
             need = -(-len(prompt_ids) // self.block_size)
-            cached = self.prefix_cache.take_prompt(prompt_ids) if self.prefix_cache else []
+            cached = []
+            if self.prefix_cache is not None:
+                cached = self.prefix_cache.take_prompt(names, len(prompt_ids))
             blocks = self.pool.allocate(need - len(cached))
             if blocks is None:
                 self.pool.free(cached)

@@ -22,3 +22,15 @@ def block_names(
         digest.update(tokens.tobytes())
         names.append(digest.digest())
     return names[:count]
+
+
+def reusable_blocks(num_tokens: int, block_size: int) -> int:
+    """The full blocks of a prompt of `num_tokens` that a cache may hold for it: all before
+    the block of its last token, whose KV is always computed (its logits sample the next
+    token) or sent."""
+    return (num_tokens - 1) // block_size
+
+
+def prompt_block_names(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The names of a prompt's reusable blocks (`reusable_blocks`)."""
+    return block_names(token_ids, block_size, reusable_blocks(len(token_ids), block_size), [])

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 
-from engine.block_names import block_names
+from engine.block_names import block_names, reusable_blocks
 from engine.kv_cache import BlockPool
 from engine.sequence import Sequence
 
@@ -48,7 +48,7 @@ class PrefixCache:
         """Gives a sequence without KV the cached blocks its tokens start with (one more owner
         each); their tokens count as computed. Returns how many tokens that is."""
         assert not seq.block_ids and seq.num_computed == 0
-        usable = (seq.num_tokens - 1) // self.block_size
+        usable = reusable_blocks(seq.num_tokens, self.block_size)
         seq.block_ids = self.pool.lookup(block_names(seq.token_ids, self.block_size, usable,
                                                      seq.block_names))  # fmt: skip
         seq.num_named = len(seq.block_ids)
@@ -57,13 +57,13 @@ class PrefixCache:
             seq.num_draft_computed = seq.num_computed
         return seq.num_computed
 
-    def take_prompt(self, token_ids: list[int]) -> list[int]:
-        """The cached blocks a prompt whose KV comes from elsewhere starts with, one more owner
-        each (its last token's block never: a prompt's senders always write something), and
-        counts the lookup."""
-        usable = (len(token_ids) - 1) // self.block_size
-        blocks = self.pool.lookup(block_names(token_ids, self.block_size, usable, []))
-        self._count(len(token_ids), len(blocks) * self.block_size)
+    def take_prompt(self, names: list[bytes], num_tokens: int) -> list[int]:
+        """The cached blocks a prompt of `num_tokens` whose KV comes from elsewhere starts
+        with, one more owner each, by its reusable blocks' `names`
+        (block_names.prompt_block_names: never its last token's block, so its senders always
+        write something), and counts the lookup."""
+        blocks = self.pool.lookup(names)
+        self._count(num_tokens, len(blocks) * self.block_size)
         return blocks
 
     def count(self, seq: Sequence, hit_tokens: int) -> None:

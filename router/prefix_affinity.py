@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from engine.block_names import block_names
+from engine.block_names import prompt_block_names
 
 
 class PlacedBlocks:
@@ -53,12 +53,6 @@ class PlacedBlocks:
             self._names.popitem(last=False)
 
 
-def prompt_names(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The names of the prompt's blocks a server could take from its cache: the full ones
-    before the block of its last token (which its senders always write)."""
-    return block_names(token_ids, block_size, (len(token_ids) - 1) // block_size, [])
-
-
 def choose(candidates: Sequence, token_ids: Sequence[int]) -> tuple[object, list[bytes]]:
     """The instance (a DecodeInstance: outstanding_tokens, active_tokens, block_size,
     prefix_caching, placed) to place a prompt on, by the rule above, and the prompt's names on
@@ -69,7 +63,7 @@ def choose(candidates: Sequence, token_ids: Sequence[int]) -> tuple[object, list
     names = {}  # block size -> the prompt's names: hashed once a request
     for decode in filter(_caches, candidates):
         if decode.block_size not in names:
-            names[decode.block_size] = prompt_names(token_ids, decode.block_size)
+            names[decode.block_size] = prompt_block_names(token_ids, decode.block_size)
 
     def cost(decode) -> tuple[int, int]:
         held = 0
