@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.fp8 import FP8_DTYPE, FP8_MAX
+from engine.host_values import to_device
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,10 @@ class AttentionMetadata:
             tables[seq_of_row, positions // block_size].long() * block_size + positions % block_size
         )
         return cls(
-            slot_mapping=slots.to(device),
-            query_start_loc=starts.to(device=device, dtype=torch.int32),
-            seq_lens=s_lens.to(device=device, dtype=torch.int32),
-            block_tables=tables.to(device),
+            slot_mapping=to_device(slots, device),
+            query_start_loc=to_device(starts, device, torch.int32),
+            seq_lens=to_device(s_lens, device, torch.int32),
+            block_tables=to_device(tables, device),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             host_query_start_loc=tuple(starts.tolist()),
@@ -246,8 +247,8 @@ def attend_batch(
     query_lens = [end - start for start, end in itertools.pairwise(starts)]
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
     if decodes:
-        index = torch.tensor(decodes, device=q.device)
-        rows = torch.tensor([starts[i] for i in decodes], device=q.device)
+        index = to_device(decodes, q.device)
+        rows = to_device([starts[i] for i in decodes], q.device)
         out[rows] = decode_rows(
             q[rows], k_cache, v_cache, meta.seq_lens[index], meta.block_tables[index], scale
         )

@@ -139,6 +139,7 @@ def bench_engine(
     grammar: Grammar | None = None,
     system: str = "tandem",
     texts: list[list[int]] | None = None,
+    sampling: SamplingParams | None = None,
 ) -> Result:
     """Prefills `batch` prompts, then times decode steps in which all of them decode (each
     constrained to `grammar` when given) until they have generated `decode_tokens` each on
@@ -156,9 +157,10 @@ def bench_engine(
     prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
     per_step = engine.config.num_speculative_tokens + 1
     stop = StopConditions(max_tokens=prefill_steps + per_step * decode_tokens + 2, ignore_eos=True)
-    _prefill(engine, prompts, stop, f"warm-up-b{batch}-c{context}", grammar)
+    sampling = sampling or SamplingParams()
+    _prefill(engine, prompts, stop, f"warm-up-b{batch}-c{context}", sampling, grammar)
     _abort_all(engine)
-    prefill_s = _prefill(engine, prompts, stop, f"b{batch}-c{context}", grammar)
+    prefill_s = _prefill(engine, prompts, stop, f"b{batch}-c{context}", sampling, grammar)
     # One step first: with async scheduling the step after each returned one is already
     # running, so the timing runs from one returned step to another, in that steady state.
     engine.step()
@@ -220,11 +222,12 @@ def _prefill(
     prompts: list[list[int]],
     stop: StopConditions,
     name: str,
+    sampling: SamplingParams,
     grammar: Grammar | None = None,
 ) -> float:
     """Adds the prompts and steps until every sequence has its first token: the seconds taken."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{name}-{i}", prompt, SamplingParams(), stop, grammar)
+        engine.add_request(f"{name}-{i}", prompt, sampling, stop, grammar)
     _sync(engine)
     start = time.perf_counter()
     while any(seq.num_output_tokens == 0 for seq in engine.sequences.values()):
@@ -302,6 +305,10 @@ def main() -> None:
     parser.add_argument("--context-lens", default="1024", help="comma-separated prompt lengths")
     parser.add_argument("--decode-tokens", type=int, default=128, help="timed decode steps")
     parser.add_argument("--peer", choices=["none", "hf"], default="none")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="every request's (0: greedy)"
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's")
     parser.add_argument("--out", default="engine-bench.json", help="JSON results")
     parser.add_argument(
         "--variant",
@@ -363,6 +370,7 @@ def main() -> None:
                         grammar,
                         system,
                         texts,
+                        SamplingParams(temperature=args.temperature, top_p=args.top_p),
                     )
                 )
                 print(_table(results[-1:], bandwidth).splitlines()[-1], flush=True)
@@ -385,6 +393,8 @@ def main() -> None:
         "json_schema": args.json_schema,
         "prompt_file": args.prompt_file,
         "grammar": args.grammar,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
         "results": [asdict(r) for r in results],
     }
     with open(args.out, "w") as f:

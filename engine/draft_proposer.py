@@ -21,6 +21,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
+from engine.host_values import to_device
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sequence import Sequence
@@ -99,14 +100,14 @@ class DraftModelProposer:
             query_lens, seq_lens, tables, self.kv_cache.block_size, self.device
         )
         hidden = self.model(
-            torch.tensor(ids, device=self.device),
-            torch.tensor(positions, device=self.device),
+            to_device(ids, self.device),
+            to_device(positions, self.device),
             self.kv_cache.kv_caches,
             meta,
         )
         if not logits:
             return hidden
-        last = torch.tensor(meta.host_query_start_loc[1:], device=self.device) - 1
+        last = to_device(meta.host_query_start_loc[1:], self.device) - 1
         return self.model.compute_logits(hidden[last])
 
     def _catch_up_in_graph(self, fed: list[tuple[Sequence, int]]) -> torch.Tensor:
@@ -118,7 +119,7 @@ class DraftModelProposer:
             tables.extend([seq.block_ids] * n)
             last_rows.append(len(ids) - 1)
         logits = self.catch_up_graphs.run(ids, positions, tables).logits
-        return logits[torch.tensor(last_rows, device=self.device)]
+        return logits[to_device(last_rows, self.device)]
 
     def _step(
         self, tokens: torch.Tensor, positions: list[int], seqs: list[Sequence]
@@ -132,6 +133,6 @@ class DraftModelProposer:
             [1] * len(seqs), lens, tables, self.kv_cache.block_size, self.device
         )
         hidden = self.model(
-            tokens, torch.tensor(positions, device=self.device), self.kv_cache.kv_caches, meta
+            tokens, to_device(positions, self.device), self.kv_cache.kv_caches, meta
         )
         return self.model.compute_logits(hidden).argmax(dim=-1)

@@ -24,6 +24,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
+from engine.host_values import to_device
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.scheduler import StepPlan
@@ -129,7 +130,7 @@ class HiddenStateProposer:
             tables.extend([seq.block_ids] * count)
             last.append(len(ids) - 1)
         previous = torch.cat([seq.draft_hidden[:n] for seq, n in zip(seqs, counts, strict=True)])
-        last_rows = torch.tensor(last if logits else [], dtype=torch.long, device=self.device)
+        last_rows = to_device(last if logits else [], self.device, torch.long)
         g, greedy = self._rows(0, ids, positions, tables, previous, last_rows)
         for seq, count in zip(seqs, counts, strict=True):
             seq.num_draft_computed += count
@@ -163,8 +164,8 @@ class HiddenStateProposer:
         )
         g, logits = self.layers[layer].predict(
             self.target,
-            fed if fed is not None else torch.tensor(ids, device=self.device),
-            torch.tensor(positions, device=self.device),
+            fed if fed is not None else to_device(ids, self.device),
+            to_device(positions, self.device),
             previous,
             self.kv_cache.kv_caches[layer],
             dataclasses.replace(meta, new_kv_first=True),

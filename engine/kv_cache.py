@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from engine.config import ModelConfig
+from engine.host_values import to_device
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,8 @@ class KVCache:
         if not dst:
             return
         device = self.storage.device
-        src_ids = torch.tensor(src, dtype=torch.long, device=device)
-        dst_ids = torch.tensor(dst, dtype=torch.long, device=device)
+        src_ids = to_device(src, device, torch.long)
+        dst_ids = to_device(dst, device, torch.long)
         # One gather and one scatter over [layer, plane, block, ...]: the block dim is 2.
         self.storage[:, :, dst_ids] = self.storage[:, :, src_ids]
 

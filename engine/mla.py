@@ -36,6 +36,7 @@ from engine.attention import AttentionMetadata, causal_attention, to_cache
 from engine.config import ModelConfig
 from engine.deepseek_config import YarnRopeScaling
 from engine.fp8 import Fp8Weight, dense
+from engine.host_values import to_device
 from engine.model import Linear, ModelOps, NormInput, RMSNorm, RotaryEmbedding, rms_norm, rope
 
 # NOTE: transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon,
@@ -255,8 +256,8 @@ def paged_mla(
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
     block_size = cache.shape[2]
     if decodes:
-        index = torch.tensor(decodes, device=q_nope.device)
-        rows = torch.tensor([starts[i] for i in decodes], device=q_nope.device)
+        index = to_device(decodes, q_nope.device)
+        rows = to_device([starts[i] for i in decodes], q_nope.device)
         lens = meta.seq_lens[index]
         width = -(-max(seq_lens[i] for i in decodes) // block_size)
         context = gather_latents(cache, meta.block_tables[index, :width], q_nope.dtype)

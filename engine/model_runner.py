@@ -18,6 +18,7 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphs, GraphStep
 from engine.grammar import apply_grammars
+from engine.host_values import to_device
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sampling import (
@@ -171,9 +172,8 @@ class ModelRunner:
         if not eager and self.graphs is not None and plan.is_decode_only:
             logits, greedy, hidden = self._decode_with_graph(plan, fed)
             if len(sampling) < len(plan.scheduled):  # a one-token prompt chunk rode along
-                sampling_rows = torch.tensor(
-                    [i for i, item in enumerate(plan.scheduled) if item.samples],
-                    device=self.device,
+                sampling_rows = to_device(
+                    [i for i, item in enumerate(plan.scheduled) if item.samples], self.device
                 )
                 logits, greedy = logits[sampling_rows], greedy[sampling_rows]
         elif not eager and self._verifies_in_graph(plan):
@@ -269,7 +269,7 @@ class ModelRunner:
             tables.extend([seq.block_ids] * n)
         logits, _, hidden = self.executor.replay(True, ids, positions, tables)
         if len(sample_rows) < len(ids):  # a one-token prompt chunk rode along
-            logits = logits[torch.tensor(sample_rows, device=self.device)]
+            logits = logits[to_device(sample_rows, self.device)]
         return logits, hidden
 
     def _next_host(self, n: int) -> torch.Tensor | None:
@@ -285,10 +285,7 @@ class ModelRunner:
         if seq_ids == feed.seq_ids:
             return feed.tokens
         row = {seq_id: i for i, seq_id in enumerate(feed.seq_ids)}
-        rows = torch.tensor([row[s] for s in seq_ids])
-        if self.device.type == "cuda":  # from pinned memory: a pageable copy waits for the device
-            rows = rows.pin_memory()
-        return feed.tokens[rows.to(self.device, non_blocking=True)]
+        return feed.tokens[to_device([row[s] for s in seq_ids], self.device)]
 
     def _decode_with_graph(self, plan: StepPlan, fed: torch.Tensor | None) -> GraphStep:
         """Logits, greedy tokens and hidden states of every scheduled sequence, one row each."""

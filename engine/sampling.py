@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from engine.host_values import to_device
 from engine.sampling_ranges import SAMPLING_RANGES, SEED_END, range_problem
 
 
@@ -136,7 +137,7 @@ class Sampler:
         flags = [r.params.greedy for r in rows]
         if all(flags):  # decided on the host: no device round trip on the common path
             return logits.argmax(dim=-1)
-        greedy = torch.tensor(flags, device=logits.device)
+        greedy = to_device(flags, logits.device)
         probs = self.filtered_probs(logits, rows)
         if excluded is not None:
             keep = excluded >= 0
@@ -151,7 +152,7 @@ class Sampler:
         top-p and min-p (zeroed tokens; rows are not renormalized, the race does not need it).
         Penalties are the caller's."""
         device = logits.device
-        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)
+        temps = to_device([r.params.temperature or 1.0 for r in rows], device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         vocab = logits.shape[1]
         top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
@@ -159,11 +160,11 @@ class Sampler:
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
             probs = _top_k_top_p(
                 probs,
-                torch.tensor(top_k, device=device),
-                torch.tensor(top_p, device=device),
+                to_device(top_k, device),
+                to_device(top_p, device),
             )
         if any(r.params.min_p > 0 for r in rows):  # decided on the host: no device sync
-            min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+            min_p = to_device([r.params.min_p for r in rows], device)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
@@ -260,14 +261,14 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
         if not row.params.penalized:
             continue
         if row.output_ids:
-            ids = torch.tensor(row.output_ids, device=device)
+            ids = to_device(row.output_ids, device)
             output_counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
         if row.prompt_ids:
-            seen[i, torch.tensor(row.prompt_ids, device=device)] = True
+            seen[i, to_device(row.prompt_ids, device)] = True
     seen |= output_counts > 0
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
+    rep = to_device([r.params.repetition_penalty for r in rows], device)[:, None]
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
-    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
+    freq = to_device([r.params.frequency_penalty for r in rows], device)[:, None]
+    pres = to_device([r.params.presence_penalty for r in rows], device)[:, None]
     return logits - freq * output_counts - pres * (output_counts > 0).float()

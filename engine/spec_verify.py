@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.host_values import to_device
 from engine.sampling import Sampler, SamplingRow
 
 
@@ -44,11 +45,11 @@ def verify(
     counts = [len(d) for d in drafts]
     width = max(counts)
     assert width >= 1, "verify() of a step without drafts"
-    starts = torch.tensor(_starts(counts), device=device)
-    count_t = torch.tensor(counts, device=device)
-    padded = torch.tensor([list(d) + [-1] * (width - len(d)) for d in drafts], device=device)
+    starts = to_device(_starts(counts), device)
+    count_t = to_device(counts, device)
+    padded = to_device([list(d) + [-1] * (width - len(d)) for d in drafts], device)
     if simulated is not None:
-        accepted = torch.minimum(torch.tensor(list(simulated), device=device), count_t)
+        accepted = torch.minimum(to_device(list(simulated), device), count_t)
         excluded = None
     else:
         accepted = _accepted(logits, padded, count_t, starts, rows, sampler)
@@ -86,7 +87,7 @@ def _accepted(
         probs = probs / probs.sum(dim=-1, keepdim=True)
         p_draft = probs.gather(1, padded.clamp(min=0).flatten()[:, None]).view(batch, width)
         uniform = _uniforms(rows, width, logits.device, sampler)
-        greedy = torch.tensor([row.params.greedy for row in rows], device=logits.device)
+        greedy = to_device([row.params.greedy for row in rows], logits.device)
         accept = torch.where(greedy[:, None], accept, uniform < p_draft)
     accept &= valid
     return accept.long().cumprod(dim=1).sum(dim=1)

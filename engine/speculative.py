@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from engine.host_values import to_device
 from engine.kv_cache import KVCache
 from engine.sequence import Sequence
 
@@ -141,7 +142,7 @@ def chain_drafts(
     table[:, 0] = first
     for j in range(1, depth):
         rows = [i for i, (_, room) in enumerate(active) if room > j]
-        index = torch.tensor(rows, device=first.device)
+        index = to_device(rows, first.device)
         table[index, j] = step(j, rows, index, table[index, j - 1])
     by_seq = {
         seq.seq_id: row[:room] for (seq, room), row in zip(active, table.tolist(), strict=True)

@@ -17,6 +17,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs, GraphStep
+from engine.host_values import to_device
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 
@@ -57,16 +58,16 @@ class StepExecutor:
         )
         ids = input_ids
         if not isinstance(ids, torch.Tensor):
-            ids = torch.tensor(ids, device=self.device)
+            ids = to_device(ids, self.device)
         self._hidden = self.model(
-            ids, torch.tensor(positions, device=self.device), self.kv_cache.kv_caches, meta
+            ids, to_device(positions, self.device), self.kv_cache.kv_caches, meta
         )
         return self._hidden
 
     def logits(self, rows: Sequence[int]) -> torch.Tensor:
         """Float32 logits of rows of the last forward's hidden states."""
         assert self._hidden is not None, "logits before a forward"
-        return self.model.compute_logits(self._hidden[torch.tensor(rows, device=self.device)])
+        return self.model.compute_logits(self._hidden[to_device(rows, self.device)])
 
     def replay(
         self,

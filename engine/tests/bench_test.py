@@ -34,9 +34,12 @@ def test_bench_runs_a_labelled_speculative_variant_at_its_simulated_acceptance(t
     cmd = [sys.executable, "-m", "engine.bench", "--model", "random:tiny", "--dtype", "float32"]
     cmd += ["--batch-sizes", "2", "--context-lens", "20", "--decode-tokens", "8"]
     cmd += ["--benchmark-mode", "--variant", f"sim:speculative_config={spec}", "--out", str(out)]
+    cmd += ["--temperature", "1.0", "--top-p", "0.9"]  # sampled requests speculate too
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    plain, sim = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    assert (report["temperature"], report["top_p"]) == (1.0, 0.9)
+    plain, sim = report["results"]
     assert (plain["system"], sim["system"]) == ("tandem", "sim")
     assert plain["acceptance_length"] is None
     assert sim["acceptance_length"] == 4.0  # every draft accepted: k + 1 tokens a step
