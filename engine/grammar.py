@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from engine.host_values import to_device
+
 
 class GrammarKind(enum.Enum):
     JSON_SCHEMA = "json_schema"
@@ -231,8 +233,7 @@ def apply_grammars(logits: torch.Tensor, matchers: Sequence[Any]) -> None:
     if cuda:  # from pinned memory: the copies do not wait for the device (nor it for them)
         bitmask = bitmask.to(logits.device, non_blocking=True)
         if indices is not None:
-            indices = torch.tensor(rows, dtype=torch.int32).pin_memory()
-            indices = indices.to(logits.device, non_blocking=True)
+            indices = to_device(rows, logits.device, torch.int32)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=indices)
 
 
