@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.host_values import to_device
 from transport.base import WriteOp
 
 
@@ -117,7 +118,8 @@ def gather_blocks(
     """
     block_size = view_block_size(view)
     tokens = torch.arange(start, end, device=view.device)
-    blocks = torch.as_tensor(src_blocks, device=view.device)[tokens // block_size]
+    # Called between a forward's layers: a pageable copy would wait for the forward's kernels.
+    blocks = to_device(src_blocks, view.device, torch.long)[tokens // block_size]
     rows = tokens - start
     out_block_size = out.shape[2]
     got = token_rows(view, blocks, tokens % block_size)
