@@ -101,6 +101,16 @@ class StepInputs:
         tables[n:, 0] = self._padding_block
         return self._hosts[self._turn]
 
+    def shift(self, n: int, offsets: torch.Tensor) -> None:
+        """Moves the first n rows, once copied to the device, `offsets` [n] positions further
+        (their lengths and slots with them), there: for rows whose positions follow from
+        device values the host has not read (the accepted drafts of a verification)."""
+        positions = self.positions[:n] + offsets
+        self.positions[:n] = positions
+        self.seq_lens[:n] = positions + 1
+        blocks = self.block_tables[:n].gather(1, (positions // self._block_size)[:, None])
+        self.slots[:n] = blocks[:, 0] * self._block_size + positions % self._block_size
+
 
 HiddenForward = Callable[
     [torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
@@ -172,14 +182,18 @@ class DecodeGraphs:
         block_tables: Sequence[Sequence[int]],
         fed_ids: torch.Tensor | None = None,
         previous: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
     ) -> GraphStep:
         """The outputs of one decode token per row (n <= max_batch rows). The input ids are
         `input_ids` from the host, or `fed_ids` [n], already on the device; `previous` [n,
-        previous_width]: the rows' hidden inputs, for a `forward` that takes them."""
+        previous_width]: the rows' hidden inputs, for a `forward` that takes them; `offsets`
+        [n] on the device: added to `positions` (StepInputs.shift)."""
         n = len(positions)
         bucket = next(b for b in self.buckets if b >= n)
         inputs = self._inputs[bucket]
         inputs.device.copy_(inputs.write(input_ids, positions, block_tables), non_blocking=True)
+        if offsets is not None:
+            inputs.shift(n, offsets)
         if fed_ids is not None:
             inputs.input_ids[:n].copy_(fed_ids)
         if previous is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,7 +30,10 @@ from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.scheduler import StepPlan
 from engine.sequence import Sequence
-from engine.speculative import chain_drafts
+from engine.speculative import chain_drafts, draft_table
+
+if TYPE_CHECKING:
+    from engine.model_runner import LaunchedStep
 
 
 class HiddenStateProposer:
@@ -41,26 +45,40 @@ class HiddenStateProposer:
         target: CausalLM,
         kv_cache: KVCache,
         max_chunk: int,
+        depth: int,
         graphs: list[DecodeGraphs] | None = None,
         prepare: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """`max_chunk`: rows of one sequence a catch-up forward feeds at most (the engine's
-        max_num_batched_tokens); `graphs`: one per layer (new_kv_first, its `forward` the
-        layer's `predict`), for steps of up to their max_batch rows; the rest runs eagerly.
-        `prepare`: the target's recorded rows -> the layers' `previous` (None: as they are)."""
+        max_num_batched_tokens); `depth`: drafts a proposal holds at most (k); `graphs`: one per
+        layer (new_kv_first, its `forward` the layer's `predict`), for steps of up to their
+        max_batch rows; the rest runs eagerly. `prepare`: the target's recorded rows -> the
+        layers' `previous` (None: as they are)."""
         self.layers = layers
+        self.depth = depth
         self.prepare = prepare
         self.max_chunk = max_chunk
         self.target = target
         self.kv_cache = kv_cache
         self.graphs = graphs
         self.device = kv_cache.storage.device
+        self._ahead: _Ahead | None = None
+        """The drafts `draft_ahead` launched, until their verification's step is recorded."""
+        self._ready: dict[str, tuple[int, int]] = {}
+        """seq_id -> (its token count once recorded, its row of _ready_drafts): drafted ahead
+        for the next proposal."""
+        self._ready_drafts: _Ahead | None = None
 
     def record(self, plan: StepPlan, hidden: torch.Tensor | None, accepted: dict[str, int]) -> None:
         """Keeps the target's states of the positions a finished step settled: every fed one,
         or of a sequence that fed drafts its last token's and the accepted drafts'. Those of a
         sequence the step finished too: a prefill fills the proposer's cache of its prompt
         after its first token (`fill_prompt`)."""
+        ahead, self._ahead = self._ahead, None
+        self._ready = {}
+        if ahead is not None and ahead.plan is plan:
+            self._settle_ahead(ahead, accepted)
+            return
         if hidden is None:
             return
         row = 0
@@ -78,7 +96,19 @@ class HiddenStateProposer:
 
     def propose(self, seqs: Seq[Sequence], rooms: Seq[int]) -> list[list[int]]:
         """Drafts for the sequences whose hidden states reach their last token (one admitted
-        with its prompt's KV gets none at its first step, whose hidden state it waits for)."""
+        with its prompt's KV gets none at its first step, whose hidden state it waits for), or
+        drafted already (`draft_ahead`)."""
+        ready, self._ready = self._ready, {}
+        drafts = self._propose(seqs, rooms)
+        if ready:
+            table = self._ready_drafts.read()
+            for i, (seq, room) in enumerate(zip(seqs, rooms, strict=True)):
+                num_tokens, row = ready.get(seq.seq_id, (None, 0))
+                if num_tokens is not None and _drafted_ahead(seq, num_tokens):
+                    drafts[i] = [t for t in table[row][:room] if t >= 0]
+        return drafts
+
+    def _propose(self, seqs: Seq[Sequence], rooms: Seq[int]) -> list[list[int]]:
         active = [
             (seq, room) for seq, room in zip(seqs, rooms, strict=True) if room > 0 and _covered(seq)
         ]
@@ -98,6 +128,69 @@ class HiddenStateProposer:
             return guesses
 
         return chain_drafts(seqs, active, guesses, step)
+
+    def draft_ahead(self, step: LaunchedStep) -> None:
+        """Right after a verification is launched, before the host reads it: drafts of its
+        sequences' next step, from the device's results. Each sequence's k + 1 fed rows are fed
+        again (the token after each, its target state), the row of its last accepted token gives
+        draft 1, and the further drafts' rows sit `accepted` positions past where the host
+        places them (DecodeGraphs.run's offsets). The rows past the accepted ones write KV at
+        positions that every later forward writes again before reading them. `propose` returns
+        these drafts when the sequence is where the step leaves it; the device has then kept
+        working while the host read the results and planned the step. Only when every sequence
+        of the step fed drafts and had nothing else pending; otherwise `record` keeps the
+        states as before."""
+        items, verified = step.plan.scheduled, step.verified
+        if (
+            verified is None
+            or step.hidden is None
+            or not all(item.draft and item.samples for item in items)
+            or any(
+                i.seq.draft_hidden is not None or i.seq.num_draft_computed != i.start for i in items
+            )
+        ):
+            return
+        ids, positions, tables, firsts, active = verified.row_tokens, [], [], [], []
+        for item in items:
+            seq, fed = item.seq, item.num_new_tokens
+            firsts.append(len(positions))
+            positions.extend(range(item.start, item.start + fed))
+            tables.extend([seq.block_ids] * fed)
+            # Draft j sits at start + accepted + j: within the sequence's blocks and length.
+            limit = min(len(seq.block_ids) * self.kv_cache.block_size, seq.max_model_len)
+            active.append((seq, max(1, min(self.depth, limit - item.start - len(item.draft)))))
+        previous = step.hidden if self.prepare is None else self.prepare(step.hidden)
+        g, greedy = self._rows(0, ids, positions, tables, previous)
+        last = to_device(firsts, self.device) + verified.accepted
+        g = g[last]
+
+        def chain(j: int, rows: list[int], index: torch.Tensor, before: torch.Tensor):
+            nonlocal g
+            riding = [items[i] for i in rows]
+            at = [item.start + j for item in riding]
+            g_rows, guesses = self._rows(
+                j,
+                before,
+                at,
+                [i.seq.block_ids for i in riding],
+                g[index],
+                offsets=verified.accepted[index],
+            )
+            g = g.clone()  # g_rows may be a graph's buffer, which the next replay overwrites
+            g[index] = g_rows
+            return guesses
+
+        table = draft_table(active, greedy[last], chain)
+        self._ahead = _Ahead(step.plan, table)
+
+    def _settle_ahead(self, ahead: _Ahead, accepted: dict[str, int]) -> None:
+        """The step drafted ahead is read: its sequences' caches hold the positions up to
+        their last accepted token."""
+        for row, item in enumerate(ahead.plan.scheduled):
+            seq = item.seq
+            seq.num_draft_computed = item.start + 1 + accepted[seq.seq_id]
+            self._ready[seq.seq_id] = (seq.num_tokens, row)
+        self._ready_drafts = ahead
 
     def fill_prompt(self, seqs: Seq[Sequence]) -> None:
         """The proposer's cache of positions 0 .. N - 2 of each sequence of N tokens (its prompt and
@@ -145,19 +238,24 @@ class HiddenStateProposer:
         tables: list[list[int]],
         previous: torch.Tensor,
         greedy_rows: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(g of each row, greedy token of each of greedy_rows, all rows if None): token
-        ids[i] at positions[i] of the sequence with block table tables[i], after hidden state
-        previous[i]; every row's KV written before any row attends. In a graph when one holds
-        the rows."""
+        ids[i] at positions[i] (+ offsets[i], on the device) of the sequence with block table
+        tables[i], after hidden state previous[i]; every row's KV written before any row
+        attends. In a graph when one holds the rows."""
         layer = depth % len(self.layers)
         fed = ids if isinstance(ids, torch.Tensor) else None
         graphs = None if self.graphs is None else self.graphs[layer]
         if graphs is not None and len(positions) <= graphs.max_batch:
             host_ids = None if fed is not None else ids
-            step = graphs.run(host_ids, positions, tables, fed_ids=fed, previous=previous)
+            step = graphs.run(
+                host_ids, positions, tables, fed_ids=fed, previous=previous, offsets=offsets
+            )
             greedy = step.greedy if greedy_rows is None else step.greedy[greedy_rows]
             return step.hidden, greedy
+        if offsets is not None:  # eagerly, the host needs them (on a GPU: a wait)
+            positions = [p + o for p, o in zip(positions, offsets.tolist(), strict=True)]
         lens = [p + 1 for p in positions]
         meta = AttentionMetadata.build(
             [1] * len(positions), lens, tables, self.kv_cache.block_size, self.device
@@ -172,6 +270,36 @@ class HiddenStateProposer:
             greedy_rows,
         )
         return g, logits.argmax(dim=-1)
+
+
+class _Ahead:
+    """Drafts launched by `draft_ahead` for the sequences of `plan`, a row each, and their copy
+    to the host."""
+
+    def __init__(self, plan: StepPlan, table: torch.Tensor) -> None:
+        self.plan = plan
+        self._host, self._copied = table, None
+        if table.is_cuda:
+            self._host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+            self._host.copy_(table, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def read(self) -> list[list[int]]:
+        """The rows (-1 past a sequence's drafts); waits for the device."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.tolist()
+
+
+def _drafted_ahead(seq: Sequence, num_tokens: int) -> bool:
+    """Whether seq is as the step drafted ahead left it: nothing appended, preempted or
+    recorded since."""
+    return (
+        seq.num_tokens == num_tokens
+        and seq.num_draft_computed == num_tokens - 1
+        and seq.draft_hidden is None
+    )
 
 
 def _covered(seq: Sequence) -> bool:

@@ -34,7 +34,7 @@ from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence, StopConditions
 from engine.spec_build import acceptance_curve, build_proposer, proposer_cache_config
-from engine.speculative import Proposer, SpecStats
+from engine.speculative import DRAFTS_AHEAD, Proposer, SpecStats
 from engine.step_executor import StepExecutor
 from engine.tp_workers import AgentFactory, TpWorkers
 
@@ -113,11 +113,16 @@ class LLMEngine:
             raise
         kv_cache, model = parts.kv_cache, parts.model
         pool = BlockPool(kv_cache.num_blocks)
+        spec = config.speculative_config
         sched_config = SchedulerConfig(
             config.block_size,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.num_speculative_tokens,
+            # Drafted ahead: up to k - 1 positions past the accepted ones.
+            draft_lookahead=config.num_speculative_tokens - 1
+            if spec is not None and spec.method in DRAFTS_AHEAD
+            else 0,
         )
         prefix_cache = None
         if config.enable_prefix_caching:
@@ -323,6 +328,9 @@ class LLMEngine:
                 return []
             eager = before_run is not None and bool(before_run(plan))
             launched = self.runner.launch(self._with_drafts(plan), eager=eager)
+            draft_ahead = getattr(self.proposer, "draft_ahead", None)  # MTP's, EAGLE-3's
+            if draft_ahead is not None:
+                draft_ahead(launched)
         if self.async_scheduling and before_run is None:
             ahead = self.scheduler.schedule_ahead(launched.plan)
             if ahead is not None:

@@ -14,6 +14,8 @@ the device, as its input ids.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from engine.cuda_graphs import DecodeGraphs, GraphStep
@@ -33,6 +35,16 @@ from engine.scheduler import ScheduledSeq, StepPlan
 from engine.spec_acceptance import AcceptanceCurve
 from engine.spec_verify import verify
 from engine.step_executor import StepExecutor
+
+
+class Verified(NamedTuple):
+    """A verification's results on the device (engine/spec_verify.py), before the host reads
+    them: what a proposer needs to draft the next step at once (HiddenStateProposer.draft_ahead)."""
+
+    row_tokens: torch.Tensor
+    """[fed rows]: the token after each fed row's position (accepted drafts, then the target's)."""
+    accepted: torch.Tensor
+    """[sampling sequences]: each one's accepted drafts."""
 
 
 class LaunchedStep:
@@ -64,6 +76,8 @@ class LaunchedStep:
         """CausalLM.proposer_hidden of every fed row, in plan order (a sequence's rows
         together), set by the runner: a proposer fed hidden states reads it
         (engine/hidden_proposer.py). A graph's buffer: valid until the next step."""
+        self.verified: Verified | None = None
+        """A step that fed drafts: its verification's results, on the device."""
         self._copied: torch.cuda.Event | None = None
         if host is not None:  # CUDA: the copy to pinned memory lands when the device gets there
             host.copy_(tokens, non_blocking=True)
@@ -243,7 +257,9 @@ class ModelRunner:
         logprobs = compute_logprobs(logits, row_tokens, expanded)
         host = self._next_host(len(sampling))
         seq_ids = [item.seq.seq_id for item in sampling]
-        return LaunchedStep(plan, seq_ids, tokens, host, logprobs, accepted, per_seq)
+        step = LaunchedStep(plan, seq_ids, tokens, host, logprobs, accepted, per_seq)
+        step.verified = Verified(row_tokens, accepted)
+        return step
 
     def _verifies_in_graph(self, plan: StepPlan) -> bool:
         """A decode step that feeds drafts, whose rows fit the verification graphs."""

@@ -39,6 +39,9 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     """Draft tokens a decoding sequence may feed after its last one (speculative decoding):
     its blocks and the step's budget make room for them (engine/speculative.py)."""
+    draft_lookahead: int = 0
+    """Positions past a step's drafts that its blocks also hold: a proposer drafting the next
+    step before the host reads this one's writes KV up to there (engine/hidden_proposer.py)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -155,7 +158,7 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
             room = self._draft_room(seq, budget)
-            while not self._grow(seq, seq.num_computed + n + room):
+            while not self._grow(seq, self._step_end(seq, n, room)):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -176,7 +179,7 @@ class Scheduler:
             cached = self._take_cached(seq)
             n = min(seq.num_uncomputed, budget)
             room = self._draft_room(seq, budget)
-            if not self._grow(seq, seq.num_computed + n + room):
+            if not self._grow(seq, self._step_end(seq, n, room)):
                 if cached is not None:  # back to the pool, named: found again next time
                     self._drop_blocks(seq)
                 break
@@ -275,6 +278,13 @@ class Scheduler:
         # Accepted drafts and the target's token are all appended: stay within both limits.
         limit = min(seq.max_model_len - seq.num_tokens, seq.stop.max_tokens - seq.num_output_tokens)
         return max(0, min(k, limit - 1, budget - 1))
+
+    def _step_end(self, seq: Sequence, n: int, room: int) -> int:
+        """Tokens seq's blocks hold for a step that feeds n tokens and up to `room` drafts."""
+        end = seq.num_computed + n + room
+        if room:
+            end = min(end + self.config.draft_lookahead, seq.max_model_len)
+        return end
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Makes seq's blocks hold num_tokens tokens; False if the pool cannot."""

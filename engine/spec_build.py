@@ -257,7 +257,13 @@ def _hidden_proposer(
             for i, layer in enumerate(layers)
         ]
     return HiddenStateProposer(
-        layers, model, kv_cache, config.max_num_batched_tokens, graphs, prepare
+        layers,
+        model,
+        kv_cache,
+        config.max_num_batched_tokens,
+        config.num_speculative_tokens,
+        graphs,
+        prepare,
     )
 
 

@@ -34,6 +34,9 @@ from engine.kv_cache import KVCache
 from engine.sequence import Sequence
 
 METHODS = ("ngram", "draft_model", "mtp", "eagle3")
+DRAFTS_AHEAD = ("mtp", "eagle3")
+"""Methods whose proposer drafts a step's successor as soon as the step is launched, from its
+results on the device (HiddenStateProposer.draft_ahead)."""
 WITH_MODEL = ("draft_model", "eagle3")
 """Methods whose proposer is a model of its own (speculative_config.model)."""
 
@@ -137,6 +140,18 @@ def chain_drafts(
     """Each of `seqs`' drafts, from the first of every active (sequence, room) and `step` for
     each further one: only the sequences with room for draft j ride along in its step (their
     blocks hold its position; a shorter room's may end before it). One device read for all."""
+    table = draft_table(active, first, step)
+    by_seq = {
+        seq.seq_id: row[:room] for (seq, room), row in zip(active, table.tolist(), strict=True)
+    }
+    return [by_seq.get(seq.seq_id, []) for seq in seqs]
+
+
+def draft_table(
+    active: Seq[tuple[Sequence, int]], first: torch.Tensor, step: DraftStep
+) -> torch.Tensor:
+    """[len(active), max room] on first's device: row i holds active[i]'s drafts, -1 past its
+    room (chain_drafts, left on the device)."""
     depth = max(room for _, room in active)
     table = torch.full((len(active), depth), -1, dtype=torch.long, device=first.device)
     table[:, 0] = first
@@ -144,10 +159,7 @@ def chain_drafts(
         rows = [i for i, (_, room) in enumerate(active) if room > j]
         index = to_device(rows, first.device)
         table[index, j] = step(j, rows, index, table[index, j - 1])
-    by_seq = {
-        seq.seq_id: row[:room] for (seq, room), row in zip(active, table.tolist(), strict=True)
-    }
-    return [by_seq.get(seq.seq_id, []) for seq in seqs]
+    return table
 
 
 class NgramProposer:

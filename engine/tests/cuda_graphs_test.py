@@ -46,3 +46,21 @@ def test_step_inputs_leave_input_ids_to_the_device_when_fed():
     assert inputs.positions.tolist() == [3, 20]
     assert inputs.slots.tolist() == [1 * 16 + 3, 5 * 16 + 4]
     assert inputs.seq_lens.tolist() == [4, 21]
+
+
+def test_step_inputs_shifted_on_the_device_equal_those_written_at_the_shifted_positions():
+    """Rows whose positions follow from device values (drafts made ahead of a verification's
+    accepted count): shifted after the copy, positions, slots and lengths are what the host
+    would have written at those positions, across block boundaries; other rows untouched."""
+    tables = [[3, 7, 8], [4, 6, 2], [5]]
+    inputs = StepInputs(bucket=4, max_blocks=3, padding_block=9, block_size=16, device="cpu")
+    inputs.device.copy_(inputs.write([1, 2, 3], [14, 30, 2], tables))
+    inputs.shift(2, torch.tensor([3, 0]))
+    shifted = (inputs.positions.clone(), inputs.slots.clone(), inputs.seq_lens.clone())
+    inputs.device.copy_(inputs.write([1, 2, 3], [17, 30, 2], tables))
+    assert [t.tolist() for t in shifted] == [
+        inputs.positions.tolist(),
+        inputs.slots.tolist(),
+        inputs.seq_lens.tolist(),
+    ]
+    assert shifted[1].tolist() == [7 * 16 + 1, 6 * 16 + 14, 5 * 16 + 2, 9 * 16]

@@ -201,3 +201,49 @@ def test_speculative_decoding_in_graphs_equals_the_cpu_path(spec, model):
     assert outputs == expected
     assert gpu.spec_stats.num_drafts > 0 and replays["verify"] > 0
     assert replays["catch_up"] > 0 or config.method == "ngram"
+
+
+@pytest.mark.parametrize(("spec", "model"), SPECULATIVE[2:], ids=["mtp", "eagle3"])
+def test_drafts_made_ahead_in_graphs_equal_drafts_made_after_the_results_are_read(spec, model):
+    """MTP layers and EAGLE-3 heads draft each step's successor in their CUDA graphs as soon as
+    the step is launched, the rows past the accepted drafts shifted on the device: every
+    proposal equals the one made after the host has read the step. Drafts are accepted as a
+    curve draws (0 to 3 a step), so every shift occurs."""
+    config = SpeculativeConfig.from_json(
+        json.dumps({**spec, "acceptance_curve": "mean-2.5-depth-3"})
+    )
+    stops = [StopConditions(max_tokens=40, ignore_eos=True) for _ in PROMPTS]
+    runs, weights = [], None
+    for ahead in (False, True):
+        engine = LLMEngine.build(
+            EngineConfig(
+                model=model, dtype="float32", block_size=16, kv_cache_gb=0.05, device="cuda",
+                speculative_config=config, benchmark_mode=True,
+            )
+        )  # fmt: skip
+        modules = [engine.runner.model, *engine.proposer.layers]
+        params = [p for m in modules for p in m.parameters()]
+        with torch.no_grad():  # the same weights in both (in place: the graphs point at them)
+            for dst, src in zip(params, weights or params, strict=True):
+                dst.copy_(src)
+        weights = params
+        proposer, proposals, launched = engine.proposer, [], [0]
+        propose, draft_ahead = proposer.propose, proposer.draft_ahead
+
+        def spy(seqs, rooms, propose=propose, proposals=proposals):
+            drafts = propose(seqs, rooms)
+            proposals.append({s.seq_id: d for s, d in zip(seqs, drafts, strict=True)})
+            return drafts
+
+        def counted(step, draft_ahead=draft_ahead, launched=launched, p=proposer, on=ahead):
+            if on:
+                draft_ahead(step)
+                launched[0] += p._ahead is not None
+
+        proposer.propose, proposer.draft_ahead = spy, counted
+        outputs, _, _ = _decode(engine, stops)
+        runs.append((outputs, proposals, launched[0], engine.spec_stats))
+    (outputs, proposals, _, stats), (ahead_outputs, ahead_proposals, launched, ahead_stats) = runs
+    assert ahead_proposals == proposals
+    assert ahead_outputs == outputs and ahead_stats == stats
+    assert launched >= 5 and any(stats.accepted_per_position[1:])

@@ -92,6 +92,47 @@ def test_incremental_proposals_equal_one_pass_over_the_sequence():
         assert drafts[0] == _one_pass_draft(engine, tokens)
 
 
+def test_drafts_made_ahead_equal_drafts_made_after_the_results_are_read():
+    """The MTP layer drafts each step's successor as soon as the step is launched, from its
+    results on the device (HiddenStateProposer.draft_ahead): every proposal equals the one made
+    from the host after the results are read. Drafts are accepted as a curve draws (0 to 3 a
+    step), so the drafts ahead start at each of those offsets; batched, the long prompt
+    prefilled in chunks."""
+    spec = dataclasses.replace(MTP, acceptance_curve="mean-2.5-depth-3")
+    runs = {}
+    for ahead in (False, True):
+        engine = _engine(
+            speculative_config=spec, benchmark_mode=True, max_num_batched_tokens=16, max_num_seqs=4
+        )
+        if not ahead:
+            engine.proposer.draft_ahead = lambda step: None
+        proposals, original = [], engine.proposer.propose
+
+        def spy(seqs, rooms, original=original, proposals=proposals):
+            drafts = original(seqs, rooms)
+            proposals.append({s.seq_id: d for s, d in zip(seqs, drafts, strict=True)})
+            return drafts
+
+        engine.proposer.propose = spy
+        launched, draft_ahead = [0], engine.proposer.draft_ahead
+
+        def count(step, draft_ahead=draft_ahead, launched=launched, proposer=engine.proposer):
+            draft_ahead(step)
+            launched[0] += proposer._ahead is not None
+
+        engine.proposer.draft_ahead = count
+        runs[ahead] = (_run(engine), proposals, launched[0], engine.spec_stats)
+    (outputs, proposals, _, stats), (ahead_outputs, ahead_proposals, launched, ahead_stats) = (
+        runs[False],
+        runs[True],
+    )
+    assert ahead_proposals == proposals
+    assert ahead_outputs == outputs
+    assert launched >= 5  # the steps after the last prompt's prefill (none rides along)
+    assert ahead_stats == stats
+    assert any(stats.accepted_per_position)  # drafts were accepted: offsets past 0
+
+
 def _one_pass_draft(engine: LLMEngine, tokens: list[int]) -> int:
     """The MTP layer's greedy token after `tokens`, from scratch, in blocks no one uses."""
     n = len(tokens)

@@ -408,3 +408,22 @@ def test_no_step_ahead_when_it_needs_a_block_and_none_is_free():
     sched.update(plan, {"a": 7, "b": 7})
     _run_to_end(sched)
     _assert_empty(sched)
+
+
+@pytest.mark.parametrize(("max_model_len", "room", "blocks"), [(64, 3, 3), (8, 2, 2)])
+def test_a_drafting_step_holds_blocks_for_the_drafts_made_ahead(max_model_len, room, blocks):
+    """With draft_lookahead, a step with draft room also holds the positions a proposer may
+    draft into before the host reads the step (up to 2 past its drafts), never past the
+    sequence's length limit."""
+    config = SchedulerConfig(4, 8, 32, num_speculative_tokens=3, draft_lookahead=2)
+    sched = Scheduler(config, BlockPool(16))
+    seq = _seq("a", 4)
+    seq.max_model_len = max_model_len
+    sched.add(seq)
+    sched.update(sched.schedule(), {"a": 7})
+    assert len(seq.block_ids) == 1
+    (item,) = sched.schedule().scheduled
+    assert item.draft_room == room
+    assert len(seq.block_ids) == blocks  # 4 + 1 + room (+ 2, within the length) tokens
+    sched.abort("a")
+    _assert_empty(sched)
