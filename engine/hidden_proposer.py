@@ -28,7 +28,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.host_values import to_device
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.scheduler import StepPlan
+from engine.scheduler import ScheduledSeq, StepPlan
 from engine.sequence import Sequence
 from engine.speculative import chain_drafts, draft_table
 
@@ -78,7 +78,6 @@ class HiddenStateProposer:
         self._ready = {}
         if ahead is not None and ahead.plan is plan:
             self._settle_ahead(ahead, accepted)
-            return
         if hidden is None:
             return
         row = 0
@@ -130,63 +129,61 @@ class HiddenStateProposer:
         return chain_drafts(seqs, active, guesses, step)
 
     def draft_ahead(self, step: LaunchedStep) -> None:
-        """Right after a verification is launched, before the host reads it: drafts of its
-        sequences' next step, from the device's results. Each sequence's k + 1 fed rows are fed
-        again (the token after each, its target state), the row of its last accepted token gives
-        draft 1, and the further drafts' rows sit `accepted` positions past where the host
-        places them (DecodeGraphs.run's offsets). The rows past the accepted ones write KV at
-        positions that every later forward writes again before reading them. `propose` returns
-        these drafts when the sequence is where the step leaves it; the device has then kept
-        working while the host read the results and planned the step. Only when every sequence
-        of the step fed drafts and had nothing else pending; otherwise `record` keeps the
-        states as before."""
-        items, verified = step.plan.scheduled, step.verified
-        if (
-            verified is None
-            or step.hidden is None
-            or not all(item.draft and item.samples for item in items)
-            or any(
-                i.seq.draft_hidden is not None or i.seq.num_draft_computed != i.start for i in items
-            )
-        ):
+        """Right after a verification is launched, before the host reads it: drafts of the next
+        step of its sequences that fed drafts, from the device's results. Each one's k + 1 fed
+        rows are fed again (the token after each, its target state), the row of its last
+        accepted token gives draft 1, and the further drafts' rows sit `accepted` positions past
+        where the host places them (DecodeGraphs.run's offsets). The rows past the accepted ones
+        write KV at positions that every later forward writes again before reading them.
+        `propose` returns these drafts when the sequence is where the step leaves it: the device
+        has kept working while the host read the results and planned the step. A sequence with
+        other states pending is left to `record`, as are those without drafts."""
+        verified = step.verified
+        if verified is None or step.hidden is None:
             return
-        ids, positions, tables, firsts, active = verified.row_tokens, [], [], [], []
-        for item in items:
+        chosen = drafting_rows(step.plan)
+        if not chosen:
+            return
+        items = [item for item, _, _, _ in chosen]
+        positions, tables, hidden_rows, verify_rows, firsts, active = [], [], [], [], [], []
+        for item, hidden_row, verify_row, _ in chosen:
             seq, fed = item.seq, item.num_new_tokens
             firsts.append(len(positions))
             positions.extend(range(item.start, item.start + fed))
             tables.extend([seq.block_ids] * fed)
+            hidden_rows.extend(range(hidden_row, hidden_row + fed))
+            verify_rows.extend(range(verify_row, verify_row + fed))
             # Draft j sits at start + accepted + j: within the sequence's blocks and length.
             limit = min(len(seq.block_ids) * self.kv_cache.block_size, seq.max_model_len)
             active.append((seq, max(1, min(self.depth, limit - item.start - len(item.draft)))))
-        previous = step.hidden if self.prepare is None else self.prepare(step.hidden)
+        ids, hidden = verified.row_tokens, step.hidden
+        if len(verify_rows) < len(ids) or len(hidden_rows) < len(hidden):  # some not drafting
+            ids = ids[to_device(verify_rows, self.device)]
+            hidden = hidden[to_device(hidden_rows, self.device)]
+        accepted = verified.accepted
+        if len(chosen) < len(accepted):
+            accepted = accepted[to_device([i for _, _, _, i in chosen], self.device)]
+        previous = hidden if self.prepare is None else self.prepare(hidden)
         g, greedy = self._rows(0, ids, positions, tables, previous)
-        last = to_device(firsts, self.device) + verified.accepted
+        last = to_device(firsts, self.device) + accepted
         g = g[last]
 
         def chain(j: int, rows: list[int], index: torch.Tensor, before: torch.Tensor):
             nonlocal g
             riding = [items[i] for i in rows]
             at = [item.start + j for item in riding]
-            g_rows, guesses = self._rows(
-                j,
-                before,
-                at,
-                [i.seq.block_ids for i in riding],
-                g[index],
-                offsets=verified.accepted[index],
-            )
+            tables = [i.seq.block_ids for i in riding]
+            g_rows, guesses = self._rows(j, before, at, tables, g[index], offsets=accepted[index])
             g = g.clone()  # g_rows may be a graph's buffer, which the next replay overwrites
             g[index] = g_rows
             return guesses
 
-        table = draft_table(active, greedy[last], chain)
-        self._ahead = _Ahead(step.plan, table)
+        self._ahead = _Ahead(step.plan, items, draft_table(active, greedy[last], chain))
 
     def _settle_ahead(self, ahead: _Ahead, accepted: dict[str, int]) -> None:
-        """The step drafted ahead is read: its sequences' caches hold the positions up to
-        their last accepted token."""
-        for row, item in enumerate(ahead.plan.scheduled):
+        """The step drafted ahead is read: its drafting sequences' caches hold the positions up
+        to their last accepted token (so `record` passes them over)."""
+        for row, item in enumerate(ahead.items):
             seq = item.seq
             seq.num_draft_computed = item.start + 1 + accepted[seq.seq_id]
             self._ready[seq.seq_id] = (seq.num_tokens, row)
@@ -273,11 +270,12 @@ class HiddenStateProposer:
 
 
 class _Ahead:
-    """Drafts launched by `draft_ahead` for the sequences of `plan`, a row each, and their copy
-    to the host."""
+    """Drafts launched by `draft_ahead` for `items` of `plan`, a row each, and their copy to
+    the host."""
 
-    def __init__(self, plan: StepPlan, table: torch.Tensor) -> None:
+    def __init__(self, plan: StepPlan, items: list[ScheduledSeq], table: torch.Tensor) -> None:
         self.plan = plan
+        self.items = items
         self._host, self._copied = table, None
         if table.is_cuda:
             self._host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
@@ -290,6 +288,21 @@ class _Ahead:
         if self._copied is not None:
             self._copied.synchronize()
         return self._host.tolist()
+
+
+def drafting_rows(plan: StepPlan) -> list[tuple[ScheduledSeq, int, int, int]]:
+    """(item, its first fed row, its first verified row, its index among the sampling ones) of
+    each item of plan that fed drafts and whose proposer cache is complete up to its start."""
+    chosen, hidden_row, verify_row, sampling = [], 0, 0, 0
+    for item in plan.scheduled:
+        seq = item.seq
+        if item.draft and seq.draft_hidden is None and seq.num_draft_computed == item.start:
+            chosen.append((item, hidden_row, verify_row, sampling))
+        hidden_row += item.num_new_tokens
+        if item.samples:  # a verified row per fed draft, and one for its last token
+            verify_row += 1 + len(item.draft)
+            sampling += 1
+    return chosen
 
 
 def _drafted_ahead(seq: Sequence, num_tokens: int) -> bool:

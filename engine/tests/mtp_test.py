@@ -15,9 +15,11 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
+from engine.hidden_proposer import drafting_rows
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
-from engine.sequence import StopConditions
+from engine.scheduler import ScheduledSeq, StepPlan
+from engine.sequence import Sequence, StopConditions
 from engine.speculative import SpeculativeConfig
 from engine.tests.tiny_hf import add_mtp_layer, hf_deepseek
 
@@ -171,3 +173,27 @@ def test_mtp_layer_loads_from_a_checkpoint_folder(tmp_path):
 def test_a_model_without_mtp_layers_is_refused():
     with pytest.raises(ValueError, match="has no multi-token-prediction layers"):
         _engine(model="random:tiny", speculative_config=MTP)
+
+
+def testdrafting_rows_skip_what_rides_along():
+    """The rows draft_ahead feeds again: each drafting sequence's fed rows in the forward and in
+    the verified logits (a sampling prompt chunk before it has many fed rows and one verified;
+    a decode without drafts one of each), and its index among the sampling sequences; a
+    sequence with target states still pending is left out."""
+    seqs = [
+        Sequence(f"s{i}", list(range(1, 20)), SamplingParams(), StopConditions(8), [], 64)
+        for i in range(4)
+    ]
+    for seq in seqs:
+        seq.num_draft_computed = 10
+    seqs[3].draft_hidden = torch.zeros(1, 4)
+    plan = StepPlan(
+        (
+            ScheduledSeq(seqs[0], 2, 8, True),  # a prompt's last chunk: 8 rows, 1 verified
+            ScheduledSeq(seqs[1], 10, 1, True),  # a decode without drafts
+            ScheduledSeq(seqs[2], 10, 3, True, 2, (7, 8)),
+            ScheduledSeq(seqs[3], 10, 3, True, 2, (7, 8)),  # states pending
+        ),
+        (),
+    )
+    assert [(item.seq.seq_id, *rows) for item, *rows in drafting_rows(plan)] == [("s2", 9, 2, 2)]
