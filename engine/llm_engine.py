@@ -34,7 +34,7 @@ from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import FinishReason, Sequence, StopConditions
 from engine.spec_build import acceptance_curve, build_proposer, proposer_cache_config
-from engine.speculative import DRAFTS_AHEAD, Proposer, SpecStats
+from engine.speculative import Proposer, SpecStats
 from engine.step_executor import StepExecutor
 from engine.tp_workers import AgentFactory, TpWorkers
 
@@ -113,15 +113,22 @@ class LLMEngine:
             raise
         kv_cache, model = parts.kv_cache, parts.model
         pool = BlockPool(kv_cache.num_blocks)
-        spec = config.speculative_config
+        proposer = build_proposer(
+            config,
+            (parts.model_config, model),
+            parts.draft,
+            kv_cache.num_blocks,
+            parts.max_model_len,
+            parts.proposer_embedding,
+        )
         sched_config = SchedulerConfig(
             config.block_size,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.num_speculative_tokens,
-            # Drafted ahead: up to k - 1 positions past the accepted ones.
+            # A proposer drafting ahead writes up to k - 1 positions past the accepted ones.
             draft_lookahead=config.num_speculative_tokens - 1
-            if spec is not None and spec.method in DRAFTS_AHEAD
+            if hasattr(proposer, "draft_ahead")
             else 0,
         )
         prefix_cache = None
@@ -131,14 +138,6 @@ class LLMEngine:
         async_scheduling = config.async_scheduling
         if async_scheduling is None:
             async_scheduling = executor.graphs is not None and config.speculative_config is None
-        proposer = build_proposer(
-            config,
-            (parts.model_config, model),
-            parts.draft,
-            kv_cache.num_blocks,
-            parts.max_model_len,
-            parts.proposer_embedding,
-        )
         return cls(
             config=config,
             model_config=parts.model_config,

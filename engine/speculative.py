@@ -34,9 +34,6 @@ from engine.kv_cache import KVCache
 from engine.sequence import Sequence
 
 METHODS = ("ngram", "draft_model", "mtp", "eagle3")
-DRAFTS_AHEAD = ("mtp", "eagle3")
-"""Methods whose proposer drafts a step's successor as soon as the step is launched, from its
-results on the device (HiddenStateProposer.draft_ahead)."""
 WITH_MODEL = ("draft_model", "eagle3")
 """Methods whose proposer is a model of its own (speculative_config.model)."""
 
