@@ -271,7 +271,8 @@ def variant_config(config: EngineConfig, spec: str) -> tuple[str, EngineConfig]:
     (label: the spec itself when not given), each value parsed as the field's current type;
     speculative_config's value is JSON, the rest of the spec. ValueError naming a field
     EngineConfig has not."""
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    types = {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
+    fields = set(types)
     label, colon, rest = spec.partition(":")
     if not colon or "=" in label:
         label, rest = spec, spec
@@ -285,7 +286,7 @@ def variant_config(config: EngineConfig, spec: str) -> tuple[str, EngineConfig]:
         if name == "speculative_config":
             changes[name] = SpeculativeConfig.from_json(",".join([text, *items]))
             items = []
-        elif isinstance(current, bool):
+        elif isinstance(current, bool) or types[name].startswith("bool"):  # bool | None too
             changes[name] = text.lower() in ("1", "true", "yes")
         elif isinstance(current, int | float):
             changes[name] = type(current)(text)

@@ -27,6 +27,10 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({min(s, max_batch) for s in sizes})
 
 
+MAX_HOST_BUFFERS = 8
+"""Host buffers a bucket's StepInputs holds at most (StepInputs._free_buffer)."""
+
+
 class StepInputs:
     """One bucket's step inputs in one byte buffer, pinned on the host and mirrored on the device:
     input ids, positions and slots (int64, [3, bucket]), then sequence lengths (int32, [bucket])
@@ -34,8 +38,11 @@ class StepInputs:
     memory and one copy of the whole buffer (three separate copies cost more host time than the
     copy itself takes).
 
-    There are two host buffers, written in turn: with async scheduling the host writes the next
-    step's inputs while the copy of this step's may still wait in the device's queue.
+    The host writes the next step's inputs while the copies of earlier ones may still wait in
+    the device's queue (async scheduling; a proposer's steps drafting ahead, several a step), so
+    a buffer is written again only once its last copy has run (an event per buffer): the host
+    buffers are used in turn, and one is added while the next in turn still waits (up to
+    MAX_HOST_BUFFERS; then the host waits).
 
     Padded rows (past the step's n sequences) point at the cache's padding block: they write
     and read only there. NOTE: the copy moves the tables' full width every step, bucket x
@@ -50,23 +57,13 @@ class StepInputs:
         self._block_size = block_size
         self._pad_slot = padding_block * block_size
         self._padding_block = padding_block
-        ids_bytes, lens_bytes = 3 * bucket * 8, bucket * 4
-        size = ids_bytes + lens_bytes + bucket * max_blocks * 4
+        self._max_blocks = max_blocks
         # Pinned on CUDA, so that the copy is a plain DMA that does not wait for the host.
-        pinned = torch.device(device).type == "cuda"
-        self._hosts = [torch.zeros(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
-        self._views = []
-        for host in self._hosts:
-            raw = host.numpy()
-            ids = raw[:ids_bytes].view(np.int64).reshape(3, bucket)
-            lens = raw[ids_bytes : ids_bytes + lens_bytes].view(np.int32)
-            tables = raw[ids_bytes + lens_bytes :].view(np.int32).reshape(bucket, max_blocks)
-            ids[2] = self._pad_slot
-            lens[:] = 1
-            tables[:] = padding_block
-            self._views.append((ids, lens, tables))
+        self._cuda = torch.device(device).type == "cuda"
+        self._buffers = [self._new_buffer() for _ in range(2)]
         self._turn = 0
-        self.device = self._hosts[0].to(device)
+        self.device = self._buffers[0].tensor.to(device)
+        ids_bytes, lens_bytes = 3 * bucket * 8, bucket * 4
         ids = self.device[:ids_bytes].view(torch.int64).view(3, bucket)
         self.input_ids, self.positions, self.slots = ids[0], ids[1], ids[2]
         self.seq_lens = self.device[ids_bytes : ids_bytes + lens_bytes].view(torch.int32)
@@ -74,16 +71,16 @@ class StepInputs:
             self.device[ids_bytes + lens_bytes :].view(torch.int32).view(bucket, max_blocks)
         )
 
-    def write(
+    def upload(
         self,
         input_ids: Sequence[int] | None,
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
-    ) -> torch.Tensor:
-        """Fills the next host buffer and returns it, for a copy over `device`. input_ids None:
-        the caller writes them on the device after the copy."""
-        self._turn ^= 1
-        ids, lens, tables = self._views[self._turn]
+    ) -> None:
+        """Writes a step's inputs into a free host buffer and queues its copy to `device`.
+        input_ids None: the caller writes them on the device after the copy."""
+        buffer = self._free_buffer()
+        ids, lens, tables = buffer.views
         n, bs = len(positions), self._block_size
         if input_ids is not None:
             ids[0, :n] = input_ids
@@ -99,7 +96,37 @@ class StepInputs:
         ids[2, n:] = self._pad_slot
         lens[n:] = 1
         tables[n:, 0] = self._padding_block
-        return self._hosts[self._turn]
+        self.device.copy_(buffer.tensor, non_blocking=True)
+        if buffer.copied is not None:
+            buffer.copied.record()
+
+    def _free_buffer(self) -> _HostBuffer:
+        """The next host buffer in turn, once its last copy has run: a new one in its place
+        while that copy still waits (up to MAX_HOST_BUFFERS)."""
+        self._turn = (self._turn + 1) % len(self._buffers)
+        buffer = self._buffers[self._turn]
+        if buffer.copied is not None and not buffer.copied.query():
+            if len(self._buffers) < MAX_HOST_BUFFERS:
+                buffer = self._new_buffer()
+                self._buffers.insert(self._turn, buffer)
+            else:
+                buffer.copied.synchronize()
+        return buffer
+
+    def _new_buffer(self) -> _HostBuffer:
+        bucket, max_blocks = self.bucket, self._max_blocks
+        ids_bytes, lens_bytes = 3 * bucket * 8, bucket * 4
+        size = ids_bytes + lens_bytes + bucket * max_blocks * 4
+        tensor = torch.zeros(size, dtype=torch.uint8, pin_memory=self._cuda)
+        raw = tensor.numpy()
+        ids = raw[:ids_bytes].view(np.int64).reshape(3, bucket)
+        lens = raw[ids_bytes : ids_bytes + lens_bytes].view(np.int32)
+        tables = raw[ids_bytes + lens_bytes :].view(np.int32).reshape(bucket, max_blocks)
+        ids[2] = self._pad_slot
+        lens[:] = 1
+        tables[:] = self._padding_block
+        copied = torch.cuda.Event() if self._cuda else None
+        return _HostBuffer(tensor, (ids, lens, tables), copied)
 
     def shift(self, n: int, offsets: torch.Tensor) -> None:
         """Moves the first n rows, once copied to the device, `offsets` [n] positions further
@@ -110,6 +137,14 @@ class StepInputs:
         self.seq_lens[:n] = positions + 1
         blocks = self.block_tables[:n].gather(1, (positions // self._block_size)[:, None])
         self.slots[:n] = blocks[:, 0] * self._block_size + positions % self._block_size
+
+
+class _HostBuffer(NamedTuple):
+    tensor: torch.Tensor
+    views: tuple[np.ndarray, np.ndarray, np.ndarray]
+    """ids [3, bucket], lens [bucket], tables [bucket, max_blocks] over `tensor`."""
+    copied: torch.cuda.Event | None
+    """Recorded after the copy of `tensor` was queued (CUDA)."""
 
 
 HiddenForward = Callable[
@@ -191,7 +226,7 @@ class DecodeGraphs:
         n = len(positions)
         bucket = next(b for b in self.buckets if b >= n)
         inputs = self._inputs[bucket]
-        inputs.device.copy_(inputs.write(input_ids, positions, block_tables), non_blocking=True)
+        inputs.upload(input_ids, positions, block_tables)
         if offsets is not None:
             inputs.shift(n, offsets)
         if fed_ids is not None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.scheduler import SchedulerConfig
-from engine.speculative import SpeculativeConfig
+from engine.speculative import DRAFTS_AHEAD, SpeculativeConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # KV cache element types besides "auto" (the model's dtype), by vLLM's names: e4m3 with one
@@ -51,8 +51,10 @@ class EngineConfig:
     a token (EOS, a stop id) then costs one more row, thrown away, in the step already launched;
     the rest of the batch goes on. Steps run one at a time while a sequence samples with
     penalties or under a grammar (both need the last token). None: on with CUDA graphs, where
-    it overlaps; off elsewhere (CPU runs each step before returning). Off with speculative
-    decoding (a step's drafts follow from the tokens of the step before)."""
+    it overlaps; off elsewhere (CPU runs each step before returning). With speculative
+    decoding, for the proposers that draft on the device (mtp, eagle3): each verification
+    launched before the one before it is read, fed the drafts made from its results there;
+    not with ngram or draft_model (their drafts follow from the tokens on the host)."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (engine/speculative.py): None, or its method and depth."""
     benchmark_mode: bool = False
@@ -89,10 +91,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len: {self.max_model_len} must be at least 2")
         SchedulerConfig(self.block_size, self.max_num_seqs, self.max_num_batched_tokens)
         spec = self.speculative_config
-        if spec is not None and self.async_scheduling:
+        if spec is not None and spec.method not in DRAFTS_AHEAD and self.async_scheduling:
             raise ValueError(
-                "async_scheduling: not with speculative_config (drafts follow from the last "
-                "step's tokens); leave it unset"
+                f"async_scheduling: not with speculative_config method {spec.method} (its "
+                "drafts follow from the last step's tokens on the host); leave it unset"
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(

@@ -33,7 +33,7 @@ from engine.sequence import Sequence
 from engine.speculative import chain_drafts, draft_table
 
 if TYPE_CHECKING:
-    from engine.model_runner import LaunchedStep
+    from engine.launched_step import LaunchedStep
 
 
 class HiddenStateProposer:
@@ -62,22 +62,26 @@ class HiddenStateProposer:
         self.kv_cache = kv_cache
         self.graphs = graphs
         self.device = kv_cache.storage.device
-        self._ahead: _Ahead | None = None
-        """The drafts `draft_ahead` launched, until their verification's step is recorded."""
+        self._aheads: list[DraftsAhead] = []
+        """The drafts `draft_ahead` launched, oldest first, until their verification's step is
+        recorded (two at most: a step planned ahead is launched before the one before it is
+        read)."""
         self._ready: dict[str, tuple[int, int]] = {}
         """seq_id -> (its token count once recorded, its row of _ready_drafts): drafted ahead
         for the next proposal."""
-        self._ready_drafts: _Ahead | None = None
+        self._ready_drafts: DraftsAhead | None = None
 
     def record(self, plan: StepPlan, hidden: torch.Tensor | None, accepted: dict[str, int]) -> None:
         """Keeps the target's states of the positions a finished step settled: every fed one,
         or of a sequence that fed drafts its last token's and the accepted drafts'. Those of a
         sequence the step finished too: a prefill fills the proposer's cache of its prompt
         after its first token (`fill_prompt`)."""
-        ahead, self._ahead = self._ahead, None
         self._ready = {}
-        if ahead is not None and ahead.plan is plan:
-            self._settle_ahead(ahead, accepted)
+        for i, ahead in enumerate(self._aheads):
+            if ahead.step.plan is plan:  # the step's plan as resolved since, if it was shifted
+                self._settle_ahead(ahead, accepted)
+                del self._aheads[: i + 1]
+                break
         if hidden is None:
             return
         row = 0
@@ -137,7 +141,11 @@ class HiddenStateProposer:
         write KV at positions that every later forward writes again before reading them.
         `propose` returns these drafts when the sequence is where the step leaves it: the device
         has kept working while the host read the results and planned the step. A sequence with
-        other states pending is left to `record`, as are those without drafts."""
+        other states pending is left to `record`, as are those without drafts.
+
+        A shifted step (StepPlan.shifted: planned before the one before it was read, each of
+        its sequences drafted ahead there) sits `step.shift` further on the device: its rows
+        and drafts are moved by that too."""
         verified = step.verified
         if verified is None or step.hidden is None:
             return
@@ -146,6 +154,8 @@ class HiddenStateProposer:
             return
         items = [item for item, _, _, _ in chosen]
         positions, tables, hidden_rows, verify_rows, firsts, active = [], [], [], [], [], []
+        sampling = to_device([i for _, _, _, i in chosen], self.device)
+        furthest = self.depth if step.plan.shifted else 0  # the most step.shift can add
         for item, hidden_row, verify_row, _ in chosen:
             seq, fed = item.seq, item.num_new_tokens
             firsts.append(len(positions))
@@ -155,18 +165,26 @@ class HiddenStateProposer:
             verify_rows.extend(range(verify_row, verify_row + fed))
             # Draft j sits at start + accepted + j: within the sequence's blocks and length.
             limit = min(len(seq.block_ids) * self.kv_cache.block_size, seq.max_model_len)
-            active.append((seq, max(1, min(self.depth, limit - item.start - len(item.draft)))))
+            room = limit - item.start - furthest - len(item.draft)
+            active.append((seq, max(1, min(self.depth, room))))
         ids, hidden = verified.row_tokens, step.hidden
         if len(verify_rows) < len(ids) or len(hidden_rows) < len(hidden):  # some not drafting
             ids = ids[to_device(verify_rows, self.device)]
             hidden = hidden[to_device(hidden_rows, self.device)]
         accepted = verified.accepted
+        shift = None if step.shift is None else step.shift[sampling]
         if len(chosen) < len(accepted):
-            accepted = accepted[to_device([i for _, _, _, i in chosen], self.device)]
+            accepted = accepted[sampling]
+        row_shift = None
+        if shift is not None:
+            seq_of_row = [b for b, item in enumerate(items) for _ in range(item.num_new_tokens)]
+            row_shift = shift[to_device(seq_of_row, self.device)]
         previous = hidden if self.prepare is None else self.prepare(hidden)
-        g, greedy = self._rows(0, ids, positions, tables, previous)
+        g, greedy = self._rows(0, ids, positions, tables, previous, offsets=row_shift)
         last = to_device(firsts, self.device) + accepted
         g = g[last]
+        if shift is not None:
+            accepted = accepted + shift  # from here on, each sequence's whole offset
 
         def chain(j: int, rows: list[int], index: torch.Tensor, before: torch.Tensor):
             nonlocal g
@@ -178,15 +196,27 @@ class HiddenStateProposer:
             g[index] = g_rows
             return guesses
 
-        self._ahead = _Ahead(step.plan, items, draft_table(active, greedy[last], chain))
+        table = draft_table(active, greedy[last], chain)
+        self._aheads = [*self._aheads[-1:], DraftsAhead(step, active, table)]
 
-    def _settle_ahead(self, ahead: _Ahead, accepted: dict[str, int]) -> None:
+    def ahead_of(self, step: LaunchedStep) -> DraftsAhead | None:
+        """The drafts made ahead after `step`, when every sequence of it has some."""
+        for ahead in self._aheads:
+            if ahead.step is step:
+                seq_ids = {item.seq.seq_id for item in step.plan.scheduled}
+                return ahead if seq_ids <= set(ahead.rows) else None
+        return None
+
+    def _settle_ahead(self, ahead: DraftsAhead, accepted: dict[str, int]) -> None:
         """The step drafted ahead is read: its drafting sequences' caches hold the positions up
         to their last accepted token (so `record` passes them over)."""
-        for row, item in enumerate(ahead.items):
+        for item in ahead.step.plan.scheduled:
             seq = item.seq
-            seq.num_draft_computed = item.start + 1 + accepted[seq.seq_id]
-            self._ready[seq.seq_id] = (seq.num_tokens, row)
+            row = ahead.rows.get(seq.seq_id)
+            if row is not None:
+                # A resolved item may have had no draft left to verify (Scheduler.resolve).
+                seq.num_draft_computed = item.start + 1 + accepted.get(seq.seq_id, 0)
+                self._ready[seq.seq_id] = (seq.num_tokens, row)
         self._ready_drafts = ahead
 
     def fill_prompt(self, seqs: Seq[Sequence]) -> None:
@@ -269,13 +299,18 @@ class HiddenStateProposer:
         return g, logits.argmax(dim=-1)
 
 
-class _Ahead:
-    """Drafts launched by `draft_ahead` for `items` of `plan`, a row each, and their copy to
-    the host."""
+class DraftsAhead:
+    """Drafts launched by `draft_ahead` after `step`, a row each for the sequences of `active`
+    (sequence, depth), and their copy to the host."""
 
-    def __init__(self, plan: StepPlan, items: list[ScheduledSeq], table: torch.Tensor) -> None:
-        self.plan = plan
-        self.items = items
+    def __init__(
+        self, step: LaunchedStep, active: list[tuple[Sequence, int]], table: torch.Tensor
+    ) -> None:
+        self.step = step
+        self.table = table
+        """[len(active), max depth] on the device, -1 past a row's depth."""
+        self.rows = {seq.seq_id: row for row, (seq, _) in enumerate(active)}
+        self.depths = {seq.seq_id: depth for seq, depth in active}
         self._host, self._copied = table, None
         if table.is_cuda:
             self._host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
@@ -289,14 +324,21 @@ class _Ahead:
             self._copied.synchronize()
         return self._host.tolist()
 
+    def drafts(self) -> dict[str, list[int]]:
+        """seq_id -> its drafts; waits for the device."""
+        table = self.read()
+        return {s: table[row][: self.depths[s]] for s, row in self.rows.items()}
+
 
 def drafting_rows(plan: StepPlan) -> list[tuple[ScheduledSeq, int, int, int]]:
     """(item, its first fed row, its first verified row, its index among the sampling ones) of
-    each item of plan that fed drafts and whose proposer cache is complete up to its start."""
+    each item of plan that fed drafts and whose proposer cache is complete up to its start
+    (a shifted plan's: each of its sequences was drafted ahead, so its cache will be)."""
     chosen, hidden_row, verify_row, sampling = [], 0, 0, 0
     for item in plan.scheduled:
         seq = item.seq
-        if item.draft and seq.draft_hidden is None and seq.num_draft_computed == item.start:
+        complete = seq.draft_hidden is None and seq.num_draft_computed == item.start
+        if item.draft and (plan.shifted or complete):
             chosen.append((item, hidden_row, verify_row, sampling))
         hidden_row += item.num_new_tokens
         if item.samples:  # a verified row per fed draft, and one for its last token

@@ -27,8 +27,9 @@ from engine.engine_config import EngineConfig
 from engine.engine_parts import build_parts
 from engine.grammar import Grammar, GrammarCompiler
 from engine.kv_cache import BlockPool, KVCache, fork_blocks
+from engine.launched_step import LaunchedStep
 from engine.model_loader import Backend
-from engine.model_runner import LaunchedStep, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.prefix_cache import PrefixCache
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -82,6 +83,9 @@ class LLMEngine:
     """Speculative decoding's: proposes drafts for the sequences a step decodes."""
     tp_workers: TpWorkers | None = None
     """Tensor-parallel ranks 1.. (engine/tp_workers.py), when the engine has them."""
+    verifies_ahead: bool = False
+    """With async scheduling, a verification is followed by the next one launched before it
+    is read, fed the drafts the proposer made on the device (HiddenStateProposer.ahead_of)."""
     spec_stats: SpecStats = field(default_factory=SpecStats)
     sequences: dict[str, Sequence] = field(default_factory=dict)
     _in_flight: LaunchedStep | None = None
@@ -135,9 +139,13 @@ class LLMEngine:
         if config.enable_prefix_caching:
             with_proposer = proposer_cache_config(config) is not None
             prefix_cache = PrefixCache(pool, config.block_size, with_proposer)
+        # Verifications are planned ahead from drafts made on the device (one device only).
+        verifies_ahead = hasattr(proposer, "ahead_of") and workers is None
         async_scheduling = config.async_scheduling
         if async_scheduling is None:
-            async_scheduling = executor.graphs is not None and config.speculative_config is None
+            async_scheduling = executor.graphs is not None and (
+                config.speculative_config is None or verifies_ahead
+            )
         return cls(
             config=config,
             model_config=parts.model_config,
@@ -152,6 +160,7 @@ class LLMEngine:
             grammars=GrammarCompiler(config.model, parts.model_config.vocab_size),
             proposer=proposer,
             tp_workers=workers,
+            verifies_ahead=verifies_ahead,
         )
 
     def check_ranks(self) -> None:
@@ -326,22 +335,20 @@ class LLMEngine:
             if plan is None:
                 return []
             eager = before_run is not None and bool(before_run(plan))
-            launched = self.runner.launch(self._with_drafts(plan), eager=eager)
-            draft_ahead = getattr(self.proposer, "draft_ahead", None)  # MTP's, EAGLE-3's
-            if draft_ahead is not None:
-                draft_ahead(launched)
+            launched = self._launch(self._with_drafts(plan), eager=eager)
         if self.async_scheduling and before_run is None:
-            ahead = self.scheduler.schedule_ahead(launched.plan)
-            if ahead is not None:
-                self._in_flight = self.runner.launch(ahead, feed=launched)
+            self._in_flight = self._launch_ahead(launched)
         sampled, logprobs = launched.result(), launched.logprobs()
         accepted = launched.accepted()
         before = {item.seq.seq_id: item.seq.num_tokens for item in launched.plan.scheduled}
         finished = {s.seq_id for s in self.scheduler.update(launched.plan, sampled, accepted)}
-        self._count_drafts(launched.plan, accepted)
+        self.spec_stats.record_step(launched.plan, accepted, self.config.num_speculative_tokens)
         record = getattr(self.proposer, "record", None)  # a hidden-state proposer's (MTP, EAGLE-3)
         if record is not None:
             record(launched.plan, launched.hidden, accepted)
+        ahead = self._in_flight
+        if ahead is not None and ahead.plan.shifted:  # now that its offsets are known here
+            ahead.plan = self.scheduler.resolve(ahead.plan, accepted, ahead.fed_drafts.drafts())
         outputs = []
         for seq_id in sampled:
             seq = self.sequences.get(seq_id)
@@ -359,6 +366,32 @@ class LLMEngine:
         self._settle_idle_step()
         return outputs
 
+    def _launch(self, plan: StepPlan, **kwargs) -> LaunchedStep:
+        """runner.launch; then a proposer that drafts ahead (MTP's, EAGLE-3's) drafts the next
+        step from its results on the device."""
+        launched = self.runner.launch(plan, **kwargs)
+        draft_ahead = getattr(self.proposer, "draft_ahead", None)
+        if draft_ahead is not None:
+            draft_ahead(launched)
+        return launched
+
+    def _launch_ahead(self, launched: LaunchedStep) -> LaunchedStep | None:
+        """The step after `launched`, launched before it is read, when it can be planned so
+        (Scheduler.schedule_ahead): after a verification, the next one fed the drafts made
+        ahead of it, if its rows fit the verification graphs (where there are graphs)."""
+        drafts = None
+        if launched.verified is not None:
+            drafts = self.proposer.ahead_of(launched) if self.verifies_ahead else None
+            if drafts is None:
+                return None
+            graphs = self.runner.verify_graphs
+            if graphs is not None and sum(1 + n for n in drafts.depths.values()) > graphs.max_batch:
+                return None
+        ahead = self.scheduler.schedule_ahead(launched.plan, drafts and drafts.depths)
+        if ahead is None:
+            return None
+        return self._launch(ahead, feed=launched, drafts=drafts)
+
     def _with_drafts(self, plan: StepPlan) -> StepPlan:
         """The plan with the proposer's drafts for the sequences it leaves room for."""
         items = [item for item in plan.scheduled if item.draft_room]
@@ -368,18 +401,6 @@ class LLMEngine:
         return plan.with_drafts(
             {item.seq.seq_id: d for item, d in zip(items, drafts, strict=True) if d}
         )
-
-    def _count_drafts(self, plan: StepPlan, accepted: dict[str, int]) -> None:
-        for item in plan.scheduled:
-            if item.draft:
-                kept = accepted[item.seq.seq_id]
-                seq = item.seq
-                seq.num_draft_tokens += len(item.draft)
-                seq.num_accepted_tokens += kept
-                if seq.acceptance_histogram is None:
-                    seq.acceptance_histogram = [0] * (self.config.num_speculative_tokens + 1)
-                seq.acceptance_histogram[kept] += 1
-                self.spec_stats.record(len(item.draft), kept)
 
     def _settle_idle_step(self) -> None:
         """A step launched ahead whose sequences have all finished returns no token: it is

@@ -5,16 +5,16 @@ Decode-only steps on CUDA replay a captured graph (engine/cuda_graphs.py); every
 (structured output) have their grammar's mask applied to the logits, after the graph, before
 sampling.
 
-`launch` returns as soon as the work is queued on the device: the sampled tokens (and the
-log-probabilities of the sequences that ask for them) come back to the host through pinned memory
-when the device gets there (`LaunchedStep.result`, `LaunchedStep.logprobs`). A step
+`launch` returns as soon as the work is queued on the device (engine/launched_step.py). A step
 planned ahead (engine.scheduler.schedule_ahead) feeds the tokens of the step before it, still on
-the device, as its input ids.
+the device, as its input ids; a verification planned ahead (StepPlan.shifted) feeds them with
+the drafts a proposer made on the device after it (engine/hidden_proposer.py), at positions the
+device moves by the drafts that step accepted.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -22,113 +22,31 @@ from engine.cuda_graphs import DecodeGraphs, GraphStep
 from engine.grammar import apply_grammars
 from engine.host_values import to_device
 from engine.kv_cache import KVCache
+from engine.launched_step import LaunchedStep, Verified
 from engine.model import CausalLM
-from engine.sampling import (
-    LogprobTensors,
-    Sampler,
-    SamplingRow,
-    TokenLogprobs,
-    compute_logprobs,
-    to_pinned,
-)
+from engine.sampling import Sampler, SamplingRow, compute_logprobs
 from engine.scheduler import ScheduledSeq, StepPlan
 from engine.spec_acceptance import AcceptanceCurve
 from engine.spec_verify import verify
 from engine.step_executor import StepExecutor
 
-
-class Verified(NamedTuple):
-    """A verification's results on the device (engine/spec_verify.py), before the host reads
-    them: what a proposer needs to draft the next step at once (HiddenStateProposer.draft_ahead)."""
-
-    row_tokens: torch.Tensor
-    """[fed rows]: the token after each fed row's position (accepted drafts, then the target's)."""
-    accepted: torch.Tensor
-    """[sampling sequences]: each one's accepted drafts."""
+if TYPE_CHECKING:
+    from engine.hidden_proposer import DraftsAhead
 
 
-class LaunchedStep:
-    """A forward queued on the device, and the tokens it samples."""
+class FedAhead(NamedTuple):
+    """A shifted verification's inputs on the device (ModelRunner._fed_ahead)."""
 
-    def __init__(
-        self,
-        plan: StepPlan,
-        seq_ids: list[str],
-        tokens: torch.Tensor | None,
-        host: torch.Tensor | None = None,
-        logprobs: LogprobTensors | None = None,
-        accepted: torch.Tensor | None = None,
-        rows_per_seq: list[int] | None = None,
-    ) -> None:
-        self.plan = plan
-        self.tokens = tokens
-        """The sampled token of each sampling sequence, in plan order, on the device."""
-        self._accepted = accepted
-        """A step that fed drafts: how many of each sampling sequence's the target kept."""
-        self._rows_per_seq = rows_per_seq
-        """A step that fed drafts: each sampling sequence's rows of `logprobs` (drafts + 1)."""
-        self.seq_ids = seq_ids
-        """The sampling sequences' ids, in the order of `tokens`."""
-        self._host = host
-        self._logprobs = logprobs
-        """None when no sequence asked; on the host once `_copied` has happened."""
-        self.hidden: torch.Tensor | None = None
-        """CausalLM.proposer_hidden of every fed row, in plan order (a sequence's rows
-        together), set by the runner: a proposer fed hidden states reads it
-        (engine/hidden_proposer.py). A graph's buffer: valid until the next step."""
-        self.verified: Verified | None = None
-        """A step that fed drafts: its verification's results, on the device."""
-        self._copied: torch.cuda.Event | None = None
-        if host is not None:  # CUDA: the copy to pinned memory lands when the device gets there
-            host.copy_(tokens, non_blocking=True)
-            if logprobs is not None:
-                self._logprobs = logprobs.to_host()
-            if accepted is not None:
-                self._accepted = to_pinned(accepted)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-
-    def result(self) -> dict[str, int]:
-        """{seq_id: sampled token}; waits for the device."""
-        if not self.seq_ids:
-            return {}
-        if self._copied is not None:
-            self._copied.synchronize()
-            values = self._host.tolist()
-        else:
-            values = self.tokens.tolist()
-        return dict(zip(self.seq_ids, values, strict=True))
-
-    def accepted(self) -> dict[str, int]:
-        """{seq_id: drafts the target accepted} for the sequences that fed drafts; waits for
-        the device."""
-        if self._accepted is None:
-            return {}
-        if self._copied is not None:
-            self._copied.synchronize()
-        counts = dict(zip(self.seq_ids, self._accepted.tolist(), strict=True))
-        drafted = [item.seq.seq_id for item in self.plan.scheduled if item.draft]
-        return {seq_id: counts[seq_id] for seq_id in drafted}
-
-    def logprobs(self) -> dict[str, list[TokenLogprobs]]:
-        """{seq_id: the log-probabilities of each token the step gives it (its accepted drafts,
-        then the sampled one)}, for the sequences that asked (SamplingParams.logprobs); waits
-        for the device."""
-        if self._logprobs is None:
-            return {}
-        if self._copied is not None:
-            self._copied.synchronize()
-        wanted = [item.seq.sampling.logprobs for item in self.plan.scheduled if item.samples]
-        per_seq = self._rows_per_seq or [1] * len(wanted)
-        expanded = [n for n, count in zip(wanted, per_seq, strict=True) for _ in range(count)]
-        rows = self._logprobs.rows(expanded)
-        accepted = self.accepted()
-        out, start = {}, 0
-        for seq_id, n, count in zip(self.seq_ids, wanted, per_seq, strict=True):
-            if n is not None:
-                out[seq_id] = rows[start : start + accepted.get(seq_id, 0) + 1]
-            start += count
-        return out
+    ids: torch.Tensor
+    """[fed rows]: each sequence's token, then its drafts."""
+    row_shift: torch.Tensor
+    """[fed rows]: each row's sequence's shift."""
+    shift: torch.Tensor
+    """[sequences]: the drafts the step before kept of each, its positions' offset."""
+    padded: torch.Tensor
+    """[sequences, width]: the drafts verified, -1 past each one's."""
+    counts: torch.Tensor
+    """[sequences]: how many of each one's drafts are verified."""
 
 
 class ModelRunner:
@@ -174,13 +92,32 @@ class ModelRunner:
         return self.executor.verify_graphs
 
     def launch(
-        self, plan: StepPlan, feed: LaunchedStep | None = None, eager: bool = False
+        self,
+        plan: StepPlan,
+        feed: LaunchedStep | None = None,
+        eager: bool = False,
+        drafts: DraftsAhead | None = None,
     ) -> LaunchedStep:
         """Queues one forward over the plan and the sampling of every sequence that samples.
         `feed`: the step before a step planned ahead, whose tokens are this one's input ids.
+        `drafts`: a shifted plan's (StepPlan.shifted), made on the device after `feed`.
         `eager`: no graph replay, even for a decode-only plan (a prompt's last one-token chunk
         whose layers the prefill sends as they are written)."""
         sampling = [item for item in plan.scheduled if item.samples]
+        if plan.shifted:
+            assert feed is not None and drafts is not None
+            fed_ahead = self._fed_ahead(plan, feed, drafts)
+            if not eager and self._verifies_in_graph(plan):
+                logits, hidden = self._verify_with_graph(plan, fed_ahead)
+            else:  # the host needs the positions (on a GPU: a wait for the step before)
+                shifts = fed_ahead.shift.tolist()
+                hidden, sample_rows = self._forward_eager(plan, fed_ahead.ids, shifts)
+                hidden = self.model.proposer_hidden(hidden)
+                logits = self.executor.logits(sample_rows)
+            rows = [item.seq.sampling_row() for item in sampling]
+            step = self._verify(plan, sampling, logits, rows, fed_ahead)
+            step.hidden, step.shift, step.fed_drafts = hidden, fed_ahead.shift, drafts
+            return step
         fed = None if feed is None else self._fed_ids(plan, feed)
         greedy = None
         if not eager and self.graphs is not None and plan.is_decode_only:
@@ -242,14 +179,23 @@ class ModelRunner:
         sampling: list[ScheduledSeq],
         logits: torch.Tensor,
         rows: list[SamplingRow],
+        fed: FedAhead | None = None,
     ) -> LaunchedStep:
         """The step's tokens when some sequence fed drafts: logits has one row per fed token
-        of those, one per sequence otherwise (engine/spec_verify.py)."""
+        of those, one per sequence otherwise (engine/spec_verify.py). `fed`: a shifted plan's
+        drafts, on the device."""
         drafts = [item.draft for item in sampling]
         simulated = None
         if self.acceptance is not None:
-            simulated = [self.acceptance.draw(len(d)) if d else 0 for d in drafts]
-        tokens, accepted, row_tokens = verify(logits, drafts, rows, self.sampler, simulated)
+            simulated = []
+            for item in sampling:
+                seq, n = item.seq, len(item.draft)
+                simulated.append(self.acceptance.draw(n, seq.seq_id, seq.num_verifications))
+                seq.num_verifications += n > 0
+        on_device = (None, None) if fed is None else (fed.padded, fed.counts)
+        tokens, accepted, row_tokens = verify(
+            logits, drafts, rows, self.sampler, simulated, *on_device
+        )
         # Each row's raw log-probabilities, of the token it gave (the rows past a sequence's
         # accepted ones are computed and dropped).
         per_seq = [len(d) + 1 for d in drafts]
@@ -270,21 +216,29 @@ class ModelRunner:
             and plan.num_tokens <= graphs.max_batch
         )
 
-    def _verify_with_graph(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    def _verify_with_graph(
+        self, plan: StepPlan, fed: FedAhead | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits of the sampling sequences' rows (each fed token of theirs), and every row's
         hidden state: a graph replay with a row per fed token, at its position, with its
-        sequence's block table."""
+        sequence's block table. `fed`: a shifted plan's ids and offsets, on the device."""
         ids, positions, tables, sample_rows = [], [], [], []
         for item in plan.scheduled:
             seq, n = item.seq, item.num_new_tokens
             if item.samples:
-                sample_rows.extend(range(len(ids), len(ids) + n))
-            ids.append(seq.token_ids[item.start])
-            ids.extend(item.draft)
+                sample_rows.extend(range(len(positions), len(positions) + n))
+            if fed is None:
+                ids.append(seq.token_ids[item.start])
+                ids.extend(item.draft)
             positions.extend(range(item.start, item.start + n))
             tables.extend([seq.block_ids] * n)
-        logits, _, hidden = self.executor.replay(True, ids, positions, tables)
-        if len(sample_rows) < len(ids):  # a one-token prompt chunk rode along
+        if fed is None:
+            logits, _, hidden = self.executor.replay(True, ids, positions, tables)
+        else:
+            logits, _, hidden = self.executor.replay(
+                True, None, positions, tables, fed_ids=fed.ids, offsets=fed.row_shift
+            )
+        if len(sample_rows) < len(positions):  # a one-token prompt chunk rode along
             logits = logits[to_device(sample_rows, self.device)]
         return logits, hidden
 
@@ -303,6 +257,38 @@ class ModelRunner:
         row = {seq_id: i for i, seq_id in enumerate(feed.seq_ids)}
         return feed.tokens[to_device([row[s] for s in seq_ids], self.device)]
 
+    def _fed_ahead(self, plan: StepPlan, feed: LaunchedStep, drafts: DraftsAhead) -> FedAhead:
+        """A shifted plan's inputs: each sequence feeds the token `feed` samples for it, then
+        its drafts made ahead, its rows moved by the drafts `feed` kept of it."""
+        index = {seq_id: i for i, seq_id in enumerate(feed.seq_ids)}
+        width = 1 + drafts.table.shape[1]
+        feed_rows, table_rows, flat, seq_of_row = [], [], [], []
+        for b, item in enumerate(plan.scheduled):
+            seq_id, n = item.seq.seq_id, len(item.draft)
+            assert n <= drafts.depths[seq_id], "a draft not made ahead"
+            feed_rows.append(index[seq_id])
+            table_rows.append(drafts.rows[seq_id])
+            flat.extend(range(b * width, b * width + 1 + n))
+            seq_of_row.extend([b] * (1 + n))
+        at_feed = to_device(feed_rows, self.device)
+        made = drafts.table[to_device(table_rows, self.device)]
+        shift = feed.verified.accepted[at_feed]
+        # The drafts verified: those the room left after what `feed` kept (Scheduler.resolve).
+        fed = to_device([len(item.draft) for item in plan.scheduled], self.device)
+        rooms = to_device([item.draft_room for item in plan.scheduled], self.device)
+        counts = torch.minimum(fed, rooms - shift).clamp(min=0)
+        columns = torch.arange(made.shape[1], device=self.device)
+        padded = torch.where(columns[None, :] < counts[:, None], made, -1)
+        # Rows past a sequence's drafts feed what was made there (a valid token; unread).
+        grid = torch.cat([feed.tokens[at_feed][:, None], made.clamp(min=0)], dim=1)
+        return FedAhead(
+            grid.flatten()[to_device(flat, self.device)],
+            shift[to_device(seq_of_row, self.device)],
+            shift,
+            padded,
+            counts,
+        )
+
     def _decode_with_graph(self, plan: StepPlan, fed: torch.Tensor | None) -> GraphStep:
         """Logits, greedy tokens and hidden states of every scheduled sequence, one row each."""
         seqs = [item.seq for item in plan.scheduled]
@@ -316,16 +302,17 @@ class ModelRunner:
         return self.executor.replay(False, input_ids, positions, tables)
 
     def _forward_eager(
-        self, plan: StepPlan, fed: torch.Tensor | None
+        self, plan: StepPlan, fed: torch.Tensor | None, shifts: list[int] | None = None
     ) -> tuple[torch.Tensor, list[int]]:
         """Hidden states of every fed token, and the rows whose logits are sampled: each
-        sampling sequence's last, and before it one per draft it fed."""
+        sampling sequence's last, and before it one per draft it fed. `shifts`: a shifted
+        plan's offsets, one an item."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         sample_rows: list[int] = []
-        for item in plan.scheduled:
-            seq, start, n = item.seq, item.start, item.num_new_tokens
+        for b, item in enumerate(plan.scheduled):
+            seq, start, n = item.seq, item.start + (shifts[b] if shifts else 0), item.num_new_tokens
             if fed is None:
                 input_ids.extend(seq.token_ids[start : start + n - len(item.draft)])
                 input_ids.extend(item.draft)

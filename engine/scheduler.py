@@ -75,6 +75,10 @@ class ScheduledSeq:
 class StepPlan:
     scheduled: tuple[ScheduledSeq, ...]
     preempted: tuple[Sequence, ...]
+    shifted: bool = False
+    """Planned ahead of a verification whose accepted drafts the host has not read: each
+    item starts where it would if none had been accepted (the device adds the count) and
+    feeds drafts made on the device (-1 here), until `Scheduler.resolve`."""
 
     @property
     def num_tokens(self) -> int:
@@ -196,7 +200,9 @@ class Scheduler:
             item.seq.num_computed += item.num_new_tokens
         return StepPlan(tuple(scheduled), tuple(preempted))
 
-    def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
+    def schedule_ahead(
+        self, plan: StepPlan, drafts: dict[str, int] | None = None
+    ) -> StepPlan | None:
         """The decode step after `plan`, a decode step whose sampled tokens are not known yet:
         every sequence of it feeds the token it samples there, except those that have finished
         since it was planned (their tokens there are thrown away) and those that stop on their
@@ -204,13 +210,21 @@ class Scheduler:
         cannot be planned without the tokens: something waits to be admitted, one samples with
         penalties (they count the tokens generated so far, that one included) or under a
         grammar (its mask follows from that token), none goes on, or a block is needed and
-        none is free (a normal `schedule` preempts)."""
+        none is free (a normal `schedule` preempts). Speculating, a sequence that could draft
+        is not planned ahead without its drafts; with `drafts` (seq_id -> how many were made
+        on the device for each sequence of a `plan` that fed drafts) see `_verify_ahead`."""
         live = [item.seq for item in plan.scheduled if not item.seq.finished]
         if (
             self.waiting
-            or not all(item.samples and item.num_new_tokens == 1 for item in plan.scheduled)
+            or not all(item.samples for item in plan.scheduled)
             or live != self.running
-            or any(seq.sampling.penalized or seq.grammar is not None for seq in live)
+            or any(not seq.speculates for seq in live)
+        ):
+            return None
+        if drafts is not None:
+            return self._verify_ahead(plan, drafts)
+        if not all(item.num_new_tokens == 1 for item in plan.scheduled) or (
+            self.config.num_speculative_tokens and live
         ):
             return None
         # After the pending token: generated = num_output_tokens + 1, and likewise length.
@@ -228,6 +242,65 @@ class Scheduler:
         ahead = StepPlan(scheduled, ())
         self._ahead.append((ahead, []))
         return ahead
+
+    def _verify_ahead(self, plan: StepPlan, drafts: dict[str, int]) -> StepPlan | None:
+        """The verification after `plan`, whose accepted counts are not known: each sequence
+        feeds its token and drafts[seq_id] drafts from where it would start if none of its
+        drafts in `plan` were accepted (StepPlan.shifted). Its blocks hold the furthest that
+        can be (every draft accepted, then the proposer's lookahead). None unless every
+        sequence fed drafts and would have room for one of these however many it keeps, and
+        the step fits the token budget. Each feeds as many as it has room for if it keeps
+        none (`draft_room`); the device verifies those the kept ones leave room for."""
+        k = self.config.num_speculative_tokens
+        if any(not item.draft or item.seq.seq_id not in drafts for item in plan.scheduled):
+            return None
+        live = [item for item in plan.scheduled if not item.seq.finished]
+        sizes, rooms = [], []
+        for item in live:
+            seq, most = item.seq, 1 + len(item.draft)  # tokens plan may add
+            model_room = seq.max_model_len - seq.num_tokens
+            # Drafts after plan's token if it keeps none of its drafts (_draft_room then).
+            rooms.append(min(model_room, seq.stop.max_tokens - seq.num_output_tokens) - 2)
+            # Their positions stay within max_model_len whatever it keeps.
+            sizes.append(min(drafts[seq.seq_id], k, rooms[-1], model_room - most - 1))
+            if sizes[-1] < 1:
+                return None
+        if not live or sum(1 + n for n in sizes) > self.config.max_num_batched_tokens:
+            return None
+        lookahead = self.config.draft_lookahead
+        for item, n in zip(live, sizes, strict=True):
+            end = item.seq.num_computed + k + 1 + n + lookahead
+            if not self._grow(item.seq, min(end, item.seq.max_model_len)):
+                return None
+        scheduled = tuple(
+            ScheduledSeq(i.seq, i.seq.num_computed, 1 + n, True, room, (-1,) * n)
+            for i, n, room in zip(live, sizes, rooms, strict=True)
+        )
+        for item in live:
+            item.seq.num_computed += 1
+        ahead = StepPlan(scheduled, (), shifted=True)
+        self._ahead.append((ahead, []))
+        return ahead
+
+    def resolve(
+        self, plan: StepPlan, accepted: dict[str, int], drafts: dict[str, list[int]]
+    ) -> StepPlan:
+        """A shifted plan once the step before it is updated: each item moved by the drafts
+        its sequence kept there (`accepted`), with the drafts it feeds (`drafts`, as made on
+        the device) that are verified: those its room left (fewer than its rows feed when it
+        kept more than none). The plan returned replaces `plan` from then on."""
+        items = []
+        for item in plan.scheduled:
+            kept = accepted[item.seq.seq_id]
+            verified = max(0, min(len(item.draft), item.draft_room - kept))
+            draft = tuple(drafts[item.seq.seq_id][:verified])
+            items.append(replace(item, start=item.start + kept, draft=draft))
+        items = tuple(items)
+        resolved = StepPlan(items, plan.preempted)
+        for i, (ahead, held) in enumerate(self._ahead):
+            if ahead is plan:
+                self._ahead[i] = (resolved, held)
+        return resolved
 
     @property
     def ahead_is_idle(self) -> bool:

@@ -116,6 +116,9 @@ class Sequence:
         """Draft tokens proposed for it so far (speculative decoding)."""
         self.num_accepted_tokens = 0
         """Of those, the ones the target accepted."""
+        self.num_verifications = 0
+        """Steps launched that verified drafts of it (a simulated acceptance curve draws each
+        from its own stream: engine/spec_acceptance.py)."""
         self.acceptance_histogram: list[int] | None = None
         """Speculative decoding: [j] = its verify steps that accepted exactly j drafts (length
         num_speculative_tokens + 1; vLLM's per-request acceptance_histogram)."""

@@ -33,6 +33,8 @@ def verify(
     rows: Sequence[SamplingRow],
     sampler: Sampler,
     simulated: Sequence[int] | None = None,
+    padded: torch.Tensor | None = None,
+    verified: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B], accepted [B], row_tokens [sum(n_b + 1)]), int64 on logits' device: each
     sequence's own token, its number of accepted drafts, and the token each row's logits
@@ -40,14 +42,17 @@ def verify(
     repeat that token, and nothing reads them). logits [sum(n_b + 1), vocab] float32.
     `simulated`: accepted counts drawn by an acceptance curve (benchmarks), used instead of the
     comparison, clipped at each sequence's drafts; the target's token is then drawn from row
-    r_a unchanged."""
+    r_a unchanged. `padded` [B, width >= max n_b]: the drafts, on the device already (-1 past
+    each sequence's), where `drafts` holds placeholders of their lengths; `verified` [B]: how
+    many of each are verified, on the device (<= n_b: its rows past those are ignored)."""
     device = logits.device
     counts = [len(d) for d in drafts]
     width = max(counts)
     assert width >= 1, "verify() of a step without drafts"
     starts = to_device(_starts(counts), device)
-    count_t = to_device(counts, device)
-    padded = to_device([list(d) + [-1] * (width - len(d)) for d in drafts], device)
+    count_t = to_device(counts, device) if verified is None else verified
+    if padded is None:
+        padded = to_device([list(d) + [-1] * (width - len(d)) for d in drafts], device)
     if simulated is not None:
         accepted = torch.minimum(to_device(list(simulated), device), count_t)
         excluded = None
@@ -58,7 +63,8 @@ def verify(
         excluded = torch.where(accepted < count_t, at, -1)
     final_logits = logits[starts + accepted]
     tokens = sampler(final_logits, rows, excluded)
-    seq_of_row = torch.repeat_interleave(torch.arange(len(counts), device=device), count_t + 1)
+    # From the host's counts: repeating by a device tensor would wait for the device.
+    seq_of_row = to_device([b for b, n in enumerate(counts) for _ in range(n + 1)], device)
     offset = torch.arange(len(seq_of_row), device=device) - starts[seq_of_row]
     drafted = padded[seq_of_row, offset.clamp(max=width - 1)]
     row_tokens = torch.where(offset < accepted[seq_of_row], drafted, tokens[seq_of_row])

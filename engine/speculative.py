@@ -31,11 +31,15 @@ import torch
 
 from engine.host_values import to_device
 from engine.kv_cache import KVCache
+from engine.scheduler import StepPlan
 from engine.sequence import Sequence
 
 METHODS = ("ngram", "draft_model", "mtp", "eagle3")
 WITH_MODEL = ("draft_model", "eagle3")
 """Methods whose proposer is a model of its own (speculative_config.model)."""
+DRAFTS_AHEAD = ("mtp", "eagle3")
+"""Methods whose proposer drafts a step's successor from its results on the device
+(HiddenStateProposer.draft_ahead), so that steps may be planned ahead (async scheduling)."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,19 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     """[j]: proposals whose draft j was accepted."""
+
+    def record_step(self, plan: StepPlan, accepted: dict[str, int], depth: int) -> None:
+        """Counts a read step's verifications, here and in each sequence's counters (`depth`:
+        num_speculative_tokens, its acceptance histogram's last index)."""
+        for item in plan.scheduled:
+            if item.draft:
+                seq, kept = item.seq, accepted[item.seq.seq_id]
+                seq.num_draft_tokens += len(item.draft)
+                seq.num_accepted_tokens += kept
+                if seq.acceptance_histogram is None:
+                    seq.acceptance_histogram = [0] * (depth + 1)
+                seq.acceptance_histogram[kept] += 1
+                self.record(len(item.draft), kept)
 
     def record(self, num_drafts: int, accepted: int) -> None:
         self.num_drafts += 1

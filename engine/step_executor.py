@@ -76,10 +76,11 @@ class StepExecutor:
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         fed_ids: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
     ) -> GraphStep:
         """A replay of the decode graphs (`verify`: the verification graphs), DecodeGraphs.run."""
         graphs = self.verify_graphs if verify else self.graphs
-        return graphs.run(input_ids, positions, block_tables, fed_ids=fed_ids)
+        return graphs.run(input_ids, positions, block_tables, fed_ids=fed_ids, offsets=offsets)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         self.kv_cache.copy_blocks(src, dst)

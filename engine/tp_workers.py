@@ -231,7 +231,11 @@ class LeaderExecutor(StepExecutor):
         self._workers.send("logits", (list(rows),))
         return super().logits(rows)
 
-    def replay(self, verify, input_ids, positions, block_tables, fed_ids=None) -> GraphStep:
+    def replay(
+        self, verify, input_ids, positions, block_tables, fed_ids=None, offsets=None
+    ) -> GraphStep:
+        # The engine plans no shifted verification under tensor parallelism (LLMEngine.build).
+        assert offsets is None, "offsets on the device: one device only"
         ids = None if input_ids is None else list(input_ids)
         args = (verify, ids, list(positions), [list(t) for t in block_tables])
         if fed_ids is not None:  # a step planned ahead: the ids on the device

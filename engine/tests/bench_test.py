@@ -69,6 +69,8 @@ def test_variant_labels_and_json_values():
     )
     assert label == "ngram" and config.seed == 3
     assert config.speculative_config.num_speculative_tokens == 2
+    _, config = bench.variant_config(base, "sync:async_scheduling=false")  # a bool | None
+    assert config.async_scheduling is False
     with pytest.raises(ValueError, match="'colour' is not an EngineConfig field"):
         bench.variant_config(base, "x:colour=red")
 

@@ -16,8 +16,7 @@ def test_step_inputs_lay_out_rows_and_pad_the_rest():
     """The byte layout of the step's copy: what the host writes is what the device views
     read, after one copy of the whole buffer (as each replay does)."""
     inputs = StepInputs(bucket=4, max_blocks=3, padding_block=9, block_size=16, device="cpu")
-    first = inputs.write([101, 102], [16, 5], [[3, 7], [4]])
-    inputs.device.copy_(first)
+    inputs.upload([101, 102], [16, 5], [[3, 7], [4]])
     assert inputs.input_ids.tolist() == [101, 102, 0, 0]
     assert inputs.positions.tolist() == [16, 5, 0, 0]
     assert inputs.slots.tolist() == [7 * 16 + 0, 4 * 16 + 5, 9 * 16, 9 * 16]
@@ -25,24 +24,21 @@ def test_step_inputs_lay_out_rows_and_pad_the_rest():
     assert inputs.block_tables[:, 0].tolist() == [3, 4, 9, 9]
     assert inputs.block_tables[0, :2].tolist() == [3, 7]
     # A smaller batch later: the rows it no longer uses point at the padding block again.
-    second = inputs.write([5], [0], [[2]])
-    assert second.data_ptr() != first.data_ptr()
-    before = first.clone()
-    inputs.device.copy_(second)
+    inputs.upload([5], [0], [[2]])
     assert inputs.slots.tolist() == [2 * 16, 9 * 16, 9 * 16, 9 * 16]
     assert inputs.seq_lens.tolist() == [1, 1, 1, 1]
     assert inputs.block_tables[:, 0].tolist() == [2, 9, 9, 9]
-    # The third write reuses the first buffer, again padding the second row it once held.
-    inputs.device.copy_(inputs.write([6], [1], [[2]]))
-    assert torch.equal(first, inputs.device) and not torch.equal(first, before)
+    # The host buffers are used in turn: this one held the first batch's two rows.
+    inputs.upload([6], [1], [[2]])
     assert inputs.slots.tolist() == [2 * 16 + 1, 9 * 16, 9 * 16, 9 * 16]
+    assert inputs.block_tables[:, 0].tolist() == [2, 9, 9, 9]
 
 
 def test_step_inputs_leave_input_ids_to_the_device_when_fed():
     """A step planned ahead gets its input ids on the device (the step before's tokens): the
     host writes everything else."""
     inputs = StepInputs(bucket=2, max_blocks=2, padding_block=9, block_size=16, device="cpu")
-    inputs.device.copy_(inputs.write(None, [3, 20], [[1], [2, 5]]))
+    inputs.upload(None, [3, 20], [[1], [2, 5]])
     assert inputs.positions.tolist() == [3, 20]
     assert inputs.slots.tolist() == [1 * 16 + 3, 5 * 16 + 4]
     assert inputs.seq_lens.tolist() == [4, 21]
@@ -54,10 +50,10 @@ def test_step_inputs_shifted_on_the_device_equal_those_written_at_the_shifted_po
     would have written at those positions, across block boundaries; other rows untouched."""
     tables = [[3, 7, 8], [4, 6, 2], [5]]
     inputs = StepInputs(bucket=4, max_blocks=3, padding_block=9, block_size=16, device="cpu")
-    inputs.device.copy_(inputs.write([1, 2, 3], [14, 30, 2], tables))
+    inputs.upload([1, 2, 3], [14, 30, 2], tables)
     inputs.shift(2, torch.tensor([3, 0]))
     shifted = (inputs.positions.clone(), inputs.slots.clone(), inputs.seq_lens.clone())
-    inputs.device.copy_(inputs.write([1, 2, 3], [17, 30, 2], tables))
+    inputs.upload([1, 2, 3], [17, 30, 2], tables)
     assert [t.tolist() for t in shifted] == [
         inputs.positions.tolist(),
         inputs.slots.tolist(),

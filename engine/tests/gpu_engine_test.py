@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from engine.cuda_graphs import MAX_HOST_BUFFERS, StepInputs
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import StopConditions
@@ -204,46 +205,70 @@ def test_speculative_decoding_in_graphs_equals_the_cpu_path(spec, model):
 
 
 @pytest.mark.parametrize(("spec", "model"), SPECULATIVE[2:], ids=["mtp", "eagle3"])
-def test_drafts_made_ahead_in_graphs_equal_drafts_made_after_the_results_are_read(spec, model):
+def test_drafts_and_verifications_made_ahead_in_graphs_equal_those_made_after_reading(spec, model):
     """MTP layers and EAGLE-3 heads draft each step's successor in their CUDA graphs as soon as
     the step is launched, the rows past the accepted drafts shifted on the device: every
-    proposal equals the one made after the host has read the step. Drafts are accepted as a
-    curve draws (0 to 3 a step), so every shift occurs."""
+    proposal equals the one made after the host has read the step. With async scheduling the
+    next verification is launched on those drafts too, its inputs shifted on the device:
+    output and acceptance unchanged. Drafts are accepted as a curve draws (0 to 3 a step), so
+    every shift occurs."""
     config = SpeculativeConfig.from_json(
         json.dumps({**spec, "acceptance_curve": "mean-2.5-depth-3"})
     )
     stops = [StopConditions(max_tokens=40, ignore_eos=True) for _ in PROMPTS]
     runs, weights = [], None
-    for ahead in (False, True):
+    for mode in ("after", "drafts ahead", "verifications ahead"):
         engine = LLMEngine.build(
             EngineConfig(
                 model=model, dtype="float32", block_size=16, kv_cache_gb=0.05, device="cuda",
                 speculative_config=config, benchmark_mode=True,
+                async_scheduling=mode == "verifications ahead",
             )
         )  # fmt: skip
         modules = [engine.runner.model, *engine.proposer.layers]
         params = [p for m in modules for p in m.parameters()]
-        with torch.no_grad():  # the same weights in both (in place: the graphs point at them)
+        with torch.no_grad():  # the same weights in all (in place: the graphs point at them)
             for dst, src in zip(params, weights or params, strict=True):
                 dst.copy_(src)
         weights = params
-        proposer, proposals, launched = engine.proposer, [], [0]
-        propose, draft_ahead = proposer.propose, proposer.draft_ahead
+        proposer, runner, proposals, counts = engine.proposer, engine.runner, [], [0, 0]
+        propose, draft_ahead, launch = proposer.propose, proposer.draft_ahead, runner.launch
 
         def spy(seqs, rooms, propose=propose, proposals=proposals):
             drafts = propose(seqs, rooms)
             proposals.append({s.seq_id: d for s, d in zip(seqs, drafts, strict=True)})
             return drafts
 
-        def counted(step, draft_ahead=draft_ahead, launched=launched, p=proposer, on=ahead):
+        def counted(step, draft_ahead=draft_ahead, counts=counts, p=proposer, on=mode != "after"):
             if on:
                 draft_ahead(step)
-                launched[0] += p._ahead is not None
+                counts[0] += p.ahead_of(step) is not None
 
-        proposer.propose, proposer.draft_ahead = spy, counted
+        def launched(plan, *args, launch=launch, counts=counts, **kwargs):
+            counts[1] += plan.shifted
+            return launch(plan, *args, **kwargs)
+
+        proposer.propose, proposer.draft_ahead, runner.launch = spy, counted, launched
         outputs, _, _ = _decode(engine, stops)
-        runs.append((outputs, proposals, launched[0], engine.spec_stats))
-    (outputs, proposals, _, stats), (ahead_outputs, ahead_proposals, launched, ahead_stats) = runs
+        runs.append((outputs, proposals, counts, engine.spec_stats))
+    (outputs, proposals, _, stats), (ahead_outputs, ahead_proposals, counts, ahead_stats) = runs[:2]
     assert ahead_proposals == proposals
     assert ahead_outputs == outputs and ahead_stats == stats
-    assert launched >= 5 and any(stats.accepted_per_position[1:])
+    assert counts[0] >= 5 and any(stats.accepted_per_position[1:])
+    verified_outputs, _, counts, verified_stats = runs[2]
+    assert verified_outputs == outputs and verified_stats == stats
+    assert counts[1] >= 5
+
+
+def test_step_inputs_uploaded_while_the_device_lags_each_land_as_written():
+    """Uploads queued behind a long kernel (the host steps ahead of the device, as when a
+    proposer drafts ahead): each copy carries its own step's inputs, none overwritten in its
+    host buffer before the copy ran, past the most buffers kept too (the host then waits)."""
+    inputs = StepInputs(bucket=2, max_blocks=2, padding_block=9, block_size=16, device="cuda")
+    seen = []
+    torch.cuda._sleep(200_000_000)  # tens of milliseconds: the copies queue behind it
+    for step in range(MAX_HOST_BUFFERS + 3):
+        inputs.upload([step, step + 100], [step, step + 1], [[1], [2]])
+        seen.append(inputs.input_ids.clone())
+    torch.cuda.synchronize()
+    assert [s.tolist() for s in seen] == [[i, i + 100] for i in range(MAX_HOST_BUFFERS + 3)]

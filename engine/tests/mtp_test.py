@@ -33,9 +33,9 @@ def _engine(**overrides) -> LLMEngine:
     return LLMEngine.build(EngineConfig(**{**config, **overrides}))
 
 
-def _run(engine: LLMEngine) -> list[list[int]]:
+def _run(engine: LLMEngine, max_tokens: int = 20) -> list[list[int]]:
     seqs = [
-        engine.add_request(f"r{i}", p, SamplingParams(), StopConditions(max_tokens=20 - 2 * i))
+        engine.add_request(f"r{i}", p, SamplingParams(), StopConditions(max_tokens - 2 * i))
         for i, p in enumerate(PROMPTS)
     ]
     while engine.has_unfinished:
@@ -120,7 +120,7 @@ def test_drafts_made_ahead_equal_drafts_made_after_the_results_are_read():
 
         def count(step, draft_ahead=draft_ahead, launched=launched, proposer=engine.proposer):
             draft_ahead(step)
-            launched[0] += proposer._ahead is not None
+            launched[0] += proposer.ahead_of(step) is not None
 
         engine.proposer.draft_ahead = count
         runs[ahead] = (_run(engine), proposals, launched[0], engine.spec_stats)
@@ -133,6 +133,36 @@ def test_drafts_made_ahead_equal_drafts_made_after_the_results_are_read():
     assert launched >= 5  # the steps after the last prompt's prefill (none rides along)
     assert ahead_stats == stats
     assert any(stats.accepted_per_position)  # drafts were accepted: offsets past 0
+
+
+@pytest.mark.parametrize("curve", [None, "mean-2.5-depth-3"])
+def test_verifications_planned_ahead_equal_those_planned_after_the_results_are_read(curve):
+    """With async scheduling each verification is followed by the next one, launched before
+    the host reads it: fed the drafts made on the device, at positions moved there by the
+    drafts it accepted (StepPlan.shifted). Output and acceptance equal the engine's that reads
+    each step first (greedy: the output without speculation), in a cache small enough to
+    preempt; the pool all free after."""
+    spec = dataclasses.replace(MTP, acceptance_curve=curve)
+    config = dict(speculative_config=spec, benchmark_mode=curve is not None)
+    config.update(max_num_batched_tokens=16, max_num_seqs=4)
+    runs = []
+    for async_scheduling in (False, True):
+        engine = _engine(**config, async_scheduling=async_scheduling)
+        launch, shifted = engine.runner.launch, []
+
+        def counted(plan, *args, launch=launch, shifted=shifted, **kwargs):
+            shifted.append(plan.shifted)
+            return launch(plan, *args, **kwargs)
+
+        engine.runner.launch = counted
+        runs.append((_run(engine, max_tokens=40), engine.spec_stats, sum(shifted)))
+    (outputs, stats, none), (ahead_outputs, ahead_stats, ahead) = runs
+    assert ahead_outputs == outputs and ahead_stats == stats
+    assert none == 0 and ahead >= 10
+    if curve is None:
+        assert outputs == _run(_engine(), max_tokens=40)
+    else:
+        assert any(stats.accepted_per_position)  # every shift occurs
 
 
 def _one_pass_draft(engine: LLMEngine, tokens: list[int]) -> int:

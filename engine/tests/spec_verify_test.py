@@ -128,6 +128,10 @@ def test_acceptance_curves_are_checked_and_drawn_at_their_mean():
         AcceptanceCurve.load("mean-2.5-depth-3", 4)
     curve = AcceptanceCurve.load("mean-2.5-depth-3", 3, seed=1)
     assert curve.mean_length == pytest.approx(2.52)
-    draws = [curve.draw(3) for _ in range(20_000)]
+    draws = [curve.draw(3, f"s{i % 7}", i // 7) for i in range(20_000)]
     assert 1 + sum(draws) / len(draws) == pytest.approx(curve.mean_length, abs=0.03)
-    assert max(curve.draw(1) for _ in range(100)) == 1  # clipped at the drafts fed
+    assert max(curve.draw(1, "s", i) for i in range(100)) == 1  # clipped at the drafts fed
+    # A sequence's draws are its own: a draw clipped later equals the draw made at that depth.
+    assert all(
+        min(curve.draw(3, "s", i), m) == curve.draw(m, "s", i) for i in range(200) for m in (1, 2)
+    )
