@@ -9,7 +9,9 @@ cache's padding block.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -139,6 +141,20 @@ class StepInputs:
         self.slots[:n] = blocks[:, 0] * self._block_size + positions % self._block_size
 
 
+@contextmanager
+def _no_collection():
+    """Python's garbage collector off: a collection during a capture that frees an earlier
+    engine's graphs or events (a test building several) calls what a capture forbids, and
+    the capture fails."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class _HostBuffer(NamedTuple):
     tensor: torch.Tensor
     views: tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -260,7 +276,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             # lm_head inside the graph: one replay per step, no GEMM and cast launched apart.
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool), _no_collection():
                 self._hidden[bucket], self._logits[bucket] = self._hidden_and_logits(*args)
                 self._greedy[bucket] = greedy_tokens(self._logits[bucket])
             self._graphs[bucket] = graph
