@@ -40,6 +40,8 @@ class LaunchedStep:
         rows_per_seq: list[int] | None = None,
     ) -> None:
         self.plan = plan
+        """What the step runs; a shifted plan is replaced by its resolved one (Scheduler.resolve)
+        once the host has read the step before."""
         self.tokens = tokens
         """The sampled token of each sampling sequence, in plan order, on the device."""
         self._accepted = accepted
