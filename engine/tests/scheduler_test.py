@@ -427,3 +427,51 @@ def test_a_drafting_step_holds_blocks_for_the_drafts_made_ahead(max_model_len, r
     assert len(seq.block_ids) == blocks  # 4 + 1 + room (+ 2, within the length) tokens
     sched.abort("a")
     _assert_empty(sched)
+
+
+def test_a_verification_planned_ahead_starts_where_none_were_accepted_then_resolves():
+    """A verification planned before the one before it is read (StepPlan.shifted): each
+    sequence starts where it would if that step kept none of its drafts, feeds the drafts made
+    ahead (as many as its room allows then), and its blocks hold the furthest it can reach
+    (every draft kept, then the lookahead). Once that step is read, `resolve` moves it by the
+    drafts kept and keeps the drafts its room then leaves, as a plan made then would have."""
+    config = SchedulerConfig(4, 8, 32, num_speculative_tokens=3, draft_lookahead=2)
+    sched = Scheduler(config, BlockPool(32))
+    a, b = _seq("a", 4, max_tokens=20), _seq("b", 4, max_tokens=7)
+    sched.add(a)
+    sched.add(b)
+    sched.update(sched.schedule(), {"a": 7, "b": 7})
+    plan = sched.schedule().with_drafts({"a": [3, 4, 5], "b": [3, 4, 5]})
+    assert sched.schedule_ahead(plan) is None  # they could draft: not without their drafts
+    ahead = sched.schedule_ahead(plan, {"a": 3, "b": 3})
+    assert ahead.shifted
+    assert [(i.start, i.num_new_tokens, i.draft_room, i.draft) for i in ahead.scheduled] == [
+        (5, 4, 17, (-1, -1, -1)),  # room: 20 - 1 output tokens - 2
+        (5, 4, 4, (-1, -1, -1)),  # room: 7 - 1 - 2
+    ]
+    assert len(a.block_ids) == len(b.block_ids) == 4  # 5 + 3 kept + 1 + 3 fed + 2 ahead
+    sched.update(plan, {"a": 8, "b": 8}, {"a": 3, "b": 2})
+    resolved = sched.resolve(ahead, {"a": 3, "b": 2}, {"a": [6, 9, 10], "b": [6, 9, 10]})
+    # b holds 4 of its 7 tokens now: room for 2 drafts before its last, as a plan made now.
+    assert [(i.start, i.draft) for i in resolved.scheduled] == [(8, (6, 9, 10)), (7, (6, 9))]
+    finished = sched.update(resolved, {"a": 11, "b": 11}, {"a": 0, "b": 2})
+    assert finished == [b] and b.output_ids == [7, 3, 4, 8, 6, 9, 11]  # its 7 tokens
+    sched.abort("a")
+    _assert_empty(sched)
+
+
+def test_no_verification_planned_ahead_where_its_drafts_could_pass_the_context():
+    config = SchedulerConfig(4, 8, 32, num_speculative_tokens=3, draft_lookahead=2)
+    sched = Scheduler(config, BlockPool(32))
+    seq = _seq("a", 4, max_tokens=20)
+    seq.max_model_len = 10
+    sched.add(seq)
+    sched.update(sched.schedule(), {"a": 7})
+    plan = sched.schedule().with_drafts({"a": [3, 4, 5]})
+    computed, blocks = seq.num_computed, list(seq.block_ids)
+    # 5 tokens, up to 4 more from `plan`: a draft after them could sit at position 10.
+    assert sched.schedule_ahead(plan, {"a": 3}) is None
+    assert (seq.num_computed, seq.block_ids) == (computed, blocks)
+    sched.update(plan, {"a": 8}, {"a": 0})
+    sched.abort("a")
+    _assert_empty(sched)
