@@ -28,9 +28,9 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.host_values import to_device
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.scheduler import ScheduledSeq, StepPlan
 from engine.sequence import Sequence
 from engine.speculative import chain_drafts, draft_table
+from engine.step_plan import ScheduledSeq, StepPlan
 
 if TYPE_CHECKING:
     from engine.launched_step import LaunchedStep

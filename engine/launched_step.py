@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from engine.sampling import LogprobTensors, TokenLogprobs, to_pinned
-from engine.scheduler import StepPlan
+from engine.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from engine.hidden_proposer import DraftsAhead

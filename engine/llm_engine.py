@@ -32,11 +32,12 @@ from engine.model_loader import Backend
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import PrefixCache
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
-from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, StopConditions
 from engine.spec_build import acceptance_curve, build_proposer, proposer_cache_config
 from engine.speculative import Proposer, SpecStats
 from engine.step_executor import StepExecutor
+from engine.step_plan import StepPlan
 from engine.tp_workers import AgentFactory, TpWorkers
 
 

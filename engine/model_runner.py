@@ -25,10 +25,10 @@ from engine.kv_cache import KVCache
 from engine.launched_step import LaunchedStep, Verified
 from engine.model import CausalLM
 from engine.sampling import Sampler, SamplingRow, compute_logprobs
-from engine.scheduler import ScheduledSeq, StepPlan
 from engine.spec_acceptance import AcceptanceCurve
 from engine.spec_verify import verify
 from engine.step_executor import StepExecutor
+from engine.step_plan import ScheduledSeq, StepPlan
 
 if TYPE_CHECKING:
     from engine.hidden_proposer import DraftsAhead

@@ -31,8 +31,8 @@ import torch
 
 from engine.host_values import to_device
 from engine.kv_cache import KVCache
-from engine.scheduler import StepPlan
 from engine.sequence import Sequence
+from engine.step_plan import StepPlan
 
 METHODS = ("ngram", "draft_model", "mtp", "eagle3")
 WITH_MODEL = ("draft_model", "eagle3")

@@ -27,8 +27,8 @@ from engine.engine_thread import EngineThread
 from engine.grammar import Grammar
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams, TokenLogprobs
-from engine.scheduler import StepPlan
 from engine.sequence import Sequence, StopConditions
+from engine.step_plan import StepPlan
 from engine.tp_workers import TpWorkers
 from prefill.kv_sender import KvSender
 from prefill.publisher import KvPublisher, LayerwiseSend

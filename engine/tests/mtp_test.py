@@ -18,9 +18,9 @@ from engine.config import ModelConfig
 from engine.hidden_proposer import drafting_rows
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSeq, StepPlan
 from engine.sequence import Sequence, StopConditions
 from engine.speculative import SpeculativeConfig
+from engine.step_plan import ScheduledSeq, StepPlan
 from engine.tests.tiny_hf import add_mtp_layer, hf_deepseek
 
 MTP = SpeculativeConfig("mtp", 3)

@@ -4,8 +4,9 @@ import pytest
 
 from engine.kv_cache import BlockPool
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus, StopConditions
+from engine.step_plan import StepPlan
 
 EOS = 2
 
