@@ -117,8 +117,8 @@ class Sequence:
         self.num_accepted_tokens = 0
         """Of those, the ones the target accepted."""
         self.num_verifications = 0
-        """Steps launched that verified drafts of it (a simulated acceptance curve draws each
-        from its own stream: engine/spec_acceptance.py)."""
+        """Steps launched that verified drafts of it, counted where a simulated acceptance curve
+        decides them (each its own draw: engine/spec_acceptance.py)."""
         self.acceptance_histogram: list[int] | None = None
         """Speculative decoding: [j] = its verify steps that accepted exactly j drafts (length
         num_speculative_tokens + 1; vLLM's per-request acceptance_histogram)."""
