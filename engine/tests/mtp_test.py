@@ -165,6 +165,37 @@ def test_verifications_planned_ahead_equal_those_planned_after_the_results_are_r
         assert any(stats.accepted_per_position)  # every shift occurs
 
 
+def test_an_abort_under_a_verification_planned_ahead_leaves_the_rest_and_the_pool_whole():
+    """A sequence aborted while a verification planned ahead with it is in flight: its blocks
+    come back once that step is read, the others' output is what it is without the abort
+    (each sequence's acceptance its own), and the aborted one's a prefix of its own."""
+    spec = dataclasses.replace(MTP, acceptance_curve="mean-2.5-depth-3")
+    config = dict(speculative_config=spec, benchmark_mode=True, max_num_batched_tokens=16)
+    expected = _run(_engine(**config, max_num_seqs=4), max_tokens=40)
+    engine = _engine(**config, max_num_seqs=4, async_scheduling=True)
+    launch, shifted = engine.runner.launch, []
+
+    def counted(plan, *args, **kwargs):
+        shifted.append(plan.shifted and any(i.seq.seq_id == "r1" for i in plan.scheduled))
+        return launch(plan, *args, **kwargs)
+
+    engine.runner.launch = counted
+    seqs = [
+        engine.add_request(f"r{i}", p, SamplingParams(), StopConditions(40 - 2 * i))
+        for i, p in enumerate(PROMPTS)
+    ]
+    aborted = False
+    while engine.has_unfinished:
+        engine.step()
+        if not aborted and shifted[-1]:
+            aborted = engine.abort("r1")
+    assert aborted
+    assert engine.pool.num_free == engine.pool.num_total
+    outputs = [s.output_ids for s in seqs]
+    assert outputs[:1] + outputs[2:] == expected[:1] + expected[2:]
+    assert outputs[1] == expected[1][: len(outputs[1])] and len(outputs[1]) < len(expected[1])
+
+
 def _one_pass_draft(engine: LLMEngine, tokens: list[int]) -> int:
     """The MTP layer's greedy token after `tokens`, from scratch, in blocks no one uses."""
     n = len(tokens)
