@@ -279,7 +279,7 @@ class ModelRunner:
         counts = torch.minimum(fed, rooms - shift).clamp(min=0)
         columns = torch.arange(made.shape[1], device=self.device)
         padded = torch.where(columns[None, :] < counts[:, None], made, -1)
-        # Rows past a sequence's drafts feed what was made there (a valid token; unread).
+        # Rows past the drafts verified feed the drafts made there: valid tokens, never read.
         grid = torch.cat([feed.tokens[at_feed][:, None], made.clamp(min=0)], dim=1)
         return FedAhead(
             grid.flatten()[to_device(flat, self.device)],

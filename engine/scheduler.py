@@ -15,7 +15,9 @@ forward, `update` feeds back the sampled tokens and frees finished sequences' bl
 `schedule_ahead` plans the decode step after a decode step whose tokens are not known yet (async
 scheduling: the engine launches it before it reads them). A sequence that finishes on one of
 those tokens (or is aborted) keeps its blocks until the last step planned ahead with it, which
-still writes its KV, has been updated; the steps planned after leave it out.
+still writes its KV, has been updated; the steps planned after leave it out. After a step that
+verifies drafts, the next one is planned so too, from drafts made on the device, its positions
+moved there by what that step accepts (`StepPlan.shifted`, made true by `resolve`).
 """
 
 from __future__ import annotations
