@@ -154,7 +154,6 @@ class HiddenStateProposer:
             return
         items = [item for item, _, _, _ in chosen]
         positions, tables, hidden_rows, verify_rows, firsts, active = [], [], [], [], [], []
-        sampling = to_device([i for _, _, _, i in chosen], self.device)
         furthest = self.depth if step.plan.shifted else 0  # the most step.shift can add
         for item, hidden_row, verify_row, _ in chosen:
             seq, fed = item.seq, item.num_new_tokens
@@ -171,10 +170,11 @@ class HiddenStateProposer:
         if len(verify_rows) < len(ids) or len(hidden_rows) < len(hidden):  # some not drafting
             ids = ids[to_device(verify_rows, self.device)]
             hidden = hidden[to_device(hidden_rows, self.device)]
-        accepted = verified.accepted
-        shift = None if step.shift is None else step.shift[sampling]
-        if len(chosen) < len(accepted):
+        accepted, shift = verified.accepted, step.shift
+        if len(chosen) < len(accepted):  # some sampling sequences not drafting
+            sampling = to_device([i for _, _, _, i in chosen], self.device)
             accepted = accepted[sampling]
+            shift = None if shift is None else shift[sampling]
         row_shift = None
         if shift is not None:
             seq_of_row = [b for b, item in enumerate(items) for _ in range(item.num_new_tokens)]

@@ -35,7 +35,7 @@ from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, StopConditions
 from engine.spec_build import acceptance_curve, build_proposer, proposer_cache_config
-from engine.speculative import Proposer, SpecStats
+from engine.speculative import DRAFTS_AHEAD, Proposer, SpecStats
 from engine.step_executor import StepExecutor
 from engine.step_plan import StepPlan
 from engine.tp_workers import AgentFactory, TpWorkers
@@ -140,6 +140,9 @@ class LLMEngine:
         if config.enable_prefix_caching:
             with_proposer = proposer_cache_config(config) is not None
             prefix_cache = PrefixCache(pool, config.block_size, with_proposer)
+        # EngineConfig allows async scheduling by method; the proposer built is what acts.
+        method = None if config.speculative_config is None else config.speculative_config.method
+        assert hasattr(proposer, "draft_ahead") == (method in DRAFTS_AHEAD), method
         # Verifications are planned ahead from drafts made on the device (one device only).
         verifies_ahead = hasattr(proposer, "ahead_of") and workers is None
         async_scheduling = config.async_scheduling

@@ -104,21 +104,13 @@ class ModelRunner:
         `eager`: no graph replay, even for a decode-only plan (a prompt's last one-token chunk
         whose layers the prefill sends as they are written)."""
         sampling = [item for item in plan.scheduled if item.samples]
+        ahead = None
         if plan.shifted:
             assert feed is not None and drafts is not None
-            fed_ahead = self._fed_ahead(plan, feed, drafts)
-            if not eager and self._verifies_in_graph(plan):
-                logits, hidden = self._verify_with_graph(plan, fed_ahead)
-            else:  # the host needs the positions (on a GPU: a wait for the step before)
-                shifts = fed_ahead.shift.tolist()
-                hidden, sample_rows = self._forward_eager(plan, fed_ahead.ids, shifts)
-                hidden = self.model.proposer_hidden(hidden)
-                logits = self.executor.logits(sample_rows)
-            rows = [item.seq.sampling_row() for item in sampling]
-            step = self._verify(plan, sampling, logits, rows, fed_ahead)
-            step.hidden, step.shift, step.fed_drafts = hidden, fed_ahead.shift, drafts
-            return step
-        fed = None if feed is None else self._fed_ids(plan, feed)
+            ahead = self._fed_ahead(plan, feed, drafts)
+            fed = ahead.ids
+        else:
+            fed = None if feed is None else self._fed_ids(plan, feed)
         greedy = None
         if not eager and self.graphs is not None and plan.is_decode_only:
             logits, greedy, hidden = self._decode_with_graph(plan, fed)
@@ -128,9 +120,11 @@ class ModelRunner:
                 )
                 logits, greedy = logits[sampling_rows], greedy[sampling_rows]
         elif not eager and self._verifies_in_graph(plan):
-            logits, hidden = self._verify_with_graph(plan)
+            logits, hidden = self._verify_with_graph(plan, ahead)
         else:
-            hidden, sample_rows = self._forward_eager(plan, fed)
+            # A shifted plan's positions, here on the host (on a GPU: a wait for the step before).
+            shifts = None if ahead is None else ahead.shift.tolist()
+            hidden, sample_rows = self._forward_eager(plan, fed, shifts)
             hidden = self.model.proposer_hidden(hidden)  # the graphs' hidden is that already
             if not sampling:  # a prompt chunk: its hidden states only
                 step = LaunchedStep(plan, [], None)
@@ -139,10 +133,12 @@ class ModelRunner:
             logits = self.executor.logits(sample_rows)
         rows = [item.seq.sampling_row() for item in sampling]
         if any(item.draft for item in sampling):
-            step = self._verify(plan, sampling, logits, rows)
+            step = self._verify(plan, sampling, logits, rows, ahead)
         else:
             step = self._sample(plan, sampling, logits, greedy, rows, feed)
         step.hidden = hidden
+        if ahead is not None:
+            step.shift, step.fed_drafts = ahead.shift, drafts
         return step
 
     def _sample(
