@@ -8,7 +8,12 @@ engine.bench measures. Per matrix shape too (all layers' copies of that shape in
 `tandem-fp8` streams the layers' matrices quantized to e4m3 with 128x128 block scales (an FP8
 checkpoint's), the lm_head in bf16 as FP8 checkpoints keep it: its bytes count the scales.
 
+`--rows R` streams products of R rows instead (a speculative verification's k + 1 positions):
+the engine's few-row kernel (engine.triton_gemv_rows) against cuBLAS; `--sweep` also times each
+of that kernel's candidate configurations per shape and prints the fastest.
+
     python -m engine.gemv_bench --model llama3-8b --out gemv.json
+    python -m engine.gemv_bench --model llama3-8b --rows 4 --sweep --out gemv-rows4.json
 """
 
 from __future__ import annotations
@@ -59,8 +64,19 @@ def graph_seconds(fn, repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run(config: ModelConfig, num_layers: int) -> dict:
-    from engine import triton_linear  # imports Triton: CUDA only
+# The few-row kernel's candidates: (rows of W per program, K step, warps, pipeline stages).
+SWEEP = [
+    (block_n, block_k, warps, stages)
+    for block_n in (16, 32, 64)
+    for block_k in (128, 256, 512)
+    for warps in (4, 8)
+    for stages in (2, 3, 4)
+    if block_n * block_k <= 16384
+]
+
+
+def run(config: ModelConfig, num_layers: int, rows: int = 1, sweep: bool = False) -> dict:
+    from engine import triton_gemv_rows, triton_linear  # imports Triton: CUDA only
 
     shapes = matrix_shapes(config)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -75,7 +91,7 @@ def run(config: ModelConfig, num_layers: int) -> dict:
     stack = {name: weights(name, num_layers) for name in LAYER_MATRICES}
     stack["lm_head"] = weights("lm_head", 1)
     inputs = {
-        width: torch.randn(1, width, device="cuda", dtype=torch.bfloat16, generator=gen)
+        width: torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, generator=gen)
         for width in {inp for _, inp in shapes.values()}
     }
     fp8_stack = {name: [_fp8(w) for w in stack[name]] for name in LAYER_MATRICES}
@@ -101,12 +117,25 @@ def run(config: ModelConfig, num_layers: int) -> dict:
         rate = total / seconds
         return {"ms": seconds * 1e3, "tb_s": rate / 1e12, "of_bandwidth": rate / bandwidth}
 
-    rows = {
+    results = {
         system: {"step": stream(linear, matrices, [*LAYER_MATRICES, "lm_head"])}
         | {name: stream(linear, matrices, [name]) for name in shapes}
         for system, (linear, matrices) in systems.items()
     }
-    return {"read_bandwidth_tb_s": bandwidth / 1e12, "layers": num_layers, "results": rows}
+    report = {"read_bandwidth_tb_s": bandwidth / 1e12, "layers": num_layers, "rows": rows}
+    if sweep and rows > 1:
+        report["sweep"] = {
+            name: {
+                str(list(candidate)): stream(
+                    lambda x, w, c=candidate: triton_gemv_rows.linear(x, w, config=c),
+                    stack,
+                    [name],
+                )["of_bandwidth"]
+                for candidate in SWEEP
+            }
+            for name in shapes
+        }
+    return report | {"results": results}
 
 
 def _fp8(weight: torch.Tensor) -> Fp8Weight:
@@ -123,7 +152,11 @@ def _bytes(weight: torch.Tensor | Fp8Weight) -> int:
 
 
 def print_table(report: dict) -> None:
-    print(f"HBM read bandwidth (measured): {report['read_bandwidth_tb_s']:.2f} TB/s")
+    print(f"HBM read bandwidth (measured): {report['read_bandwidth_tb_s']:.2f} TB/s; "
+          f"rows: {report['rows']}")  # fmt: skip
+    for name, shares in report.get("sweep", {}).items():
+        best = sorted(shares, key=shares.get, reverse=True)[:3]
+        print(f"sweep {name:12} " + "  ".join(f"{c} {shares[c]:.1%}" for c in best))
     print(f"{'matrices':14} {'system':10} {'ms':>8} {'TB/s':>6} {'of bw':>6}")
     for name in report["results"]["tandem"]:  # the whole step first, then each shape
         for system, rows in report["results"].items():
@@ -135,13 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3-8b", help="a ModelConfig preset name")
     parser.add_argument("--layers", type=int, default=None, help="default: the model's")
+    parser.add_argument("--rows", type=int, default=1, help="rows of each product's input")
+    parser.add_argument("--sweep", action="store_true",
+                        help="with --rows > 1: time the few-row kernel's settings")  # fmt: skip
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gemv_bench: needs a CUDA GPU (it times CUDA graphs of GPU kernels)", file=sys.stderr)
         return 2
     config = ModelConfig.preset(args.model)
-    report = run(config, args.layers or config.num_layers)
+    report = run(config, args.layers or config.num_layers, args.rows, args.sweep)
     print_table(report)
     if args.out:
         with open(args.out, "w") as f:

@@ -1,4 +1,5 @@
-"""Linear layers for decode on the GPU: a Triton GEMV for one-row inputs, cuBLAS otherwise.
+"""Linear layers for decode on the GPU: a Triton GEMV for one-row inputs, a few-row kernel
+(engine.triton_gemv_rows) for 2 to 16 rows, cuBLAS otherwise.
 
 A bs=1 decode step is a chain of matrix-vector products that stream every weight once, so
 their bandwidth is the step's speed. cuBLAS's M=1 kernels leave bandwidth unused on the square
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine import triton_fp8_gemm, triton_fp8_scales, triton_pdl
+from engine import triton_fp8_gemm, triton_fp8_scales, triton_gemv_rows, triton_pdl
 from engine.fp8 import Fp8Weight, Matrix
 
 __all__ = [
@@ -95,11 +96,13 @@ def linear(
     norm: Prenorm | None = None,
 ) -> torch.Tensor:
     """F.linear, with one-row CUDA inputs computed by the GEMV kernel (which applies `norm`
-    where given: x is then the scaled input) and fp8 matrices by engine.triton_fp8_gemm
-    otherwise."""
+    where given: x is then the scaled input), a few rows by engine.triton_gemv_rows, and fp8
+    matrices by engine.triton_fp8_gemm otherwise."""
     if gemv_applies(x, weight):
         return _gemv(x, weight, bias, _STORE, weight.shape[0], norm=norm)
     assert norm is None, "a Prenorm needs the GEMV: check gemv_applies first"
+    if triton_gemv_rows.applies(x, weight):
+        return triton_gemv_rows.linear(x, weight, bias)
     if isinstance(weight, Fp8Weight):
         return triton_fp8_gemm.linear(x, weight, bias)
     return F.linear(x, weight, bias)
