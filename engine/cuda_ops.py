@@ -1,6 +1,6 @@
 """The model's ops on CUDA: a Triton kernel for each elementwise chain (engine.triton_ops) and
-the one-row GEMV for linear layers (engine.triton_linear). Where the GEMV applies it also does
-the op before or after a projection:
+the one-row GEMV or the few-row kernel for linear layers (engine.triton_linear). Where those
+apply they also do the op before or after a projection:
 - the residual add after o_proj and down_proj, storing the sum times the next norm's weight too
   (`add_linear`);
 - with that, the RMSNorm before qkv_proj, gate_up_proj and MLA's fused_qkv_a_proj
@@ -53,7 +53,7 @@ def gate_up_silu(inp: NormInput, weight: Matrix) -> tuple[torch.Tensor, torch.Te
 def norm_linear(
     inp: NormInput, weight: Matrix, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    x, norm, summed = _gemv_input(inp, lambda x: triton_linear.gemv_applies(x, weight))
+    x, norm, summed = _gemv_input(inp, lambda x: triton_linear.fuses(x, weight))
     return triton_linear.linear(x, weight, bias, norm), summed
 
 
@@ -64,7 +64,7 @@ def add_linear(
     norm_weight: torch.Tensor,
     eps: float,
 ) -> NormInput:
-    if triton_linear.gemv_applies(x, weight) and residual.is_contiguous():
+    if triton_linear.fuses(x, weight) and residual.is_contiguous():
         h, scaled = triton_linear.linear_residual(x, weight, residual, norm_weight)
         return NormInput(h, None, norm_weight, eps, scaled)
     return NormInput(triton_linear.linear(x, weight), residual, norm_weight, eps)

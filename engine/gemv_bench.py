@@ -127,7 +127,7 @@ def run(config: ModelConfig, num_layers: int, rows: int = 1, sweep: bool = False
         report["sweep"] = {
             name: {
                 str(list(candidate)): stream(
-                    lambda x, w, c=candidate: triton_gemv_rows.linear(x, w, config=c),
+                    lambda x, w, c=candidate: triton_gemv_rows.launch(x, w, None, config=c),
                     stack,
                     [name],
                 )["of_bandwidth"]

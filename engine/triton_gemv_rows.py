@@ -13,6 +13,13 @@ row, from L2, so every load is unmasked), into an fp32 [BLOCK_N, M_PAD] accumula
 weight's first tile is requested before the kernel waits for the one before it (programmatic
 dependent launch, as the GEMV), the rest pipelined by Triton (num_stages). The product is
 rounded once, as F.linear's is.
+
+The GEMV's epilogues apply here too, each row of the input on its own, so that a verification
+costs no more kernels than a one-token step: SwiGLU (`_SILU`: a program owns BLOCK_N / 2 gate
+rows and the up rows paired with them), RoPE at each input row's position (`_ROPE`: cos and sin
+[M, head_dim / 2]), the residual add with the next norm's scaled input (`RESIDUAL`), and the
+RMSNorm before the projection (`NORM`: each input row's mean square read whole before the K
+loop, the products scaled by its 1 / rms at the end), all as engine.triton_linear describes.
 """
 
 import torch
@@ -21,10 +28,13 @@ import triton.language as tl
 
 from engine import triton_pdl
 
-__all__ = ["MAX_ROWS", "applies", "linear"]
+__all__ = ["MAX_ROWS", "ROPE", "SILU", "STORE", "applies", "launch", "pairs"]
 
 MAX_ROWS = 64
 """The most rows a product may have here; past it, cuBLAS's tiles read the weight once too."""
+
+# What the kernel does with its rounded outputs (the EPILOGUE constexpr), as the GEMV's.
+STORE, SILU, ROPE = 0, 1, 2
 
 # (rows of W per program, K step, warps, pipeline stages) by the matrix's shape, N out of K in.
 # TODO(device): chosen by `engine.gemv_bench --rows 4 --sweep` on an H100; see performance.md.
@@ -33,7 +43,7 @@ _OTHER = (16, 256, 4, 4)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` computes x @ weight.T: 2 to MAX_ROWS rows of a matrix's 16-bit
+    """Whether the kernel computes x @ weight.T: 2 to MAX_ROWS rows of a matrix's 16-bit
     dtype, at least 16 columns (the dot's smallest step), each row contiguous."""
     return (
         isinstance(weight, torch.Tensor)
@@ -47,47 +57,45 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def pairs(weight: torch.Tensor) -> int:
+    """Output pairs per program of the SILU and ROPE epilogues."""
+    return _config(weight)[0] // 2
+
+
 def _config(weight: torch.Tensor) -> tuple[int, int, int, int]:
     rows, columns = weight.shape
     block_n, block_k, warps, stages = _TALL if rows >= 2 * columns else _OTHER
     return block_n, min(block_k, triton.next_power_of_2(columns)), warps, stages
 
 
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
+def launch(
+    x, weight, bias, epilogue=STORE, outputs=None, rope=None, norm=None, residual=None, config=None
 ) -> torch.Tensor:
-    """x @ weight.T + bias, where `applies(x, weight)`; `config` overrides the shape's
-    (rows of W per program, K step, warps, stages), for engine.gemv_bench's sweep."""
+    """y [M, outputs] = the epilogue of x @ weight.T + bias, where `applies(x, weight)`. rope:
+    (cos, sin [M, half], half head_dim, rotated rows) for ROPE; norm: (h [M, K], eps), of which x
+    is h times the norm's weight; residual: (residual [M, N], norm weight, scaled output) to add
+    to a STORE's output; config: (rows of W per program, K step, warps, stages) in place of the
+    shape's, for engine.gemv_bench's sweep."""
     assert applies(x, weight)
     block_n, block_k, num_warps, num_stages = config or _config(weight)
     (m, k), n = x.shape, weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, outputs or n, dtype=x.dtype, device=x.device)
+    cos, sin, half, rotated = rope if rope is not None else (y, y, 1, 0)  # read by ROPE only
+    h, eps = norm if norm is not None else (x, 0.0)  # h read by NORM only
+    assert norm is None or (h.shape == x.shape and h.is_contiguous())
+    res, norm_w, scaled = residual if residual is not None else (y, y, y)  # read if residual
     pdl = triton_pdl.enabled(x.device)
     _rows_kernel[(triton.cdiv(n, block_n),)](
-        x,
-        weight,
-        bias if bias is not None else y,  # unread without HAS_BIAS
-        y,
-        m,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        M_PAD=max(16, triton.next_power_of_2(m)),
-        EVEN_K=k % block_k == 0,
-        HAS_BIAS=bias is not None,
+        x, weight, bias if bias is not None else y, y, cos, sin, h, eps, res, norm_w, scaled,
+        m, n, k, x.stride(0), weight.stride(0), cos.stride(0), rotated,
+        BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=max(16, triton.next_power_of_2(m)),
+        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, EPILOGUE=epilogue, HALF=half,
+        NORM=norm is not None, K_PAD=triton.next_power_of_2(k) if norm is not None else 1,
+        RESIDUAL=residual is not None,
         # Triton's CPU interpreter (tests) multiplies bf16 tiles as their raw bits: widen first.
         WIDEN=x.device.type != "cuda",
-        PDL=pdl,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        launch_pdl=pdl,
-    )
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+    )  # fmt: skip
     return y
 
 
@@ -96,22 +104,48 @@ def _rows_kernel(
     x_ptr,  # [M, K], rows stride_xm apart
     w_ptr,  # [N, K], rows stride_wn apart
     b_ptr,  # [N]
-    y_ptr,  # [M, N], contiguous
+    y_ptr,  # [M, N] contiguous; [M, N / 2] for SILU
+    cos_ptr,  # [M, HALF], rows stride_cm apart
+    sin_ptr,  # [M, HALF], as cos
+    h_ptr,  # [M, K] contiguous: NORM's h, of which x = h * norm weight
+    eps,  # NORM's
+    res_ptr,  # [M, N] contiguous: RESIDUAL's, added to the output
+    norm_w_ptr,  # [N]: RESIDUAL's next norm weight
+    scaled_ptr,  # [M, N]: RESIDUAL's output times norm_w
     M,
     N,
     K,
     stride_xm,
     stride_wn,
+    stride_cm,
+    rotated_rows,  # ROPE: rows [0, rotated_rows) are rotated, the rest stored as they are
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     M_PAD: tl.constexpr,
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     WIDEN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    # SILU and ROPE: weight row j of the program is the first (j even) or second (j odd) of
+    # pair j // 2, so that a [PAIRS, 2] split takes the pairs apart (as the GEMV's).
+    pair = tl.arange(0, BLOCK_N) // 2
+    second = tl.arange(0, BLOCK_N) % 2
+    if EPILOGUE == 1:  # SILU: gate row r and up row N / 2 + r
+        rows = pid * PAIRS + pair + second * (N // 2)
+    elif EPILOGUE == 2:  # ROPE: row d and row d + HALF of one head
+        per_head: tl.constexpr = HALF // PAIRS
+        first = (pid // per_head) * (2 * HALF) + (pid % per_head) * PAIRS
+        rows = first + pair + second * HALF
+    else:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     inputs = tl.arange(0, M_PAD)
     # Rows past N (the last program's) and inputs past M re-read the last one: the loads stay
     # unpredicated; only the store is masked.
@@ -123,6 +157,8 @@ def _rows_kernel(
     else:
         w = tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0)
     triton_pdl.await_previous_kernel(PDL)
+    if NORM:
+        inv_rms = _inverse_rms(h_ptr, eps, M, K, inputs, K_PAD)
     x = tl.load(x_rows + cols[:, None], mask=(cols < K)[:, None], other=0.0)  # [BLOCK_K, M_PAD]
     acc = _dot(w, x, tl.zeros([BLOCK_N, M_PAD], tl.float32), WIDEN)
     for k in range(BLOCK_K, K, BLOCK_K):
@@ -134,10 +170,40 @@ def _rows_kernel(
             w = tl.load(w_rows + (k + cols)[None, :], mask=in_k[None, :], other=0.0)
             x = tl.load(x_rows + (k + cols)[:, None], mask=in_k[:, None], other=0.0)
         acc = _dot(w, x, acc, WIDEN)
+    if NORM:
+        acc *= inv_rms[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + tl.minimum(rows, N - 1)).to(tl.float32)[:, None]
-    out = y_ptr + inputs[None, :].to(tl.int64) * N + rows[:, None]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (inputs < M)[None, :])
+    dtype = y_ptr.dtype.element_ty
+    y = acc.to(dtype)  # the projection's output, rounded as a separate op would receive it
+    in_m = (inputs < M)[None, :]
+    if EPILOGUE == 1:
+        gate, up = _split_pairs(y, PAIRS, M_PAD)
+        g32 = gate.to(tl.float32)
+        silu = (g32 / (1.0 + tl.exp(-g32))).to(dtype).to(tl.float32)
+        outs = pid * PAIRS + tl.arange(0, PAIRS)
+        out = y_ptr + inputs[None, :].to(tl.int64) * (N // 2) + outs[:, None]
+        tl.store(out, (silu * up.to(tl.float32)).to(dtype), mask=in_m)
+    elif EPILOGUE == 2:
+        x1, x2 = _split_pairs(y, PAIRS, M_PAD)
+        dims = (pid % per_head) * PAIRS + tl.arange(0, PAIRS)
+        at = tl.minimum(inputs, M - 1)[None, :] * stride_cm + dims[:, None]
+        cos = tl.load(cos_ptr + at).to(tl.float32)
+        sin = tl.load(sin_ptr + at).to(tl.float32)
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        out1, out2 = (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+        rotated = tl.reshape(tl.permute(tl.join(out1, out2), (0, 2, 1)), [BLOCK_N, M_PAD])
+        out = y_ptr + inputs[None, :].to(tl.int64) * N + rows[:, None]
+        tl.store(out, tl.where(first < rotated_rows, rotated, y), mask=in_m)
+    else:
+        at = inputs[None, :].to(tl.int64) * N + rows[:, None]
+        in_both = (rows < N)[:, None] & in_m
+        if RESIDUAL:  # the residual stream, rounded after the add as a separate add rounds it
+            residual = tl.load(res_ptr + at, mask=in_both, other=0.0).to(tl.float32)
+            y = (y.to(tl.float32) + residual).to(dtype)
+            norm_w = tl.load(norm_w_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+            tl.store(scaled_ptr + at, (y.to(tl.float32) * norm_w[:, None]).to(dtype), mask=in_both)
+        tl.store(y_ptr + at, y, mask=in_both)
 
 
 @triton.jit
@@ -145,3 +211,20 @@ def _dot(w, x, acc, WIDEN: tl.constexpr):
     if WIDEN:
         return tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(w, x, acc)
+
+
+@triton.jit
+def _inverse_rms(h_ptr, eps, M, K, inputs, K_PAD: tl.constexpr):
+    """[M_PAD]: 1 / rms of each row of h [M, K] (the last row's past M)."""
+    whole = tl.arange(0, K_PAD)
+    inv_rms = tl.zeros(inputs.shape, tl.float32)
+    for m in range(0, M):
+        h = tl.load(h_ptr + m * K + whole, mask=whole < K, other=0.0).to(tl.float32)
+        inv_rms = tl.where(inputs >= m, tl.rsqrt(tl.sum(h * h, 0) / K + eps), inv_rms)
+    return inv_rms
+
+
+@triton.jit
+def _split_pairs(y, PAIRS: tl.constexpr, M_PAD: tl.constexpr):
+    """y [2 * PAIRS, M_PAD], rows paired as the program's: the pairs' first and second rows."""
+    return tl.split(tl.permute(tl.reshape(y, [PAIRS, 2, M_PAD]), (0, 2, 1)))

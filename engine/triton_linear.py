@@ -49,6 +49,7 @@ from engine.fp8 import Fp8Weight, Matrix
 
 __all__ = [
     "Prenorm",
+    "fuses",
     "fuses_rope",
     "fuses_silu",
     "gemv_applies",
@@ -100,9 +101,9 @@ def linear(
     matrices by engine.triton_fp8_gemm otherwise."""
     if gemv_applies(x, weight):
         return _gemv(x, weight, bias, _STORE, weight.shape[0], norm=norm)
-    assert norm is None, "a Prenorm needs the GEMV: check gemv_applies first"
     if triton_gemv_rows.applies(x, weight):
-        return triton_gemv_rows.linear(x, weight, bias)
+        return triton_gemv_rows.launch(x, weight, bias, norm=_rows_norm(norm))
+    assert norm is None, "a Prenorm needs the GEMV or the few-row kernel: check fuses first"
     if isinstance(weight, Fp8Weight):
         return triton_fp8_gemm.linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -112,28 +113,41 @@ def linear_residual(
     x: torch.Tensor, weight: Matrix, residual: torch.Tensor, norm_weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x @ weight.T + residual (each rounded, as a separate add would be), and h * norm_weight
-    for a `Prenorm` GEMV after it, where `gemv_applies(x, weight)`."""
-    assert residual.shape == (1, weight.shape[0]) and residual.is_contiguous()
+    for a `Prenorm` product after it, where `fuses(x, weight)`."""
+    assert residual.shape == (x.shape[0], weight.shape[0]) and residual.is_contiguous()
     scaled = torch.empty_like(residual)
+    if x.shape[0] > 1:
+        residual_ops = (residual, norm_weight, scaled)
+        return triton_gemv_rows.launch(x, weight, None, residual=residual_ops), scaled
     h = _gemv(x, weight, None, _STORE, weight.shape[0], residual=(residual, norm_weight, scaled))
     return h, scaled
 
 
+def fuses(x: torch.Tensor, weight: Matrix) -> bool:
+    """Whether a kernel of this module computes x @ weight.T with the ops around it (a `Prenorm`,
+    `linear_residual`): the GEMV for one row, the few-row kernel for a few."""
+    return gemv_applies(x, weight) or triton_gemv_rows.applies(x, weight)
+
+
 def fuses_silu(x: torch.Tensor, weight: Matrix) -> bool:
-    """Whether `linear_silu` applies: one row, and gate rows in whole programs."""
-    return gemv_applies(x, weight) and (weight.shape[0] // 2) % _pairs(weight) == 0
+    """Whether `linear_silu` applies: `fuses`, and gate rows in whole programs."""
+    return fuses(x, weight) and (weight.shape[0] // 2) % _pairs(x, weight) == 0
 
 
 def linear_silu(x: torch.Tensor, weight: Matrix, norm: Prenorm | None = None) -> torch.Tensor:
     """silu(gate) * up of [gate | up] = x @ weight.T, where `fuses_silu(x, weight)`."""
+    if x.shape[0] > 1:
+        return triton_gemv_rows.launch(
+            x, weight, None, triton_gemv_rows.SILU, weight.shape[0] // 2, norm=_rows_norm(norm)
+        )
     return _gemv(x, weight, None, _SILU, weight.shape[0] // 2, norm=norm)
 
 
 def fuses_rope(x: torch.Tensor, weight: Matrix, head_dim: int) -> bool:
-    """Whether `linear_rope` applies: one row, and half-heads in whole programs."""
+    """Whether `linear_rope` applies: `fuses`, and half-heads in whole programs."""
     return (
-        gemv_applies(x, weight)
-        and (head_dim // 2) % _pairs(weight) == 0
+        fuses(x, weight)
+        and (head_dim // 2) % _pairs(x, weight) == 0
         and weight.shape[0] % head_dim == 0
     )
 
@@ -148,10 +162,15 @@ def linear_rope(
     rotated_features: int,
     norm: Prenorm | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T + bias, its first `rotated_features` outputs (whole heads) rotated by
-    cos, sin [1, head_dim / 2], where `fuses_rope(x, weight, head_dim)`."""
+    """x @ weight.T + bias, its first `rotated_features` outputs (whole heads) of each row i
+    rotated by cos[i], sin[i] [head_dim / 2], where `fuses_rope(x, weight, head_dim)`."""
     assert rotated_features % head_dim == 0 and cos.is_contiguous() and sin.is_contiguous()
+    assert cos.shape == sin.shape == (x.shape[0], head_dim // 2)
     rope = (cos, sin, head_dim // 2, rotated_features)
+    if x.shape[0] > 1:
+        return triton_gemv_rows.launch(
+            x, weight, bias, triton_gemv_rows.ROPE, rope=rope, norm=_rows_norm(norm)
+        )
     return _gemv(x, weight, bias, _ROPE, weight.shape[0], rope=rope, norm=norm)
 
 
@@ -164,9 +183,14 @@ def _config(weight: Matrix) -> tuple[int, int, int]:
     return _FP8_CONFIGS[config] if isinstance(weight, Fp8Weight) else config
 
 
-def _pairs(weight: Matrix) -> int:
-    """Output pairs per program of the _SILU and _ROPE epilogues."""
-    return _config(weight)[0] // 2
+def _pairs(x: torch.Tensor, weight: Matrix) -> int:
+    """Output pairs per program of the SILU and ROPE epilogues, the GEMV's or the few-row
+    kernel's."""
+    return _config(weight)[0] // 2 if x.shape[0] == 1 else triton_gemv_rows.pairs(weight)
+
+
+def _rows_norm(norm: Prenorm | None) -> tuple[torch.Tensor, float] | None:
+    return None if norm is None else (norm.h, norm.eps)
 
 
 def _block_k(weight: Matrix) -> int:

@@ -134,27 +134,31 @@ def test_rope_epilogue_equals_the_separate_kernels(heads, kv_heads, head_dim, hi
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "hidden", "dtype"),
+    ("heads", "kv_heads", "head_dim", "hidden", "dtype", "rows"),
     [
-        (16, 4, 64, 1024, torch.bfloat16),  # tall qkv: 16 rows a program, two K steps
-        (9, 3, 64, 576, torch.float32),  # SmolLM2-135M: K is not a power of two
-        (4, 2, 16, 96, torch.float16),  # one short, masked K step
+        (16, 4, 64, 1024, torch.bfloat16, 1),  # tall qkv: 16 rows a program, two K steps
+        (9, 3, 64, 576, torch.float32, 1),  # SmolLM2-135M: K is not a power of two
+        (4, 2, 16, 96, torch.float16, 1),  # one short, masked K step
+        (16, 4, 64, 1024, torch.bfloat16, 4),  # a verification's rows: the few-row kernel
+        (9, 3, 64, 576, torch.float16, 3),  # ... K not a power of two
     ],
 )
-def test_residual_add_and_norm_in_the_gemvs(heads, kv_heads, head_dim, hidden, dtype):
-    """o_proj's GEMV adds the residual and stores the sum times the next norm's weight; qkv_proj's,
-    gate_up_proj's and a plain projection's (MLA's fused_qkv_a_proj) then apply the norm. The
-    sum is bit for bit the separate add's; the products are close to float64, and no further
-    from it than those of the norm's own kernel followed by the same GEMVs (the fused path does
-    not round the normalized input)."""
+def test_residual_add_and_norm_in_the_gemvs(heads, kv_heads, head_dim, hidden, dtype, rows):
+    """o_proj's GEMV (or few-row kernel) adds the residual and stores the sum times the next
+    norm's weight; qkv_proj's, gate_up_proj's and a plain projection's (MLA's
+    fused_qkv_a_proj) then apply the norm, each row with its own mean square and RoPE angles.
+    The sum is bit for bit the separate add's; the products are close to float64, and no
+    further from it than those of the norm's own kernel followed by the same kernels (the fused
+    path does not round the normalized input)."""
     gen = torch.Generator().manual_seed(8)
     o_w = _weight(gen, hidden, heads * head_dim, dtype)
     qkv_w = _weight(gen, (heads + 2 * kv_heads) * head_dim, hidden, dtype)
     gate_up_w = _weight(gen, 2 * 256, hidden, dtype)  # short: the interpreter is slow
-    attn = torch.randn(1, heads * head_dim, generator=gen).to(dtype).to(DEVICE)
-    residual = (torch.randn(1, hidden, generator=gen) * 3).to(dtype).to(DEVICE)
+    attn = torch.randn(rows, heads * head_dim, generator=gen).to(dtype).to(DEVICE)
+    residual = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype).to(DEVICE)
+    residual[-1] *= 4  # rows of different mean squares
     norm_w = (1 + torch.rand(hidden, generator=gen)).to(dtype).to(DEVICE)
-    cos, sin = _angles(head_dim, dtype)
+    cos, sin = _angles(head_dim, dtype, rows)
     plain_w = _weight(gen, 3 * head_dim, hidden, dtype)
 
     inp = cuda_ops.add_linear(attn, o_w, residual, norm_w, 1e-5)
@@ -232,8 +236,8 @@ def _weight(gen, out_features, in_features, dtype):
     )
 
 
-def _angles(head_dim, dtype):
-    angles = torch.rand(1, head_dim // 2, generator=torch.Generator().manual_seed(5)) * 100
+def _angles(head_dim, dtype, rows=1):
+    angles = torch.rand(rows, head_dim // 2, generator=torch.Generator().manual_seed(5)) * 100
     return angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
 
 
