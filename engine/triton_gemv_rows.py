@@ -2,25 +2,16 @@
 positions, a small batch's decode step. Each weight tile is read once for all the rows.
 
 Such a product is as memory-bound as the one-row GEMV (engine.triton_linear): its bytes are the
-weight's. cuBLAS's kernels for these shapes stream it at 2.2-2.9 TB/s on an H100 where the GEMV
-reaches 3.1 (docs/performance.md), so a verification of 4 positions cost about 1.3 plain steps
-before its attention and heads were counted.
+weight's. Through cuBLAS a verification's layer is also four more kernels than a one-token
+step's (the norms, RoPE, SwiGLU and the residual adds, which the GEMV does in its epilogues),
+none overlapping its neighbours' launch; figures in docs/performance.md.
 
 `_rows_kernel`, grid (N / BLOCK_N,): one program owns BLOCK_N whole rows of W and walks K in
 BLOCK_K steps; at each, tl.dot multiplies its [BLOCK_N, BLOCK_K] weight tile by the rows' tile,
-padded to a power of two of at least 16 (the dot's smallest width; the padding re-reads the last
-row, from L2, so every load is unmasked), into an fp32 [BLOCK_N, M_PAD] accumulator. The
-weight's first tile is requested before the kernel waits for the one before it (programmatic
-dependent launch, as the GEMV), the rest pipelined by Triton (num_stages). The product is
-rounded once, as F.linear's is.
-
-The GEMV's epilogues apply here too, each row of the input on its own, so that a verification
-costs no more kernels than a one-token step: SwiGLU (`_SILU`: a program owns BLOCK_N / 2 gate
-rows and the up rows paired with them), RoPE at each input row's position (`_ROPE`: cos and sin
-[M, head_dim / 2]), the residual add with the next norm's scaled input (`RESIDUAL`), and the
-RMSNorm before the projection (`NORM`: each input row's mean square read whole before the K
-loop, the products scaled by its 1 / rms at the end), all as engine.triton_linear describes.
-"""
+padded to a power of two of at least 16 (the dot's smallest width; zeros, never read), into an
+fp32 [BLOCK_N, M_PAD] accumulator. The weight's first tile is requested before the kernel waits
+for the one before it (programmatic dependent launch, as the GEMV), the rest pipelined by
+Triton (num_stages). The product is rounded once, as F.linear's is."""
 
 import torch
 import triton
@@ -147,10 +138,13 @@ def _rows_kernel(
     else:
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     inputs = tl.arange(0, M_PAD)
-    # Rows past N (the last program's) and inputs past M re-read the last one: the loads stay
-    # unpredicated; only the store is masked.
+    # Rows of W past N (the last program's) re-read the last one: the weight's loads stay
+    # unpredicated; only the store is masked. Inputs past M are masked whole (zeros, no request:
+    # each program reads x at every K step, from L2, and 16 padded rows would be as many bytes
+    # as its weight tile).
     w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + tl.minimum(inputs, M - 1).to(tl.int64)[None, :] * stride_xm
+    in_m = (inputs < M)[None, :]
     cols = tl.arange(0, BLOCK_K)
     if EVEN_K:
         w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
@@ -159,16 +153,16 @@ def _rows_kernel(
     triton_pdl.await_previous_kernel(PDL)
     if NORM:
         inv_rms = _inverse_rms(h_ptr, eps, M, K, inputs, K_PAD)
-    x = tl.load(x_rows + cols[:, None], mask=(cols < K)[:, None], other=0.0)  # [BLOCK_K, M_PAD]
+    x = tl.load(x_rows + cols[:, None], mask=(cols < K)[:, None] & in_m, other=0.0)
     acc = _dot(w, x, tl.zeros([BLOCK_N, M_PAD], tl.float32), WIDEN)
     for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_rows + (k + cols)[None, :], eviction_policy="evict_first")
-            x = tl.load(x_rows + (k + cols)[:, None])
+            x = tl.load(x_rows + (k + cols)[:, None], mask=in_m, other=0.0)
         else:
             in_k = k + cols < K
             w = tl.load(w_rows + (k + cols)[None, :], mask=in_k[None, :], other=0.0)
-            x = tl.load(x_rows + (k + cols)[:, None], mask=in_k[:, None], other=0.0)
+            x = tl.load(x_rows + (k + cols)[:, None], mask=in_k[:, None] & in_m, other=0.0)
         acc = _dot(w, x, acc, WIDEN)
     if NORM:
         acc *= inv_rms[None, :]
@@ -176,7 +170,6 @@ def _rows_kernel(
         acc += tl.load(b_ptr + tl.minimum(rows, N - 1)).to(tl.float32)[:, None]
     dtype = y_ptr.dtype.element_ty
     y = acc.to(dtype)  # the projection's output, rounded as a separate op would receive it
-    in_m = (inputs < M)[None, :]
     if EPILOGUE == 1:
         gate, up = _split_pairs(y, PAIRS, M_PAD)
         g32 = gate.to(tl.float32)
