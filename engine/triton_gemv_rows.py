@@ -152,7 +152,7 @@ def _rows_kernel(
         w = tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0)
     triton_pdl.await_previous_kernel(PDL)
     if NORM:
-        inv_rms = _inverse_rms(h_ptr, eps, M, K, inputs, K_PAD)
+        inv_rms = _inverse_rms(h_ptr, eps, M, K, inputs, M_PAD, K_PAD)
     x = tl.load(x_rows + cols[:, None], mask=(cols < K)[:, None] & in_m, other=0.0)
     acc = _dot(w, x, tl.zeros([BLOCK_N, M_PAD], tl.float32), WIDEN)
     for k in range(BLOCK_K, K, BLOCK_K):
@@ -207,10 +207,10 @@ def _dot(w, x, acc, WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _inverse_rms(h_ptr, eps, M, K, inputs, K_PAD: tl.constexpr):
+def _inverse_rms(h_ptr, eps, M, K, inputs, M_PAD: tl.constexpr, K_PAD: tl.constexpr):
     """[M_PAD]: 1 / rms of each row of h [M, K] (the last row's past M)."""
     whole = tl.arange(0, K_PAD)
-    inv_rms = tl.zeros(inputs.shape, tl.float32)
+    inv_rms = tl.zeros([M_PAD], tl.float32)
     for m in range(0, M):
         h = tl.load(h_ptr + m * K + whole, mask=whole < K, other=0.0).to(tl.float32)
         inv_rms = tl.where(inputs >= m, tl.rsqrt(tl.sum(h * h, 0) / K + eps), inv_rms)
