@@ -102,6 +102,10 @@ def run(config: ModelConfig, num_layers: int, rows: int = 1, sweep: bool = False
         "cublas": (F.linear, stack),
         "tandem-fp8": (triton_linear.linear, fp8_stack),
     }
+    if rows > 1:  # the few-row kernel, whether or not the engine runs it yet
+        from engine import triton_gemv_rows
+
+        systems["rows-kernel"] = (lambda x, w: triton_gemv_rows.launch(x, w, None), stack)
     bandwidth = read_bandwidth("cuda")
 
     def stream(linear, matrices, names):

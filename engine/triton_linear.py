@@ -59,6 +59,12 @@ __all__ = [
     "linear_silu",
 ]
 
+ROWS_KERNEL = False
+"""Whether products of 2 to 64 rows run engine.triton_gemv_rows, epilogues included, instead of
+cuBLAS and the separate kernels. Off until that kernel has been timed against cuBLAS on a GPU
+(`python -m engine.gemv_bench --rows 4 --sweep`) and the GPU tests have run it: so far it has
+run in Triton's CPU interpreter only (its tests set this)."""
+
 # (rows per program, largest K step, warps) by the matrix's shape, N out of K in. Chosen on an
 # H200 in the engine's own bs=1 decode graph of Llama-3-8B, where each GEMV overlaps the
 # kernels around it (its first tile is requested while they finish), each candidate's graph
@@ -101,7 +107,7 @@ def linear(
     matrices by engine.triton_fp8_gemm otherwise."""
     if gemv_applies(x, weight):
         return _gemv(x, weight, bias, _STORE, weight.shape[0], norm=norm)
-    if triton_gemv_rows.applies(x, weight):
+    if _rows_kernel_applies(x, weight):
         return triton_gemv_rows.launch(x, weight, bias, norm=_rows_norm(norm))
     assert norm is None, "a Prenorm needs the GEMV or the few-row kernel: check fuses first"
     if isinstance(weight, Fp8Weight):
@@ -126,7 +132,11 @@ def linear_residual(
 def fuses(x: torch.Tensor, weight: Matrix) -> bool:
     """Whether a kernel of this module computes x @ weight.T with the ops around it (a `Prenorm`,
     `linear_residual`): the GEMV for one row, the few-row kernel for a few."""
-    return gemv_applies(x, weight) or triton_gemv_rows.applies(x, weight)
+    return gemv_applies(x, weight) or _rows_kernel_applies(x, weight)
+
+
+def _rows_kernel_applies(x: torch.Tensor, weight: Matrix) -> bool:
+    return ROWS_KERNEL and triton_gemv_rows.applies(x, weight)
 
 
 def fuses_silu(x: torch.Tensor, weight: Matrix) -> bool:

@@ -52,7 +52,8 @@ def _relative_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         (5, 300, 256, torch.bfloat16, False),  # tall, a ragged last program
     ],
 )
-def test_rows_match_float64_reference(rows, out_features, in_features, dtype, bias):
+def test_rows_match_float64_reference(rows, out_features, in_features, dtype, bias, monkeypatch):
+    monkeypatch.setattr(triton_linear, "ROWS_KERNEL", True)
     x, weight, b, ref = _case(rows, out_features, in_features, dtype, bias)
     assert triton_gemv_rows.applies(x, weight)
     y = triton_linear.linear(x, weight, b)  # the engine's entry: it picks this kernel
@@ -117,3 +118,11 @@ def test_dependent_chain_in_cuda_graph_matches_eager(rows):
     for w in weights:
         reference = F.linear(reference, w.double())
     assert (_relative_errors(out, reference.cpu()) < 5e-2).all()
+
+
+def test_the_engine_keeps_cublas_while_the_kernel_is_off():
+    """Until the kernel is switched on (triton_linear.ROWS_KERNEL), several rows are F.linear."""
+    assert not triton_linear.ROWS_KERNEL
+    x, weight, _, _ = _case(4, 32, 128, torch.bfloat16, False, seed=3)
+    assert not triton_linear.fuses(x, weight)
+    assert torch.equal(triton_linear.linear(x, weight), F.linear(x, weight))

@@ -143,13 +143,16 @@ def test_rope_epilogue_equals_the_separate_kernels(heads, kv_heads, head_dim, hi
         (9, 3, 64, 576, torch.float16, 3),  # ... K not a power of two
     ],
 )
-def test_residual_add_and_norm_in_the_gemvs(heads, kv_heads, head_dim, hidden, dtype, rows):
+def test_residual_add_and_norm_in_the_gemvs(
+    heads, kv_heads, head_dim, hidden, dtype, rows, monkeypatch
+):
     """o_proj's GEMV (or few-row kernel) adds the residual and stores the sum times the next
     norm's weight; qkv_proj's, gate_up_proj's and a plain projection's (MLA's
     fused_qkv_a_proj) then apply the norm, each row with its own mean square and RoPE angles.
     The sum is bit for bit the separate add's; the products are close to float64, and no
     further from it than those of the norm's own kernel followed by the same kernels (the fused
     path does not round the normalized input)."""
+    monkeypatch.setattr(triton_linear, "ROWS_KERNEL", True)
     gen = torch.Generator().manual_seed(8)
     o_w = _weight(gen, hidden, heads * head_dim, dtype)
     qkv_w = _weight(gen, (heads + 2 * kv_heads) * head_dim, hidden, dtype)
