@@ -19,7 +19,17 @@ import triton.language as tl
 
 from engine import triton_pdl
 
-__all__ = ["MAX_ROWS", "ROPE", "SILU", "STORE", "applies", "launch", "pairs"]
+__all__ = [
+    "MAX_ROWS",
+    "ROPE",
+    "SILU",
+    "STORE",
+    "applies",
+    "launch",
+    "pairs",
+    "program_rows",
+    "weight_tile",
+]
 
 MAX_ROWS = 64
 """The most rows a product may have here; past it, cuBLAS's tiles read the weight once too."""
@@ -125,18 +135,7 @@ def _rows_kernel(
 ):
     pid = tl.program_id(0)
     PAIRS: tl.constexpr = BLOCK_N // 2
-    # SILU and ROPE: weight row j of the program is the first (j even) or second (j odd) of
-    # pair j // 2, so that a [PAIRS, 2] split takes the pairs apart (as the GEMV's).
-    pair = tl.arange(0, BLOCK_N) // 2
-    second = tl.arange(0, BLOCK_N) % 2
-    if EPILOGUE == 1:  # SILU: gate row r and up row N / 2 + r
-        rows = pid * PAIRS + pair + second * (N // 2)
-    elif EPILOGUE == 2:  # ROPE: row d and row d + HALF of one head
-        per_head: tl.constexpr = HALF // PAIRS
-        first = (pid // per_head) * (2 * HALF) + (pid % per_head) * PAIRS
-        rows = first + pair + second * HALF
-    else:
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, first, dim0 = program_rows(pid, N, BLOCK_N, EPILOGUE, HALF)
     inputs = tl.arange(0, M_PAD)
     # Rows of W past N (the last program's) re-read the last one: the weight's loads stay
     # unpredicated; only the store is masked. Inputs past M are masked whole (zeros, no request:
@@ -146,10 +145,7 @@ def _rows_kernel(
     x_rows = x_ptr + tl.minimum(inputs, M - 1).to(tl.int64)[None, :] * stride_xm
     in_m = (inputs < M)[None, :]
     cols = tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
-    else:
-        w = tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+    w = weight_tile(w_rows, cols, K, EVEN_K)  # requested before the wait: no kernel writes W
     triton_pdl.await_previous_kernel(PDL)
     if NORM:
         inv_rms = _inverse_rms(h_ptr, eps, M, K, inputs, M_PAD, K_PAD)
@@ -179,7 +175,7 @@ def _rows_kernel(
         tl.store(out, (silu * up.to(tl.float32)).to(dtype), mask=in_m)
     elif EPILOGUE == 2:
         x1, x2 = _split_pairs(y, PAIRS, M_PAD)
-        dims = (pid % per_head) * PAIRS + tl.arange(0, PAIRS)
+        dims = dim0 + tl.arange(0, PAIRS)
         at = tl.minimum(inputs, M - 1)[None, :] * stride_cm + dims[:, None]
         cos = tl.load(cos_ptr + at).to(tl.float32)
         sin = tl.load(sin_ptr + at).to(tl.float32)
@@ -197,6 +193,39 @@ def _rows_kernel(
             norm_w = tl.load(norm_w_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
             tl.store(scaled_ptr + at, (y.to(tl.float32) * norm_w[:, None]).to(dtype), mask=in_both)
         tl.store(y_ptr + at, y, mask=in_both)
+
+
+@triton.jit
+def program_rows(pid, N, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr, HALF: tl.constexpr):
+    """(the BLOCK_N weight rows program `pid` owns; for ROPE, the first of them, and the first
+    of the head's dimensions they rotate). STORE: consecutive rows. SILU and ROPE: row j is the
+    first (j even) or second (j odd) of pair j // 2, so that a [PAIRS, 2] split takes the pairs
+    apart: SILU's gate row r and up row N / 2 + r, ROPE's row d and row d + HALF of one head.
+    The GEMV's (engine.triton_linear) and this module's kernel."""
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    pair = tl.arange(0, BLOCK_N) // 2
+    second = tl.arange(0, BLOCK_N) % 2
+    first = pid * 0  # scalars of one type in every branch (read by ROPE only)
+    dim0 = pid * 0
+    if EPILOGUE == 1:
+        rows = pid * PAIRS + pair + second * (N // 2)
+    elif EPILOGUE == 2:
+        per_head: tl.constexpr = HALF // PAIRS
+        dim0 = (pid % per_head) * PAIRS
+        first = (pid // per_head) * (2 * HALF) + dim0
+        rows = first + pair + second * HALF
+    else:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, first, dim0
+
+
+@triton.jit
+def weight_tile(w_rows, cols, K, EVEN_K: tl.constexpr):
+    """The first K step of the weight rows (pointers [BLOCK_N, 1]): unpredicated where K is a
+    whole number of steps, streamed past L2 (read once)."""
+    if EVEN_K:
+        return tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
+    return tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0)
 
 
 @triton.jit

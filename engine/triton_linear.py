@@ -80,8 +80,8 @@ _OTHER = (4, 1024, 4)
 # fp8 on an H200 (each from a sweep of 24 per shape streamed alone; docs/performance.md).
 _FP8_CONFIGS = {_VERY_TALL: (8, 2048, 4), _TALL: (16, 1024, 8), _OTHER: (8, 2048, 8)}
 
-# What the kernel does with its rounded outputs (the EPILOGUE constexpr).
-_STORE, _SILU, _ROPE = 0, 1, 2
+# What the kernel does with its rounded outputs (the EPILOGUE constexpr), as the few-row one.
+_STORE, _SILU, _ROPE = triton_gemv_rows.STORE, triton_gemv_rows.SILU, triton_gemv_rows.ROPE
 
 
 class Prenorm(NamedTuple):
@@ -314,27 +314,13 @@ def _gemv_kernel(
 ):
     pid = tl.program_id(0)
     PAIRS: tl.constexpr = BLOCK_N // 2
-    # _SILU and _ROPE: output j of the program is the first (j even) or second (j odd) of
-    # pair j // 2, so that a [PAIRS, 2] reshape splits the pairs apart.
-    pair = tl.arange(0, BLOCK_N) // 2
-    second = tl.arange(0, BLOCK_N) % 2
-    if EPILOGUE == 1:  # _SILU: gate row r and up row N / 2 + r
-        rows = pid * PAIRS + pair + second * (N // 2)
-    elif EPILOGUE == 2:  # _ROPE: row d and row d + HALF of one head
-        per_head: tl.constexpr = HALF // PAIRS
-        first = (pid // per_head) * (2 * HALF) + (pid % per_head) * PAIRS
-        rows = first + pair + second * HALF
-    else:
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, first, dim0 = triton_gemv_rows.program_rows(pid, N, BLOCK_N, EPILOGUE, HALF)
     # Rows past N (_STORE's last program) re-read the last row instead of masking: every load
     # stays a full-width, unpredicated vector load; only the store is masked.
     w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_sn
     cols = tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
-    else:
-        w = tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+    w = triton_gemv_rows.weight_tile(w_rows, cols, K, EVEN_K)  # before the wait: no kernel writes W
     triton_pdl.await_previous_kernel(PDL)
     if NORM:  # the mean square of h, whole, before the first K step
         whole = tl.arange(0, K_PAD)
@@ -372,7 +358,7 @@ def _gemv_kernel(
         tl.store(y_ptr + pid * PAIRS + tl.arange(0, PAIRS), (silu * up.to(tl.float32)).to(dtype))
     elif EPILOGUE == 2:
         x1, x2 = tl.split(tl.reshape(y, [PAIRS, 2]))
-        dims = (pid % per_head) * PAIRS + tl.arange(0, PAIRS)
+        dims = dim0 + tl.arange(0, PAIRS)
         cos = tl.load(cos_ptr + dims).to(tl.float32)
         sin = tl.load(sin_ptr + dims).to(tl.float32)
         x1, x2 = x1.to(tl.float32), x2.to(tl.float32)

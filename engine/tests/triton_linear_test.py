@@ -6,6 +6,8 @@ too (`//engine:triton_linear_gpu_test`, tag `gpu`):
     python -m pytest -q engine/tests/triton_linear_test.py
 """
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from engine.tests import triton_mode  # before triton: picks the interpreter on CPU
 
 # isort: split
-from engine import cuda_ops, model, triton_linear, triton_ops
+from engine import cuda_ops, model, triton_gemv_rows, triton_linear, triton_ops
 
 KERNEL = triton_linear._gemv_kernel
 DEVICE = triton_mode.device_of(KERNEL)
@@ -254,18 +256,21 @@ def _double(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 @cuda
-def test_dependent_chain_in_cuda_graph_matches_eager():
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+def test_dependent_chain_in_cuda_graph_matches_eager(rows):
     """Each product reads the one before: with programmatic dependent launch inside a captured
-    graph, a kernel that read its input before the previous one finished would differ."""
+    graph, a kernel that read its input before the previous one finished would differ. One row
+    runs the GEMV, more the few-row kernel."""
     gen = torch.Generator().manual_seed(2)
     weights = [
         (torch.randn(4096, 4096, generator=gen) / 64).to(torch.bfloat16).cuda() for _ in range(8)
     ]
-    x = torch.randn(1, 4096, generator=gen).to(torch.bfloat16).cuda()
+    x = torch.randn(rows, 4096, generator=gen).to(torch.bfloat16).cuda()
+    product = triton_linear.linear if rows == 1 else partial(triton_gemv_rows.launch, bias=None)
 
     def chain(v):
         for w in weights:
-            v = triton_linear.linear(v, w)
+            v = product(v, w)
         return v
 
     expected = chain(x)
