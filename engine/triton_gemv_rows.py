@@ -37,8 +37,8 @@ MAX_ROWS = 64
 # What the kernel does with its rounded outputs (the EPILOGUE constexpr), as the GEMV's.
 STORE, SILU, ROPE = 0, 1, 2
 
-# (rows of W per program, K step, warps, pipeline stages) by the matrix's shape, N out of K in.
-# TODO(device): chosen by `engine.gemv_bench --rows 4 --sweep` on an H100; see performance.md.
+# (rows of W per program, K step, warps, pipeline stages) by the matrix's shape, N out of K in:
+# untimed settings (ROWS_KERNEL is off) until `engine.gemv_bench --rows 4 --sweep` picks them.
 _TALL = (16, 256, 4, 4)
 _OTHER = (16, 256, 4, 4)
 
