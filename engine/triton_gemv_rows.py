@@ -38,7 +38,8 @@ MAX_ROWS = 64
 STORE, SILU, ROPE = 0, 1, 2
 
 # (rows of W per program, K step, warps, pipeline stages) by the matrix's shape, N out of K in:
-# untimed settings (ROWS_KERNEL is off) until `engine.gemv_bench --rows 4 --sweep` picks them.
+# untimed settings (triton_linear.ROWS_KERNEL is off) until
+# `engine.gemv_bench --rows 4 --sweep` picks them.
 _TALL = (16, 256, 4, 4)
 _OTHER = (16, 256, 4, 4)
 
