@@ -1,5 +1,5 @@
 """Linear layers for decode on the GPU: a Triton GEMV for one-row inputs, a few-row kernel
-(engine.triton_gemv_rows) for 2 to 16 rows, cuBLAS otherwise.
+(engine.triton_gemv_rows) for 2 to 64 rows where ROWS_KERNEL is on, cuBLAS otherwise.
 
 A bs=1 decode step is a chain of matrix-vector products that stream every weight once, so
 their bandwidth is the step's speed. cuBLAS's M=1 kernels leave bandwidth unused on the square
@@ -175,9 +175,9 @@ def linear_rope(
     """x @ weight.T + bias, its first `rotated_features` outputs (whole heads) of each row i
     rotated by cos[i], sin[i] [head_dim / 2], where `fuses_rope(x, weight, head_dim)`."""
     assert rotated_features % head_dim == 0 and cos.is_contiguous() and sin.is_contiguous()
-    assert cos.shape == sin.shape == (x.shape[0], head_dim // 2)
     rope = (cos, sin, head_dim // 2, rotated_features)
     if x.shape[0] > 1:
+        assert cos.shape == sin.shape == (x.shape[0], head_dim // 2)
         return triton_gemv_rows.launch(
             x, weight, bias, triton_gemv_rows.ROPE, rope=rope, norm=_rows_norm(norm)
         )
