@@ -37,11 +37,10 @@ MAX_ROWS = 64
 # What the kernel does with its rounded outputs (the EPILOGUE constexpr), as the GEMV's.
 STORE, SILU, ROPE = 0, 1, 2
 
-# (rows of W per program, K step, warps, pipeline stages) by the matrix's shape, N out of K in:
-# untimed settings (triton_linear.ROWS_KERNEL is off) until
-# `engine.gemv_bench --rows 4 --sweep` picks them.
-_TALL = (16, 256, 4, 4)
-_OTHER = (16, 256, 4, 4)
+# (rows of W per program, K step, warps, pipeline stages), one set for every shape: untimed
+# (triton_linear.ROWS_KERNEL is off) until `engine.gemv_bench --rows 4 --sweep` picks them,
+# per shape where the shapes differ.
+_SETTINGS = (16, 256, 4, 4)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -65,9 +64,9 @@ def pairs(weight: torch.Tensor) -> int:
 
 
 def _config(weight: torch.Tensor) -> tuple[int, int, int, int]:
-    rows, columns = weight.shape
-    block_n, block_k, warps, stages = _TALL if rows >= 2 * columns else _OTHER
-    return block_n, min(block_k, triton.next_power_of_2(columns)), warps, stages
+    """The settings, the K step cut to K where K is shorter (rounded up to a power of two)."""
+    block_n, block_k, warps, stages = _SETTINGS
+    return block_n, min(block_k, triton.next_power_of_2(weight.shape[1])), warps, stages
 
 
 def launch(
