@@ -53,6 +53,13 @@ class AttentionMetadata:
     # catch-up, in CUDA graphs): every row's K/V is written before any row attends, where a
     # decode kernel would otherwise attend each row's own K/V from registers.
     new_kv_first: bool = False
+    # With new_kv_first, where consecutive rows are tokens of one sequence: [B] int32, each
+    # row's index among its sequence's rows (0 for its first; a row whose index is j belongs to
+    # the sequence of the row j before it), and at most how many rows a sequence has (a host
+    # int: kernels are compiled for it). A GPU backend then reads each tile of the context once
+    # for all of a sequence's rows; None: every row on its own.
+    row_in_seq: torch.Tensor | None = None
+    max_rows_per_seq: int = 1
 
     def __post_init__(self) -> None:
         # Shape and dtype only: checking values would cost a device sync every step.
@@ -72,6 +79,12 @@ class AttentionMetadata:
             raise ValueError(
                 f"block_tables has {self.block_tables.shape[0]} rows, expected B = {batch}"
             )
+        if self.row_in_seq is not None:
+            _expect(self.row_in_seq, "row_in_seq", 1, torch.int32)
+            if not self.new_kv_first or self.row_in_seq.shape[0] != batch:
+                raise ValueError("row_in_seq needs new_kv_first and one entry per row")
+            if self.max_rows_per_seq < 1:
+                raise ValueError(f"max_rows_per_seq must be >= 1, got {self.max_rows_per_seq}")
         if not 1 <= self.max_query_len <= self.max_seq_len:
             raise ValueError(
                 f"max_query_len ({self.max_query_len}) must be in [1, max_seq_len "

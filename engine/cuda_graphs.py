@@ -35,8 +35,9 @@ MAX_HOST_BUFFERS = 8
 
 class StepInputs:
     """One bucket's step inputs in one byte buffer, pinned on the host and mirrored on the device:
-    input ids, positions and slots (int64, [3, bucket]), then sequence lengths (int32, [bucket])
-    and block tables (int32, [bucket, max_blocks]). A step costs the host its writes into pinned
+    input ids, positions and slots (int64, [3, bucket]), then sequence lengths and each row's
+    index among its sequence's rows (int32, [2, bucket]) and block tables (int32, [bucket,
+    max_blocks]). A step costs the host its writes into pinned
     memory and one copy of the whole buffer (three separate copies cost more host time than the
     copy itself takes).
 
@@ -65,10 +66,11 @@ class StepInputs:
         self._buffers = [self._new_buffer() for _ in range(2)]
         self._turn = 0
         self.device = self._buffers[0].tensor.to(device)
-        ids_bytes, lens_bytes = 3 * bucket * 8, bucket * 4
+        ids_bytes, lens_bytes = 3 * bucket * 8, 2 * bucket * 4
         ids = self.device[:ids_bytes].view(torch.int64).view(3, bucket)
         self.input_ids, self.positions, self.slots = ids[0], ids[1], ids[2]
-        self.seq_lens = self.device[ids_bytes : ids_bytes + lens_bytes].view(torch.int32)
+        lens = self.device[ids_bytes : ids_bytes + lens_bytes].view(torch.int32).view(2, bucket)
+        self.seq_lens, self.row_in_seq = lens[0], lens[1]
         self.block_tables = (
             self.device[ids_bytes + lens_bytes :].view(torch.int32).view(bucket, max_blocks)
         )
@@ -78,9 +80,11 @@ class StepInputs:
         input_ids: Sequence[int] | None,
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
+        row_in_seq: Sequence[int] | None = None,
     ) -> None:
         """Writes a step's inputs into a free host buffer and queues its copy to `device`.
-        input_ids None: the caller writes them on the device after the copy."""
+        input_ids None: the caller writes them on the device after the copy. row_in_seq: each
+        row's index among its sequence's rows (AttentionMetadata.row_in_seq), else 0."""
         buffer = self._free_buffer()
         ids, lens, tables = buffer.views
         n, bs = len(positions), self._block_size
@@ -90,13 +94,15 @@ class StepInputs:
         ids[2, :n] = [
             t[p // bs] * bs + p % bs for p, t in zip(positions, block_tables, strict=True)
         ]
-        lens[:n] = ids[1, :n] + 1
+        lens[0, :n] = ids[1, :n] + 1
+        lens[1, :n] = 0 if row_in_seq is None else row_in_seq
         for i, table in enumerate(block_tables):
             tables[i, : len(table)] = table
         # Rows this step does not use, padded (the buffer may hold a larger batch's rows).
         ids[:2, n:] = 0
         ids[2, n:] = self._pad_slot
-        lens[n:] = 1
+        lens[0, n:] = 1
+        lens[1, n:] = 0
         tables[n:, 0] = self._padding_block
         self.device.copy_(buffer.tensor, non_blocking=True)
         if buffer.copied is not None:
@@ -117,15 +123,15 @@ class StepInputs:
 
     def _new_buffer(self) -> _HostBuffer:
         bucket, max_blocks = self.bucket, self._max_blocks
-        ids_bytes, lens_bytes = 3 * bucket * 8, bucket * 4
+        ids_bytes, lens_bytes = 3 * bucket * 8, 2 * bucket * 4
         size = ids_bytes + lens_bytes + bucket * max_blocks * 4
         tensor = torch.zeros(size, dtype=torch.uint8, pin_memory=self._cuda)
         raw = tensor.numpy()
         ids = raw[:ids_bytes].view(np.int64).reshape(3, bucket)
-        lens = raw[ids_bytes : ids_bytes + lens_bytes].view(np.int32)
+        lens = raw[ids_bytes : ids_bytes + lens_bytes].view(np.int32).reshape(2, bucket)
         tables = raw[ids_bytes + lens_bytes :].view(np.int32).reshape(bucket, max_blocks)
         ids[2] = self._pad_slot
-        lens[:] = 1
+        lens[0] = 1
         tables[:] = self._padding_block
         copied = torch.cuda.Event() if self._cuda else None
         return _HostBuffer(tensor, (ids, lens, tables), copied)
@@ -158,7 +164,8 @@ def _no_collection():
 class _HostBuffer(NamedTuple):
     tensor: torch.Tensor
     views: tuple[np.ndarray, np.ndarray, np.ndarray]
-    """ids [3, bucket], lens [bucket], tables [bucket, max_blocks] over `tensor`."""
+    """ids [3, bucket], lengths and rows' indices [2, bucket], tables [bucket, max_blocks] over
+    `tensor`."""
     copied: torch.cuda.Event | None
     """Recorded after the copy of `tensor` was queued (CUDA)."""
 
@@ -186,7 +193,9 @@ class DecodeGraphs:
     """One graph per batch bucket of decode rows. With `new_kv_first`, rows may be consecutive
     tokens of one sequence (speculative verification, a draft model's catch-up): each row is
     given its own position and its sequence's block table, and every row's K/V is written
-    before any row attends (AttentionMetadata.new_kv_first).
+    before any row attends (AttentionMetadata.new_kv_first). With `max_rows_per_seq` > 1 the
+    rows of one sequence, up to that many, are told apart by `run`'s row_in_seq, and attention
+    reads their context once for all of them (AttentionMetadata.row_in_seq).
 
     `forward` replaces the model's forward and logits, for a module that also takes a hidden
     state per row (an MTP layer, engine.mtp): (ids, positions, meta, previous [rows, width])
@@ -201,9 +210,12 @@ class DecodeGraphs:
         new_kv_first: bool = False,
         forward: HiddenForward | None = None,
         previous_width: int = 0,
+        max_rows_per_seq: int = 1,
     ) -> None:
+        assert new_kv_first or max_rows_per_seq == 1
         self.model = model
         self.new_kv_first = new_kv_first
+        self.max_rows_per_seq = max_rows_per_seq
         self._forward = forward
         self.kv_cache = kv_cache
         self.buckets = batch_buckets(max_batch)
@@ -234,15 +246,17 @@ class DecodeGraphs:
         fed_ids: torch.Tensor | None = None,
         previous: torch.Tensor | None = None,
         offsets: torch.Tensor | None = None,
+        row_in_seq: Sequence[int] | None = None,
     ) -> GraphStep:
         """The outputs of one decode token per row (n <= max_batch rows). The input ids are
         `input_ids` from the host, or `fed_ids` [n], already on the device; `previous` [n,
         previous_width]: the rows' hidden inputs, for a `forward` that takes them; `offsets`
-        [n] on the device: added to `positions` (StepInputs.shift)."""
+        [n] on the device: added to `positions` (StepInputs.shift); `row_in_seq` [n]: each
+        row's index among its sequence's rows, for graphs of max_rows_per_seq > 1."""
         n = len(positions)
         bucket = next(b for b in self.buckets if b >= n)
         inputs = self._inputs[bucket]
-        inputs.upload(input_ids, positions, block_tables)
+        inputs.upload(input_ids, positions, block_tables, row_in_seq)
         if offsets is not None:
             inputs.shift(n, offsets)
         if fed_ids is not None:
@@ -268,6 +282,8 @@ class DecodeGraphs:
                 max_query_len=1,
                 max_seq_len=max_model_len,
                 new_kv_first=self.new_kv_first,
+                row_in_seq=inputs.row_in_seq if self.max_rows_per_seq > 1 else None,
+                max_rows_per_seq=self.max_rows_per_seq,
             )
             # Padded rows only until the first write: everything points at the padding block.
             args = (inputs.input_ids, inputs.positions, meta, self._previous[:bucket])

@@ -218,7 +218,8 @@ class ModelRunner:
         """Logits of the sampling sequences' rows (each fed token of theirs), and every row's
         hidden state: a graph replay with a row per fed token, at its position, with its
         sequence's block table. `fed`: a shifted plan's ids and offsets, on the device."""
-        ids, positions, tables, sample_rows = [], [], [], []
+        ids, positions, tables, sample_rows, row_in_seq = [], [], [], [], []
+        per_seq = self.verify_graphs.max_rows_per_seq
         for item in plan.scheduled:
             seq, n = item.seq, item.num_new_tokens
             if item.samples:
@@ -228,11 +229,12 @@ class ModelRunner:
                 ids.extend(item.draft)
             positions.extend(range(item.start, item.start + n))
             tables.extend([seq.block_ids] * n)
+            row_in_seq.extend(j % per_seq for j in range(n))
         if fed is None:
-            logits, _, hidden = self.executor.replay(True, ids, positions, tables)
+            logits, _, hidden = self.executor.replay(True, ids, positions, tables, row_in_seq)
         else:
             logits, _, hidden = self.executor.replay(
-                True, None, positions, tables, fed_ids=fed.ids, offsets=fed.row_shift
+                True, None, positions, tables, row_in_seq, fed_ids=fed.ids, offsets=fed.row_shift
             )
         if len(sample_rows) < len(positions):  # a one-token prompt chunk rode along
             logits = logits[to_device(sample_rows, self.device)]

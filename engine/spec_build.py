@@ -135,7 +135,11 @@ def verify_graphs(
     MAX_GRAPH_ROWS rows (larger steps run eagerly)."""
     if config.speculative_config is None or not config.cuda_graphs:
         return None
-    return DecodeGraphs(model, kv_cache, _graph_rows(config), max_model_len, new_kv_first=True)
+    rows = _graph_rows(config)
+    per_seq = config.num_speculative_tokens + 1
+    return DecodeGraphs(
+        model, kv_cache, rows, max_model_len, new_kv_first=True, max_rows_per_seq=per_seq
+    )
 
 
 def _graph_rows(config: EngineConfig) -> int:

@@ -75,12 +75,16 @@ class StepExecutor:
         input_ids: Sequence[int] | None,
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
+        row_in_seq: Sequence[int] | None = None,
         fed_ids: torch.Tensor | None = None,
         offsets: torch.Tensor | None = None,
     ) -> GraphStep:
         """A replay of the decode graphs (`verify`: the verification graphs), DecodeGraphs.run."""
         graphs = self.verify_graphs if verify else self.graphs
-        return graphs.run(input_ids, positions, block_tables, fed_ids=fed_ids, offsets=offsets)
+        return graphs.run(
+            input_ids, positions, block_tables, fed_ids=fed_ids, offsets=offsets,
+            row_in_seq=row_in_seq,
+        )  # fmt: skip
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         self.kv_cache.copy_blocks(src, dst)

@@ -232,12 +232,20 @@ class LeaderExecutor(StepExecutor):
         return super().logits(rows)
 
     def replay(
-        self, verify, input_ids, positions, block_tables, fed_ids=None, offsets=None
+        self,
+        verify,
+        input_ids,
+        positions,
+        block_tables,
+        row_in_seq=None,
+        fed_ids=None,
+        offsets=None,
     ) -> GraphStep:
         # The engine plans no shifted verification under tensor parallelism (LLMEngine.build).
         assert offsets is None, "offsets on the device: one device only"
         ids = None if input_ids is None else list(input_ids)
-        args = (verify, ids, list(positions), [list(t) for t in block_tables])
+        rows = None if row_in_seq is None else list(row_in_seq)
+        args = (verify, ids, list(positions), [list(t) for t in block_tables], rows)
         if fed_ids is not None:  # a step planned ahead: the ids on the device
             self._workers.send("replay_fed", args)
             dist.broadcast(fed_ids, src=0, group=self.group)
@@ -261,9 +269,9 @@ class RankExecutor(StepExecutor):
     def forward_fed(self, positions, query_lens, seq_lens, block_tables) -> None:
         self.forward(self._fed(len(positions)), positions, query_lens, seq_lens, block_tables)
 
-    def replay_fed(self, verify, input_ids, positions, block_tables) -> None:
+    def replay_fed(self, verify, input_ids, positions, block_tables, row_in_seq) -> None:
         fed = self._fed(len(positions))
-        self.replay(verify, input_ids, positions, block_tables, fed_ids=fed)
+        self.replay(verify, input_ids, positions, block_tables, row_in_seq, fed_ids=fed)
 
     def _fed(self, n: int) -> torch.Tensor:
         ids = torch.empty(n, dtype=torch.int64, device=self.device)

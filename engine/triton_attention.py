@@ -24,6 +24,11 @@ The decode path is CUDA-graph capturable: launch grids and buffer sizes depend o
   before (the qkv projection), and with several splits (small batches: a split has a few tiles)
   each program requests its first tile before it waits for that kernel: into registers, or
   (FEW_TILES) into L2 where that is its only tile.
+  Rows that are consecutive tokens of one sequence (a speculative verification's, with their
+  K/V written first: AttentionMetadata.row_in_seq) are attended by the programs of the
+  sequence's first row, their query rows stacked in the dot (4 rows of a GQA group of 4 fill
+  its 16), each masked at its own token; the other rows' programs exit at once. So each tile
+  of the context is read once a step, not once a row (4 times, at depth 3).
 - `_combine_kernel`, grid (sequence, query head): merges the partial outputs of the splits that
   have tiles (and split 0) by log-sum-exp.
 - `_write_kv_kernel`, grid (token, kv head): copies one head of one token's K and V to its slot.
@@ -85,7 +90,9 @@ def paged_attention(
     """
     if meta.max_query_len != 1:  # prefill in the batch: never in a CUDA graph
         return attend_batch(q, k_cache, v_cache, meta, scale, _decode_rows)
-    return _decode(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, num_splits)
+    rows = None if meta.row_in_seq is None else (meta.row_in_seq, meta.max_rows_per_seq)
+    seq_lens, tables = meta.seq_lens, meta.block_tables
+    return _decode(q, k_cache, v_cache, seq_lens, tables, scale, num_splits, rows_of_seq=rows)
 
 
 def attention(
@@ -156,10 +163,16 @@ def _decode(
     scale: float,
     num_splits: int | None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rows_of_seq: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """new_kv: (k, v [batch, num_kv_heads, head_dim], slots [batch]) of each sequence's last
-    token, not yet in the cache: the split kernel stores them and attends to them."""
+    token, not yet in the cache: the split kernel stores them and attends to them.
+    rows_of_seq: (row_in_seq [batch], at most how many rows a sequence has), for rows that are
+    consecutive tokens of one sequence, their K/V in the cache (AttentionMetadata.row_in_seq):
+    one program reads each tile of the context for all of a sequence's rows."""
     batch, num_heads, head_dim = q.shape
+    row_in_seq, fed = rows_of_seq if rows_of_seq is not None else (seq_lens, 1)
+    assert fed == 1 or new_kv is None, "grouped rows have their K/V in the cache"
     _, num_kv_heads, block_size, _ = k_cache.shape
     assert seq_lens.shape[0] == batch, "a decode batch has one query row per sequence"
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -174,7 +187,9 @@ def _decode(
         # The longest context any replay of a captured graph may bring: the block table's width.
         max_blocks = block_tables.shape[1]
         max_tiles = min(max_blocks, -(-max_blocks * block_size // tile))
-        num_splits = choose_num_splits(batch, num_kv_heads, max_tiles, _sm_count(q.device))
+        # Programs of a sequence's rows after its first exit at once: count the sequences.
+        sequences = -(-batch // fed)
+        num_splits = choose_num_splits(sequences, num_kv_heads, max_tiles, _sm_count(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
@@ -206,6 +221,7 @@ def _decode(
         slots,
         *new_strides,
         seq_lens,
+        row_in_seq,
         block_tables,
         partial,
         lse,
@@ -219,7 +235,8 @@ def _decode(
         *partial_strides,
         *lse_strides,
         GROUP=group,
-        GROUP_PAD=max(_MIN_DOT, triton.next_power_of_2(group)),
+        FED=fed,
+        ROWS_PAD=max(_MIN_DOT, triton.next_power_of_2(fed * group)),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
@@ -240,7 +257,8 @@ def _decode(
         launch_pdl=triton_pdl.enabled(q.device),
     )
     if num_splits > 1:
-        _combine(partial, lse, out, seq_lens, head_dim_pad, tile, new_kv is not None)
+        lens = (seq_lens, row_in_seq, fed)
+        _combine(partial, lse, out, lens, head_dim_pad, tile, new_kv is not None)
     return out
 
 
@@ -248,17 +266,20 @@ def _combine(
     partial: torch.Tensor,
     lse: torch.Tensor,
     out: torch.Tensor,
-    seq_lens: torch.Tensor,
+    lens: tuple[torch.Tensor, torch.Tensor, int],
     head_dim_pad: int,
     tile: int,
     new_kv: bool,
 ) -> None:
+    """lens: (seq_lens, row_in_seq, rows a sequence has at most), as the split kernel had."""
     batch, num_heads, num_splits, head_dim = partial.shape
+    seq_lens, row_in_seq, fed = lens
     _combine_kernel[(batch, num_heads)](
         partial,
         lse,
         out,
         seq_lens,
+        row_in_seq,
         num_splits,
         *partial.stride()[:3],
         *lse.stride()[:2],
@@ -268,6 +289,7 @@ def _combine(
         HEAD_DIM_PAD=head_dim_pad,
         CHUNK=min(_MAX_COMBINE_CHUNK, triton.next_power_of_2(num_splits)),
         NEW_KV=new_kv,
+        FED=fed,
         TILE=tile,
         PDL=triton_pdl.enabled(out.device),
         num_warps=_NUM_WARPS,
@@ -361,14 +383,20 @@ def _prefetch_l2(ptrs, wanted):
 
 
 @triton.jit
-def _attend_tile(q, k, v, valid, m, sum_exp, acc, scale_log2, PRECISION: tl.constexpr):
-    """One online-softmax step over a tile holding at least one valid token."""
+def _attend_tile(
+    q, k, v, valid, m, sum_exp, acc, scale_log2, PRECISION: tl.constexpr, ROWS_VALID: tl.constexpr
+):
+    """One online-softmax step over a tile holding at least one valid token. valid: [TILE],
+    or with ROWS_VALID [rows, TILE], where a row may have none in the tile."""
     k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache's tile widened (its scale is 1.0)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-    scores = tl.where(valid[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, 1))  # finite: the tile holds a valid token
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    scores = tl.where(valid if ROWS_VALID else valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))  # finite where the row has had a valid token
+    shift = m_new
+    if ROWS_VALID:  # a row with none yet: m_new is -inf, and exp2(-inf - -inf) would be NaN
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - shift)
+    p = tl.exp2(scores - shift[:, None])
     sum_exp = sum_exp * alpha + tl.sum(p, 1)
     # p is rounded to the compute dtype for the tensor-core dot, as in flash attention.
     p = p.to(v.dtype)
@@ -377,11 +405,13 @@ def _attend_tile(q, k, v, valid, m, sum_exp, acc, scale_log2, PRECISION: tl.cons
 
 
 @triton.jit
-def _split_tiles(seq_len, num_splits, NEW_KV: tl.constexpr, TILE: tl.constexpr):
+def _split_tiles(seq_len, num_splits, NEW_KV: tl.constexpr, FED: tl.constexpr, TILE: tl.constexpr):
     """A sequence's context length in the tiles, its tiles, and the tiles of each split (the
     last splits with tiles may have fewer; those after them none)."""
     # NEW_KV: the last token's K/V come in registers; the tiles hold the tokens before it.
-    context_len = seq_len - 1 if NEW_KV else seq_len
+    # FED > 1: seq_len is the first of up to FED consecutive rows' (a sequence's rows share
+    # their splits): the tiles divided are those of the longest the last row can be.
+    context_len = seq_len - 1 if NEW_KV else seq_len + (FED - 1)
     num_tiles = tl.cdiv(context_len, TILE)
     return context_len, num_tiles, tl.cdiv(num_tiles, num_splits)
 
@@ -399,6 +429,7 @@ def _split_kernel(
     stride_nvb,
     stride_nvh,
     seq_lens_ptr,
+    row_in_seq_ptr,  # [B]: FED's, each row's index among its sequence's rows
     block_tables_ptr,
     out_ptr,  # [B, heads, splits, dim] fp32 partials; [B, heads, dim] output with one split
     lse_ptr,  # [B, heads, splits] fp32, log2 domain; unused with one split
@@ -419,7 +450,8 @@ def _split_kernel(
     stride_lb,
     stride_lh,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    FED: tl.constexpr,  # > 1: rows are up to FED consecutive tokens of a sequence (row_in_seq)
+    ROWS_PAD: tl.constexpr,  # FED * GROUP query rows of the dot, to a power of two >= 16
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -436,15 +468,30 @@ def _split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if FED > 1:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        # A sequence's first row attends for all its rows: those after it have nothing to do.
+        if tl.load(row_in_seq_ptr + seq) > 0:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
-    context_len, num_tiles, tiles_per_split = _split_tiles(seq_len, num_splits, NEW_KV, TILE)
+    context_len, num_tiles, tiles_per_split = _split_tiles(seq_len, num_splits, NEW_KV, FED, TILE)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
-    rows = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + rows
+    # Query row r of the dot: head r % GROUP of the kv head's group, for the sequence's row
+    # `fed` = r // GROUP (0 but with FED), whose context ends at `limit`.
+    rows = tl.arange(0, ROWS_PAD)
+    fed = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    member = fed == 0
+    limit = seq_len
+    if FED > 1:
+        later = (fed < FED) & (seq + fed < tl.num_programs(0))
+        index = tl.load(row_in_seq_ptr + seq + fed, mask=later, other=-1)
+        member = later & (index == fed)  # a row whose index is fed is this sequence's
+        limit = seq_len + fed
+        context_len = tl.max(tl.where(member, limit, 0), 0)  # the last row's context
     dims = tl.arange(0, HEAD_DIM_PAD)
-    row_dim_mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    row_dim_mask = member[:, None] & (dims < HEAD_DIM)[None, :]
     if FEW_TILES:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if split > 0 and tile_begin >= tile_end:
             # An empty split (a short sequence's trailing ones) stores nothing and frees its
@@ -478,15 +525,12 @@ def _split_kernel(
             stride_kb, stride_kt, stride_vb, stride_vt, HEAD_DIM, BLOCK_SIZE, TILE,
         )  # fmt: skip
     triton_pdl.await_previous_kernel(PDL)
-    q = tl.load(
-        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-        mask=row_dim_mask,
-        other=0.0,
-    )
+    q_rows = (seq + fed) * stride_qt + heads * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_dim_mask, other=0.0)
 
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max, log2 domain
-    sum_exp = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    m = tl.full([ROWS_PAD], float("-inf"), tl.float32)  # running max, log2 domain
+    sum_exp = tl.zeros([ROWS_PAD], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([ROWS_PAD, HEAD_DIM_PAD], tl.float32)
     if NEW_KV:
         # Split 0 attends to the new token from these registers after its tiles, and stores it
         # in the cache for the steps after.
@@ -508,15 +552,21 @@ def _split_kernel(
         if not first_only:  # the tile in registers; else the loop loads it, from L2
             if tile_begin < tile_end:  # else the split is empty (and valid0 all False)
                 m, sum_exp, acc = _attend_tile(
-                    q, k0, v0, valid0, m, sum_exp, acc, scale_log2, PRECISION
+                    q, k0, v0, valid0, m, sum_exp, acc, scale_log2, PRECISION, False
                 )
             tile_begin += 1
+    if FED > 1:  # the splits divide the longest context possible: this one may be shorter
+        tile_end = tl.minimum(tile_end, tl.cdiv(context_len, TILE))
     for t in range(tile_begin, tile_end):
         k, v, valid = _load_tile(
             k_head, v_head, table, t, context_len, dims,
             stride_kb, stride_kt, stride_vb, stride_vt, HEAD_DIM, BLOCK_SIZE, TILE,
         )  # fmt: skip
-        m, sum_exp, acc = _attend_tile(q, k, v, valid, m, sum_exp, acc, scale_log2, PRECISION)
+        if FED > 1:  # each row sees the context up to its own token
+            valid = (t * TILE + tl.arange(0, TILE))[None, :] < limit[:, None]
+        m, sum_exp, acc = _attend_tile(
+            q, k, v, valid, m, sum_exp, acc, scale_log2, PRECISION, FED > 1
+        )
     if NEW_KV:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if split == 0:  # the new token, one query row at a time (no tile to dot)
             score = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * scale_log2
@@ -531,14 +581,16 @@ def _split_kernel(
     # An empty split (or a zero-length sequence) has sum_exp == 0: it stores out = 0, lse = -inf.
     nonempty = sum_exp > 0
     acc = acc / tl.where(nonempty, sum_exp, 1.0)[:, None]
+    out_rows = (seq + fed) * stride_ob + heads * stride_oh + split * stride_os
     tl.store(
-        out_ptr + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :],
+        out_ptr + out_rows[:, None] + dims[None, :],
         acc.to(out_ptr.dtype.element_ty),
         mask=row_dim_mask,
     )
     if WRITE_LSE:
         lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, sum_exp, 1.0)), float("-inf"))
-        tl.store(lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=rows < GROUP)
+        lse_rows = (seq + fed) * stride_lb + heads * stride_lh + split
+        tl.store(lse_ptr + lse_rows, lse, mask=member)
 
 
 @triton.jit
@@ -547,6 +599,7 @@ def _combine_kernel(
     lse_ptr,  # [B, heads, splits] fp32, log2 domain
     out_ptr,  # [B, heads, dim]
     seq_lens_ptr,
+    row_in_seq_ptr,  # FED's
     num_splits,
     stride_pb,
     stride_ph,
@@ -559,14 +612,16 @@ def _combine_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
     NEW_KV: tl.constexpr,  # as the split kernel's
+    FED: tl.constexpr,  # as the split kernel's
     TILE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    _, num_tiles, tiles_per_split = _split_tiles(
-        tl.load(seq_lens_ptr + seq), num_splits, NEW_KV, TILE
-    )
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if FED > 1:  # the splits of the sequence's first row, which attended for this one
+        seq_len -= tl.load(row_in_seq_ptr + seq)
+    _, num_tiles, tiles_per_split = _split_tiles(seq_len, num_splits, NEW_KV, FED, TILE)
     # The splits with tiles, and split 0 always: the others stored nothing (FEW_TILES) or
     # out = 0 and lse = -inf.
     used_splits = tl.maximum(1, tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1)))

@@ -17,6 +17,7 @@ def test_step_inputs_lay_out_rows_and_pad_the_rest():
     read, after one copy of the whole buffer (as each replay does)."""
     inputs = StepInputs(bucket=4, max_blocks=3, padding_block=9, block_size=16, device="cpu")
     inputs.upload([101, 102], [16, 5], [[3, 7], [4]])
+    assert inputs.row_in_seq.tolist() == [0, 0, 0, 0]
     assert inputs.input_ids.tolist() == [101, 102, 0, 0]
     assert inputs.positions.tolist() == [16, 5, 0, 0]
     assert inputs.slots.tolist() == [7 * 16 + 0, 4 * 16 + 5, 9 * 16, 9 * 16]
@@ -32,6 +33,12 @@ def test_step_inputs_lay_out_rows_and_pad_the_rest():
     inputs.upload([6], [1], [[2]])
     assert inputs.slots.tolist() == [2 * 16 + 1, 9 * 16, 9 * 16, 9 * 16]
     assert inputs.block_tables[:, 0].tolist() == [2, 9, 9, 9]
+    # A verification's rows: two of one sequence, then one of another; padding rows are 0.
+    inputs.upload([7, 8, 9], [3, 4, 5], [[2], [2], [4]], row_in_seq=[0, 1, 0])
+    assert inputs.row_in_seq.tolist() == [0, 1, 0, 0]
+    assert inputs.seq_lens.tolist() == [4, 5, 6, 1]
+    inputs.upload([6], [1], [[2]])
+    assert inputs.row_in_seq.tolist() == [0, 0, 0, 0]
 
 
 def test_step_inputs_leave_input_ids_to_the_device_when_fed():

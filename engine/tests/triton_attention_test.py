@@ -280,6 +280,65 @@ def test_rows_of_one_sequence_with_new_kv_first_match_a_chunk():
     torch.testing.assert_close(outs[1], outs[0])
 
 
+# (num_heads, num_kv_heads, dtype): 4 rows of GQA group 4 fill the dot's 16 rows; of group 3, 12.
+GROUPED = [(8, 2, torch.bfloat16), (9, 3, torch.float32)]
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 12])  # 12: more than _FEW_TILES_SPLITS
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "dtype"), GROUPED)
+def test_rows_of_a_sequence_attend_its_context_in_one_program(
+    monkeypatch, num_splits, num_heads, num_kv_heads, dtype
+):
+    """Verification rows with row_in_seq: a sequence's rows (up to max_rows_per_seq; a fifth
+    starts another group) attend the context, each up to its own token, as the float64
+    reference and as the rows attended one by one do. Slots past each context and the split
+    buffers hold NaN, so that a read of one shows."""
+    contexts, rows_per_seq, max_rows = [300, 2, 130, 257], [4, 1, 2, 5], 4
+    _, k_cache, v_cache, meta, ks, vs = _decode_case(
+        contexts, num_heads, num_kv_heads, 64, 16, dtype, seed=7
+    )
+    lens, tables, index, row_k, row_v = [], [], [], [], []
+    for s, (n, table) in enumerate(zip(rows_per_seq, meta.block_tables.tolist(), strict=True)):
+        for j in range(n):
+            lens.append(contexts[s] - n + 1 + j)
+            tables.append(table)
+            index.append(j % max_rows)
+            row_k.append(ks[s][: lens[-1]])
+            row_v.append(vs[s][: lens[-1]])
+    rows = AttentionMetadata.build([1] * len(lens), lens, tables, 16, DEVICE)
+    rows = dataclasses.replace(rows, new_kv_first=True)
+    grouped = dataclasses.replace(
+        rows,
+        row_in_seq=torch.tensor(index, dtype=torch.int32, device=DEVICE),
+        max_rows_per_seq=max_rows,
+    )
+    q = torch.randn(len(lens), num_heads, 64, generator=torch.Generator().manual_seed(8))
+    q = q.to(dtype).to(DEVICE)
+    one_by_one = triton_attention.paged_attention(
+        q, k_cache, v_cache, rows, 0.125, num_splits=num_splits
+    )
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = triton_attention.paged_attention(
+        q, k_cache, v_cache, grouped, 0.125, num_splits=num_splits
+    )
+    _assert_matches(out, _reference(q, row_k, row_v, 0.125), dtype)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, one_by_one, atol=tol, rtol=tol)
+
+
+def test_row_in_seq_needs_new_kv_first():
+    meta = AttentionMetadata.build([1, 1], [3, 4], [[0], [0]], 16, DEVICE)
+    index = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="row_in_seq needs new_kv_first"):
+        dataclasses.replace(meta, row_in_seq=index, max_rows_per_seq=2)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 12])  # 12: more than _FEW_TILES_SPLITS
 @pytest.mark.parametrize(
     ("dtype", "head_dim"), [(torch.bfloat16, 32), (torch.float32, 24)]
