@@ -56,7 +56,8 @@ from engine import triton_mla_heads, triton_pdl
 from engine.attention import AttentionMetadata
 from engine.fp8 import FP8_DTYPE
 from engine.mla import absorbed_decode
-from engine.triton_attention import _sm_count, _split_tiles
+from engine.triton_attention import sm_count
+from engine.triton_attention_kernels import split_tiles
 from engine.triton_latent_store import store_latent
 
 __all__ = ["choose_num_splits", "decode_attention", "mla_decode", "store_latent"]
@@ -109,7 +110,7 @@ def mla_decode(
     if num_splits is None:
         # The longest context any replay of a captured graph may bring: the block table's width.
         max_tiles = triton.cdiv(block_tables.shape[1] * block_size, tile)
-        num_splits = choose_num_splits(batch, head_blocks, max_tiles, _sm_count(q_c.device))
+        num_splits = choose_num_splits(batch, head_blocks, max_tiles, sm_count(q_c.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
@@ -295,7 +296,7 @@ def _split_kernel(
     seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    _, num_tiles, tiles_per_split = _split_tiles(seq_len, num_splits, False, TILE)
+    _, num_tiles, tiles_per_split = split_tiles(seq_len, num_splits, False, 1, TILE)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     if split > 0 and tile_begin >= tile_end:
@@ -371,8 +372,8 @@ def _combine_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.program_id(2) * DIMS + tl.arange(0, DIMS)
-    _, num_tiles, tiles_per_split = _split_tiles(
-        tl.load(seq_lens_ptr + seq), num_splits, False, TILE
+    _, num_tiles, tiles_per_split = split_tiles(
+        tl.load(seq_lens_ptr + seq), num_splits, False, 1, TILE
     )
     # The splits with tiles, and split 0 always: the others stored nothing.
     used_splits = tl.maximum(1, tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1)))

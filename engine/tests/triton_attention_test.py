@@ -25,19 +25,19 @@ from engine.tests import triton_mode  # before triton: picks the interpreter on 
 
 # isort: split
 
-from engine import attention, triton_attention
+from engine import attention, triton_attention, triton_attention_kernels
 from engine.attention import AttentionMetadata
 from engine.fp8 import FP8_DTYPE, FP8_MAX
 
-INTERPRETED = triton_mode.interpreted(triton_attention._split_kernel)
-DEVICE = triton_mode.device_of(triton_attention._split_kernel)
+INTERPRETED = triton_mode.interpreted(triton_attention_kernels.split_kernel)
+DEVICE = triton_mode.device_of(triton_attention_kernels.split_kernel)
 cuda = pytest.mark.cuda  # needs compiled kernels on a GPU
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _triton_mode():
-    with triton_mode.runnable(triton_attention._split_kernel):
+    with triton_mode.runnable(triton_attention_kernels.split_kernel):
         yield
 
 
