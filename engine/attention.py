@@ -56,8 +56,9 @@ class AttentionMetadata:
     # With new_kv_first, where consecutive rows are tokens of one sequence: [B] int32, each
     # row's index among its sequence's rows (0 for its first; a row whose index is j belongs to
     # the sequence of the row j before it), and at most how many rows a sequence has (a host
-    # int: kernels are compiled for it). A GPU backend then reads each tile of the context once
-    # for all of a sequence's rows; None: every row on its own.
+    # int: kernels are compiled for it; no sequence may have more). A GPU backend then reads
+    # each tile of the context once for all of a sequence's rows, and may write their K/V
+    # itself; None: every row on its own, all K/V written first.
     row_in_seq: torch.Tensor | None = None
     max_rows_per_seq: int = 1
 

@@ -229,7 +229,8 @@ class ModelRunner:
                 ids.extend(item.draft)
             positions.extend(range(item.start, item.start + n))
             tables.extend([seq.block_ids] * n)
-            row_in_seq.extend(j % per_seq for j in range(n))
+            assert n <= per_seq, "a verification graph's sequence has k + 1 rows at most"
+            row_in_seq.extend(range(n))
         if fed is None:
             logits, _, hidden = self.executor.replay(True, ids, positions, tables, row_in_seq)
         else:

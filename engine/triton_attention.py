@@ -25,11 +25,13 @@ in engine.triton_attention_kernels:
   before (the qkv projection), and with several splits (small batches: a split has a few tiles)
   each program requests its first tile before it waits for that kernel: into registers, or
   (FEW_TILES) into L2 where that is its only tile.
-  Rows that are consecutive tokens of one sequence (a speculative verification's, with their
-  K/V written first: AttentionMetadata.row_in_seq) are attended by the programs of the
-  sequence's first row, their query rows stacked in the dot (4 rows of a GQA group of 4 fill
-  its 16), each masked at its own token; the other rows' programs exit at once. So each tile
-  of the context is read once a step, not once a row (4 times, at depth 3).
+  Rows that are consecutive tokens of one sequence (a speculative verification's:
+  AttentionMetadata.row_in_seq) are attended by the programs of the sequence's first row,
+  their query rows stacked in the dot (4 rows of a GQA group of 4 fill its 16), each masked
+  at its own token; the other rows' programs exit at once. So each tile of the context is
+  read once a step, not once a row (4 times, at depth 3). Called by `attention`, split 0
+  also gets the rows' new K/V, attends them as a tile of their own (each row up to its
+  token) and stores them, as for one row.
 - `combine_kernel`, grid (sequence, query head): merges the partial outputs of the splits that
   have tiles (and split 0) by log-sum-exp.
 - `write_kv_kernel`, grid (token, kv head): copies one head of one token's K and V to its slot.
@@ -108,13 +110,15 @@ def attention(
 ) -> torch.Tensor:
     """`write_kv` of the new tokens' k, v [T, num_kv_heads, head_dim], then `paged_attention` of
     q. Decode batches do both in the split kernel: it stores each sequence's new K/V and
-    attends to them from registers, so no kernel of its own writes them."""
-    if meta.max_query_len != 1 or meta.new_kv_first:
+    attends to them from registers, so no kernel of its own writes them; so do rows told
+    apart by `meta.row_in_seq` (all of a sequence's rows' K/V in the programs of its first)."""
+    rows = None if meta.row_in_seq is None else (meta.row_in_seq, meta.max_rows_per_seq)
+    if meta.max_query_len != 1 or (meta.new_kv_first and rows is None):
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta, scale)
     new_kv = (k, v, meta.slot_mapping)
     seq_lens, tables = meta.seq_lens, meta.block_tables
-    return _decode(q, k_cache, v_cache, seq_lens, tables, scale, num_splits, new_kv)
+    return _decode(q, k_cache, v_cache, seq_lens, tables, scale, num_splits, new_kv, rows)
 
 
 def write_kv(
@@ -168,11 +172,11 @@ def _decode(
     """new_kv: (k, v [batch, num_kv_heads, head_dim], slots [batch]) of each sequence's last
     token, not yet in the cache: the split kernel stores them and attends to them.
     rows_of_seq: (row_in_seq [batch], at most how many rows a sequence has), for rows that are
-    consecutive tokens of one sequence, their K/V in the cache (AttentionMetadata.row_in_seq):
-    one program reads each tile of the context for all of a sequence's rows."""
+    consecutive tokens of one sequence (AttentionMetadata.row_in_seq): one program reads each
+    tile of the context for all of a sequence's rows; with new_kv, their K/V (each row's new
+    token) come in registers and are stored by it."""
     batch, num_heads, head_dim = q.shape
     row_in_seq, fed = rows_of_seq if rows_of_seq is not None else (seq_lens, 1)
-    assert fed == 1 or new_kv is None, "grouped rows have their K/V in the cache"
     _, num_kv_heads, block_size, _ = k_cache.shape
     assert seq_lens.shape[0] == batch, "a decode batch has one query row per sequence"
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -237,6 +241,8 @@ def _decode(
         GROUP=group,
         FED=fed,
         ROWS_PAD=max(_MIN_DOT, triton.next_power_of_2(fed * group)),
+        NEW_PAD=max(_MIN_DOT, triton.next_power_of_2(fed)),
+        ROW_LIMITS=fed > 1 and new_kv is None,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,

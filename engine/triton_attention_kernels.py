@@ -101,9 +101,10 @@ def _attend_tile(
 def split_tiles(seq_len, num_splits, NEW_KV: tl.constexpr, FED: tl.constexpr, TILE: tl.constexpr):
     """A sequence's context length in the tiles, its tiles, and the tiles of each split (the
     last splits with tiles may have fewer; those after them none)."""
-    # NEW_KV: the last token's K/V come in registers; the tiles hold the tokens before it.
-    # FED > 1: seq_len is the first of up to FED consecutive rows' (a sequence's rows share
-    # their splits): the tiles divided are those of the longest the last row can be.
+    # NEW_KV: the last token's K/V come in registers; the tiles hold the tokens before it
+    # (with FED, seq_len is the sequence's first row's, and so the tokens before its rows').
+    # FED > 1 alone: seq_len is the first of up to FED consecutive rows' (a sequence's rows
+    # share their splits): the tiles divided are those of the longest the last row can be.
     context_len = seq_len - 1 if NEW_KV else seq_len + (FED - 1)
     num_tiles = tl.cdiv(context_len, TILE)
     return context_len, num_tiles, tl.cdiv(num_tiles, num_splits)
@@ -145,6 +146,8 @@ def split_kernel(
     GROUP: tl.constexpr,
     FED: tl.constexpr,  # > 1: rows are up to FED consecutive tokens of a sequence (row_in_seq)
     ROWS_PAD: tl.constexpr,  # FED * GROUP query rows of the dot, to a power of two >= 16
+    NEW_PAD: tl.constexpr,  # FED to a power of two >= 16: NEW_KV's tile of a sequence's rows
+    ROW_LIMITS: tl.constexpr,  # FED without NEW_KV: the tiles hold the rows' tokens too
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -181,6 +184,7 @@ def split_kernel(
         later = (fed < FED) & (seq + fed < tl.num_programs(0))
         index = tl.load(row_in_seq_ptr + seq + fed, mask=later, other=-1)
         member = later & (index == fed)  # a row whose index is fed is this sequence's
+    if ROW_LIMITS:
         limit = seq_len + fed
         context_len = tl.max(tl.where(member, limit, 0), 0)  # the last row's context
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -225,21 +229,36 @@ def split_kernel(
     sum_exp = tl.zeros([ROWS_PAD], tl.float32)  # running sum of exp2(score - m)
     acc = tl.zeros([ROWS_PAD, HEAD_DIM_PAD], tl.float32)
     if NEW_KV:
-        # Split 0 attends to the new token from these registers after its tiles, and stores it
-        # in the cache for the steps after.
+        # Split 0 attends to the new token(s) from these registers after its tiles, and stores
+        # them in the cache for the steps after.
         dim_mask = dims < HEAD_DIM
-        new_k = tl.load(new_k_ptr + seq * stride_nkb + kv_head * stride_nkh + dims, dim_mask, 0.0)
-        new_v = tl.load(new_v_ptr + seq * stride_nvb + kv_head * stride_nvh + dims, dim_mask, 0.0)
-        new_k, new_v = triton_ops.to_cache(new_k, k_ptr), triton_ops.to_cache(new_v, v_ptr)
-        slot = tl.load(slots_ptr + seq).to(tl.int64)
+        if FED > 1:  # the sequence's rows' tokens, a tile of NEW_PAD, one a row
+            news = tl.arange(0, NEW_PAD)
+            news_in = (news < FED) & (seq + news < tl.num_programs(0))
+            index = tl.load(row_in_seq_ptr + seq + news, mask=news_in, other=-1)
+            news_in = news_in & (index == news)
+            new_rows = seq + news[:, None]
+            new_mask = news_in[:, None] & dim_mask[None, :]
+            slot = tl.load(slots_ptr + new_rows, mask=news_in[:, None], other=0).to(tl.int64)
+            k_at = new_rows * stride_nkb + kv_head * stride_nkh + dims[None, :]
+            v_at = new_rows * stride_nvb + kv_head * stride_nvh + dims[None, :]
+            dims_at = dims[None, :]
+        else:
+            new_mask = dim_mask
+            slot = tl.load(slots_ptr + seq).to(tl.int64)
+            k_at = seq * stride_nkb + kv_head * stride_nkh + dims
+            v_at = seq * stride_nvb + kv_head * stride_nvh + dims
+            dims_at = dims
+        new_k = triton_ops.to_cache(tl.load(new_k_ptr + k_at, new_mask, 0.0), k_ptr)
+        new_v = triton_ops.to_cache(tl.load(new_v_ptr + v_at, new_mask, 0.0), v_ptr)
         block_of_slot = slot // BLOCK_SIZE
         offset_of_slot = slot % BLOCK_SIZE
-        write = dim_mask & (split == 0)
+        write = new_mask & (split == 0)
         tl.store(
-            k_head + block_of_slot * stride_kb + offset_of_slot * stride_kt + dims, new_k, write
+            k_head + block_of_slot * stride_kb + offset_of_slot * stride_kt + dims_at, new_k, write
         )
         tl.store(
-            v_head + block_of_slot * stride_vb + offset_of_slot * stride_vt + dims, new_v, write
+            v_head + block_of_slot * stride_vb + offset_of_slot * stride_vt + dims_at, new_v, write
         )
     if PRELOAD:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if not first_only:  # the tile in registers; else the loop loads it, from L2
@@ -248,28 +267,34 @@ def split_kernel(
                     q, k0, v0, valid0, m, sum_exp, acc, scale_log2, PRECISION, False
                 )
             tile_begin += 1
-    if FED > 1:  # the splits divide the longest context possible: this one may be shorter
+    if ROW_LIMITS:  # the splits divide the longest context possible: this one may be shorter
         tile_end = tl.minimum(tile_end, tl.cdiv(context_len, TILE))
     for t in range(tile_begin, tile_end):
         k, v, valid = _load_tile(
             k_head, v_head, table, t, context_len, dims,
             stride_kb, stride_kt, stride_vb, stride_vt, HEAD_DIM, BLOCK_SIZE, TILE,
         )  # fmt: skip
-        if FED > 1:  # each row sees the context up to its own token
+        if ROW_LIMITS:  # each row sees the context up to its own token
             valid = (t * TILE + tl.arange(0, TILE))[None, :] < limit[:, None]
         m, sum_exp, acc = _attend_tile(
-            q, k, v, valid, m, sum_exp, acc, scale_log2, PRECISION, FED > 1
+            q, k, v, valid, m, sum_exp, acc, scale_log2, PRECISION, ROW_LIMITS
         )
     if NEW_KV:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if split == 0:  # the new token, one query row at a time (no tile to dot)
-            score = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * scale_log2
-            m_new = tl.maximum(m, score)
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(score - m_new)
-            sum_exp = sum_exp * alpha + p
-            p = p.to(q.dtype).to(tl.float32)  # rounded as the dot's p is
-            acc = acc * alpha[:, None] + p[:, None] * new_v.to(tl.float32)[None, :]
-            m = m_new
+        if split == 0:
+            if FED > 1:  # the rows' tokens, each row up to its own
+                causal = news_in[None, :] & (news[None, :] <= fed[:, None])
+                m, sum_exp, acc = _attend_tile(
+                    q, new_k, new_v, causal, m, sum_exp, acc, scale_log2, PRECISION, True
+                )
+            else:  # the new token, one query row at a time (no tile to dot)
+                score = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * scale_log2
+                m_new = tl.maximum(m, score)
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(score - m_new)
+                sum_exp = sum_exp * alpha + p
+                p = p.to(q.dtype).to(tl.float32)  # rounded as the dot's p is
+                acc = acc * alpha[:, None] + p[:, None] * new_v.to(tl.float32)[None, :]
+                m = m_new
 
     # An empty split (or a zero-length sequence) has sum_exp == 0: it stores out = 0, lse = -inf.
     nonempty = sum_exp > 0

@@ -284,27 +284,31 @@ def test_rows_of_one_sequence_with_new_kv_first_match_a_chunk():
 GROUPED = [(8, 2, torch.bfloat16), (9, 3, torch.float32)]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["paged_attention", "attention"])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 12])  # 12: more than _FEW_TILES_SPLITS
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "dtype"), GROUPED)
 def test_rows_of_a_sequence_attend_its_context_in_one_program(
-    monkeypatch, num_splits, num_heads, num_kv_heads, dtype
+    monkeypatch, num_splits, num_heads, num_kv_heads, dtype, fused
 ):
-    """Verification rows with row_in_seq: a sequence's rows (up to max_rows_per_seq; a fifth
-    starts another group) attend the context, each up to its own token, as the float64
-    reference and as the rows attended one by one do. Slots past each context and the split
-    buffers hold NaN, so that a read of one shows."""
-    contexts, rows_per_seq, max_rows = [300, 2, 130, 257], [4, 1, 2, 5], 4
+    """Verification rows with row_in_seq: a sequence's rows attend the context, each up to its
+    own token, as the float64 reference and as the rows attended one by one do; through
+    `attention` the rows' own K/V (NaN in the cache before the call) are stored by the kernel
+    and attended from registers. Slots past each context and the split buffers hold NaN, so
+    that a read of one shows."""
+    contexts, rows_per_seq, max_rows = [300, 2, 130, 257], [4, 1, 2, 3], 4
     _, k_cache, v_cache, meta, ks, vs = _decode_case(
         contexts, num_heads, num_kv_heads, 64, 16, dtype, seed=7
     )
-    lens, tables, index, row_k, row_v = [], [], [], [], []
+    lens, tables, index, row_k, row_v, new_k, new_v = [], [], [], [], [], [], []
     for s, (n, table) in enumerate(zip(rows_per_seq, meta.block_tables.tolist(), strict=True)):
         for j in range(n):
             lens.append(contexts[s] - n + 1 + j)
             tables.append(table)
-            index.append(j % max_rows)
+            index.append(j)
             row_k.append(ks[s][: lens[-1]])
             row_v.append(vs[s][: lens[-1]])
+            new_k.append(ks[s][lens[-1] - 1])
+            new_v.append(vs[s][lens[-1] - 1])
     rows = AttentionMetadata.build([1] * len(lens), lens, tables, 16, DEVICE)
     rows = dataclasses.replace(rows, new_kv_first=True)
     grouped = dataclasses.replace(
@@ -317,6 +321,11 @@ def test_rows_of_a_sequence_attend_its_context_in_one_program(
     one_by_one = triton_attention.paged_attention(
         q, k_cache, v_cache, rows, 0.125, num_splits=num_splits
     )
+    new_k, new_v = torch.stack(new_k).to(DEVICE), torch.stack(new_v).to(DEVICE)
+    blocks, offsets = rows.slot_mapping // 16, rows.slot_mapping % 16
+    if fused:  # the rows' own slots not written yet
+        k_cache[blocks, :, offsets] = float("nan")
+        v_cache[blocks, :, offsets] = float("nan")
     empty = torch.empty
 
     def nan_empty(*args, **kwargs):
@@ -324,9 +333,16 @@ def test_rows_of_a_sequence_attend_its_context_in_one_program(
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
     monkeypatch.setattr(torch, "empty", nan_empty)
-    out = triton_attention.paged_attention(
-        q, k_cache, v_cache, grouped, 0.125, num_splits=num_splits
-    )
+    if fused:
+        out = triton_attention.attention(
+            q, new_k, new_v, k_cache, v_cache, grouped, 0.125, num_splits=num_splits
+        )
+        assert torch.equal(k_cache[blocks, :, offsets], new_k)
+        assert torch.equal(v_cache[blocks, :, offsets], new_v)
+    else:
+        out = triton_attention.paged_attention(
+            q, k_cache, v_cache, grouped, 0.125, num_splits=num_splits
+        )
     _assert_matches(out, _reference(q, row_k, row_v, 0.125), dtype)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out, one_by_one, atol=tol, rtol=tol)
