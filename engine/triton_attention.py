@@ -46,16 +46,14 @@ stored, rounded, so that every step sees the same K/V. Tiles keep the tokens of 
 widened tile occupies the registers the tuned bf16 one does.
 """
 
-import functools
-
 import torch
 import triton
 
-from engine import triton_attention_kernels, triton_pdl
+from engine import triton_attention_kernels, triton_device, triton_pdl
 from engine.attention import AttentionMetadata, attend_batch
 from engine.fp8 import FP8_DTYPE
 
-__all__ = ["attention", "choose_num_splits", "paged_attention", "sm_count", "write_kv"]
+__all__ = ["attention", "choose_num_splits", "paged_attention", "write_kv"]
 
 _LOG2_E = 1.4426950408889634
 # K and V tile bytes per loop step (each): enough bytes in flight per program for a memory-bound
@@ -193,7 +191,8 @@ def _decode(
         max_tiles = min(max_blocks, -(-max_blocks * block_size // tile))
         # Programs of a sequence's rows after its first exit at once: count the sequences.
         sequences = -(-batch // fed)
-        num_splits = choose_num_splits(sequences, num_kv_heads, max_tiles, sm_count(q.device))
+        sms = triton_device.sm_count(q.device)
+        num_splits = choose_num_splits(sequences, num_kv_heads, max_tiles, sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
@@ -307,15 +306,3 @@ def _tile_tokens(head_dim_pad: int, element_size: int) -> int:
     """Tokens per loop step: a power of two in [16, 128] giving ~_TILE_BYTES of K."""
     tokens = max(1, _TILE_BYTES // (head_dim_pad * element_size))
     return min(128, max(_MIN_DOT, 1 << (tokens.bit_length() - 1)))
-
-
-@functools.cache
-def _sm_count_of(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter runs programs one at a time
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count_of(index)

@@ -23,12 +23,11 @@ kernel's per-tile work costs more than a pass over W (measured on an H200: docs/
 at bf16's throughput.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from engine import triton_device
 from engine.fp8 import Fp8Weight
 
 __all__ = ["applies", "choose_splits", "dequantize", "linear", "quantizes_activations"]
@@ -91,7 +90,8 @@ def linear(
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(out_features, block_n)
     k_steps = triton.cdiv(in_features, block_k)
     if splits is None:
-        splits = choose_splits(tiles, k_steps, _sm_count(x.device)) if rows <= 64 else 1
+        sms = triton_device.sm_count(x.device)
+        splits = choose_splits(tiles, k_steps, sms) if rows <= 64 else 1
     if not 1 <= splits <= k_steps:
         raise ValueError(f"splits must be in [1, {k_steps}] (the K steps), got {splits}")
     steps_per_split = triton.cdiv(k_steps, splits)
@@ -154,19 +154,6 @@ def choose_splits(tiles: int, k_steps: int, sm_count: int) -> int:
     least four K steps long."""
     wanted = -(-2 * sm_count // tiles)
     return max(1, min(wanted, k_steps // 4))
-
-
-@functools.cache
-def _sm_count_of(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    """The device's SMs; 1 for the CPU (Triton's interpreter, tests): never split there unless
-    asked."""
-    if device.type != "cuda":
-        return 1
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _config(rows: int, out_features: int) -> tuple[int, int, int, int]:

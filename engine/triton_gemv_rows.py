@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import triton_pdl
+from engine import triton_device, triton_pdl
 
 __all__ = [
     "MAX_ROWS",
@@ -94,7 +94,7 @@ def launch(
         NORM=norm is not None, K_PAD=triton.next_power_of_2(k) if norm is not None else 1,
         RESIDUAL=residual is not None,
         # Triton's CPU interpreter (tests) multiplies bf16 tiles as their raw bits: widen first.
-        WIDEN=x.device.type != "cuda",
+        WIDEN=not triton_device.compiled(x.device),
         PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return y

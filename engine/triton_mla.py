@@ -52,11 +52,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import triton_mla_heads, triton_pdl
+from engine import triton_device, triton_mla_heads, triton_pdl
 from engine.attention import AttentionMetadata
 from engine.fp8 import FP8_DTYPE
 from engine.mla import absorbed_decode
-from engine.triton_attention import sm_count
 from engine.triton_attention_kernels import split_tiles
 from engine.triton_latent_store import store_latent
 
@@ -110,7 +109,8 @@ def mla_decode(
     if num_splits is None:
         # The longest context any replay of a captured graph may bring: the block table's width.
         max_tiles = triton.cdiv(block_tables.shape[1] * block_size, tile)
-        num_splits = choose_num_splits(batch, head_blocks, max_tiles, sm_count(q_c.device))
+        sms = triton_device.sm_count(q_c.device)
+        num_splits = choose_num_splits(batch, head_blocks, max_tiles, sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 

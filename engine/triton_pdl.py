@@ -15,12 +15,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from engine import triton_device
+
 __all__ = ["await_previous_kernel", "enabled"]
 
 
 def enabled(device: torch.device) -> bool:
     """On CUDA only: Triton's CPU interpreter (tests) has no grid dependencies."""
-    return device.type == "cuda"
+    return triton_device.compiled(device)
 
 
 @triton.jit

@@ -1,0 +1,150 @@
+"""The decode step's Triton kernels compile for Hopper (sm_90), as their wrappers launch them.
+
+No GPU is needed: Triton compiles to sm_90 machine code on any host (its ptxas), and the
+interpreter tests never compile at all, so a kernel that runs correctly there can still fail to
+compile on a GPU (a dot's operand shapes, a constexpr branch's types, more shared memory than an
+SM has). Each case calls a wrapper (`triton_attention.attention`, `triton_linear.linear`, ...)
+with CPU tensors of a real model's shapes; every kernel launch is compiled instead of run, with
+the decisions a GPU launch takes (`triton_device.compiled` true: PDL on, no interpreter
+workarounds; an H100's/H200's 132 SMs for the split counts). What the kernels compute is the
+interpreter tests' business: the outputs here are never read.
+
+Runs without TRITON_INTERPRET (Bazel runs this file in its own process).
+"""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+from engine import triton_device, triton_linear
+from engine.attention import AttentionMetadata
+from engine.fp8 import FP8_DTYPE, Fp8Weight
+from engine.triton_attention import attention, paged_attention, write_kv
+from engine.triton_mla import mla_decode
+
+HOPPER = GPUTarget("cuda", 90, 32)
+SHARED_MEMORY = 232448  # bytes a block of an sm_90 SM may take (227 KiB)
+SMS = 132  # H100 SXM and H200
+
+
+class _CompileOnly:
+    """The driver calls a kernel launch makes before it compiles: device 0, the sm_90 target."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return HOPPER
+
+
+@pytest.fixture
+def compiled(monkeypatch, tmp_path):
+    """Kernel launches compiled for sm_90 instead of run; yields the list of (kernel name,
+    shared memory bytes) compiled."""
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "run without TRITON_INTERPRET"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    kernels = []
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)  # compiles, never launches
+        kernels.append((self.__name__, kernel.metadata.shared))
+        return kernel
+
+    monkeypatch.setattr(JITFunction, "run", compile_only)
+    monkeypatch.setattr(triton_device, "compiled", lambda device: True)
+    monkeypatch.setattr(triton_device, "sm_count", lambda device: SMS)
+    # NOTE: restored as it was (None here: reset_active would look for a GPU driver).
+    monkeypatch.setattr(driver, "_active", _CompileOnly())
+    yield kernels
+    for name, shared in kernels:
+        assert shared <= SHARED_MEMORY, f"{name} takes {shared} B of shared memory"
+
+
+def _paged_case(rows_per_seq, batch, context, kv_heads, block_size, kv_dtype):
+    """Metadata of `batch` sequences of `context` tokens, each with rows_per_seq rows, and a
+    cache plane shaped [blocks, kv_heads, block_size, dim] of kv_dtype."""
+    blocks = -(-(context + rows_per_seq) // block_size)
+    lens, tables, index = [], [], []
+    for s in range(batch):
+        for j in range(rows_per_seq):
+            lens.append(context + j)
+            tables.append(list(range(s * blocks, (s + 1) * blocks)))
+            index.append(j)
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size)
+    if rows_per_seq > 1:
+        in_seq = torch.tensor(index, dtype=torch.int32)
+        meta = dataclasses.replace(
+            meta, new_kv_first=True, row_in_seq=in_seq, max_rows_per_seq=rows_per_seq
+        )
+    return meta, batch * blocks
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
+@pytest.mark.parametrize(
+    "batch,context,rows_per_seq",
+    [(1, 1024, 1), (8, 8192, 1), (64, 1024, 1), (1, 1024, 4), (8, 8192, 4)],
+)
+def test_llama_attention(compiled, batch, context, rows_per_seq, kv_dtype):
+    """Llama-3-8B's heads (32 query, 8 KV, 128 dims): decode steps and verifications' rows."""
+    meta, blocks = _paged_case(rows_per_seq, batch, context, 8, 16, kv_dtype)
+    rows = batch * rows_per_seq
+    k_cache, v_cache = (torch.empty(blocks, 8, 16, 128, dtype=kv_dtype) for _ in range(2))
+    q, k, v = (torch.empty(rows, heads, 128, dtype=torch.bfloat16) for heads in (32, 8, 8))
+    attention(q, k, v, k_cache, v_cache, meta, 0.088)
+    paged_attention(q, k_cache, v_cache, meta, 0.088)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    names = {name for name, _ in compiled}
+    assert {"split_kernel", "write_kv_kernel"} <= names
+    assert ("combine_kernel" in names) == (batch < 64)  # bs=64 needs one split a sequence
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("batch,context", [(1, 1024), (8, 8192), (64, 1024)])
+def test_mla_attention(compiled, batch, context, cache_dtype):
+    """DeepSeek-V2-Lite's MLA decode: 16 heads over a 512 + 64 latent."""
+    meta, blocks = _paged_case(1, batch, context, 1, 64, cache_dtype)
+    cache = torch.empty(blocks, 1, 64, 576, dtype=cache_dtype)
+    q_c = torch.empty(batch, 16, 512, dtype=torch.bfloat16)
+    q_pe = torch.empty(batch, 16, 64, dtype=torch.bfloat16)
+    mla_decode(q_c, q_pe, cache, meta.seq_lens, meta.block_tables, 0.1)
+    assert compiled
+
+
+def _matrix(n, k, fp8):
+    if not fp8:
+        return torch.empty(n, k, dtype=torch.bfloat16)
+    return Fp8Weight(torch.empty(n, k, dtype=FP8_DTYPE), torch.empty(n // 128, k // 128), 128)
+
+
+# Llama-3-8B's projections: qkv, o_proj, gate_up, down_proj (N out, K in).
+QKV, O_PROJ, GATE_UP, DOWN = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_llama_projections(compiled, monkeypatch, rows, fp8):
+    """A decoder layer's products with their epilogues (the norm before, RoPE, SwiGLU, the
+    residual add), as one-row GEMVs and as the few-row kernel (switched on here) or the fp8
+    GEMM."""
+    monkeypatch.setattr(triton_linear, "ROWS_KERNEL", True)
+    h = torch.empty(rows, 4096, dtype=torch.bfloat16)
+    norm = triton_linear.Prenorm(h, 1e-5)
+    cos = sin = torch.empty(rows, 64)
+    qkv, o_proj, gate_up, down = (_matrix(n, k, fp8) for n, k in (QKV, O_PROJ, GATE_UP, DOWN))
+    if triton_linear.fuses(h, qkv):
+        triton_linear.linear_rope(h, qkv, None, cos, sin, 128, 5120, norm=norm)
+        triton_linear.linear_residual(h, o_proj, torch.empty_like(h), torch.empty(4096))
+        triton_linear.linear_silu(h, gate_up, norm=norm)
+    else:  # fp8 matrices at several rows: the fp8 GEMM, no epilogues
+        triton_linear.linear(h, qkv)
+    triton_linear.linear(torch.empty(rows, 14336, dtype=torch.bfloat16), down)
+    assert len(compiled) >= 2
