@@ -4,10 +4,11 @@ No GPU is needed: Triton compiles to sm_90 machine code on any host (its ptxas),
 interpreter tests never compile at all, so a kernel that runs correctly there can still fail to
 compile on a GPU (a dot's operand shapes, a constexpr branch's types, more shared memory than an
 SM has). Each case calls a wrapper (`triton_attention.attention`, `triton_linear.linear`, ...)
-with CPU tensors of a real model's shapes; every kernel launch is compiled instead of run, with
-the decisions a GPU launch takes (`triton_device.compiled` true: PDL on, no interpreter
-workarounds; an H100's/H200's 132 SMs for the split counts). What the kernels compute is the
-interpreter tests' business: the outputs here are never read.
+with CPU tensors of Llama-3-8B's or DeepSeek-V2-Lite's shapes, bf16 and fp8; every kernel
+launch is compiled instead of run, with the decisions a GPU launch takes
+(`triton_device.compiled` true: PDL on, no interpreter workarounds; an H100's or H200's 132
+SMs for the split counts). What the kernels compute is the interpreter tests' business: the
+outputs here are never read.
 
 Runs without TRITON_INTERPRET (Bazel runs this file in its own process).
 """
@@ -21,10 +22,20 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from engine import triton_device, triton_linear
+from engine import (
+    triton_device,
+    triton_linear,
+    triton_mla_heads,
+    triton_moe,
+    triton_moe_gemv,
+    triton_ops,
+    triton_route,
+)
 from engine.attention import AttentionMetadata
 from engine.fp8 import FP8_DTYPE, Fp8Weight
+from engine.presets import PRESETS
 from engine.triton_attention import attention, paged_attention, write_kv
+from engine.triton_latent_store import store_latent
 from engine.triton_mla import mla_decode
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -116,13 +127,22 @@ def test_mla_attention(compiled, batch, context, cache_dtype):
     q_c = torch.empty(batch, 16, 512, dtype=torch.bfloat16)
     q_pe = torch.empty(batch, 16, 64, dtype=torch.bfloat16)
     mla_decode(q_c, q_pe, cache, meta.seq_lens, meta.block_tables, 0.1)
-    assert compiled
+    kv_a = torch.empty(batch, 576, dtype=torch.bfloat16)
+    cos = sin = torch.empty(batch, 32)
+    store_latent(cache, kv_a, q_pe, torch.empty(512), 1e-6, cos, sin, True, meta.slot_mapping)
+    if batch == 1:  # W_UK and W_UV by their kernels at one token
+        kv_b = torch.empty(16 * 256, 512, dtype=torch.bfloat16)
+        triton_mla_heads.absorb_query(torch.empty(1, 16, 128, dtype=torch.bfloat16), kv_b)
+        triton_mla_heads.expand_output(q_c, kv_b, 128)
+    assert len(compiled) >= 3
 
 
-def _matrix(n, k, fp8):
+def _matrix(n, k, fp8, experts=()):
+    """[*experts, n, k] bf16, or fp8 with 128x128 blocks' scales."""
     if not fp8:
-        return torch.empty(n, k, dtype=torch.bfloat16)
-    return Fp8Weight(torch.empty(n, k, dtype=FP8_DTYPE), torch.empty(n // 128, k // 128), 128)
+        return torch.empty(*experts, n, k, dtype=torch.bfloat16)
+    scales = torch.empty(*experts, -(-n // 128), -(-k // 128))
+    return Fp8Weight(torch.empty(*experts, n, k, dtype=FP8_DTYPE), scales, 128)
 
 
 # Llama-3-8B's projections: qkv, o_proj, gate_up, down_proj (N out, K in).
@@ -148,3 +168,44 @@ def test_llama_projections(compiled, monkeypatch, rows, fp8):
         triton_linear.linear(h, qkv)
     triton_linear.linear(torch.empty(rows, 14336, dtype=torch.bfloat16), down)
     assert len(compiled) >= 2
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_deepseek_moe(compiled, tokens, fp8):
+    """DeepSeek-V2-Lite's MoE layer: the router (norm, logits, top-k, sort) and the experts, as
+    one token's GEMVs with the shared experts as slots or as the tiled kernels."""
+    moe = PRESETS["deepseek-v2-lite"].moe
+    hidden, inter, experts = 2048, moe.moe_intermediate_size, moe.n_routed_experts
+    x = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+    h, routing = triton_route.route_normed_tokens(
+        x, torch.empty(hidden), 1e-6, torch.empty(experts, hidden), None, moe
+    )
+    gate_up = _matrix(2 * inter, hidden, fp8, (experts,))
+    down = _matrix(hidden, inter, fp8, (experts,))
+    ids = routing.ids
+    if tokens == 1:
+        width = moe.n_shared_experts * inter
+        shared = triton_moe_gemv.Shared(
+            _matrix(2 * width, hidden, fp8), _matrix(hidden, width, fp8)
+        )
+        assert triton_moe_gemv.applies(h, gate_up, down, shared)
+        scaled = torch.empty(hidden, dtype=torch.bfloat16)
+        triton_moe_gemv.one_token_moe(h, routing.weights, ids, gate_up, down, shared, x, scaled)
+    else:
+        pairs = (routing.order, routing.bounds) if routing.order is not None else None
+        triton_moe.fused_experts(h, routing.weights, ids, gate_up, down, pairs, residual=x)
+    assert len(compiled) >= 3
+
+
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_elementwise_kernels(compiled, rows):
+    """The norms, SwiGLU, RoPE and greedy sampling at Llama-3-8B's sizes."""
+    x = torch.empty(rows, 4096, dtype=torch.bfloat16)
+    triton_ops.rms_norm(x, torch.empty(4096, dtype=torch.bfloat16), 1e-5)
+    triton_ops.add_rms_norm(x, torch.empty_like(x), torch.empty(4096, dtype=torch.bfloat16), 1e-5)
+    triton_ops.silu_and_mul(torch.empty(rows, 28672, dtype=torch.bfloat16))
+    qkv = torch.empty(rows, 48, 128, dtype=torch.bfloat16)
+    triton_ops.rope(qkv[:, :32], qkv[:, 32:40], torch.empty(rows, 64), torch.empty(rows, 64))
+    triton_ops.greedy_tokens(torch.empty(rows, 128256))
+    assert len({name for name, _ in compiled}) >= 4
