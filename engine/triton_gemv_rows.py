@@ -37,10 +37,15 @@ MAX_ROWS = 64
 # What the kernel does with its rounded outputs (the EPILOGUE constexpr), as the GEMV's.
 STORE, SILU, ROPE = 0, 1, 2
 
-# (rows of W per program, K step, warps, pipeline stages), one set for every shape: untimed
-# (triton_linear.ROWS_KERNEL is off) until `engine.gemv_bench --rows 4 --sweep` picks them,
-# per shape where the shapes differ.
-_SETTINGS = (16, 256, 4, 4)
+# (rows of W per program, K step, warps, pipeline stages), one set for every shape: of
+# `engine.gemv_bench --rows 4 --sweep` on an H100 (docs/performance.md), the best for qkv and
+# within 1-4 points of each other shape's best, every shape above cuBLAS streamed alone.
+# 4 stages of a 64 x 256 tile, the best for o_proj and lm_head, take more shared memory than
+# an SM has with the norm's epilogue (engine/tests/sm90_compile_test.py).
+_SETTINGS = (64, 256, 4, 3)
+# Each stage's tiles stay within this, so that 3 stages (Triton keeps one buffer more) fit an
+# SM's 227 KiB with the norm's epilogue at 64 rows, where a 64 x 256 stage of W and x is 64 KiB.
+_STAGE_BYTES = 48 * 1024
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -63,10 +68,18 @@ def pairs(weight: torch.Tensor) -> int:
     return _config(weight)[0] // 2
 
 
-def _config(weight: torch.Tensor) -> tuple[int, int, int, int]:
-    """The settings, the K step cut to K where K is shorter (rounded up to a power of two)."""
+def _config(weight: torch.Tensor, rows: int = 1) -> tuple[int, int, int, int]:
+    """The settings, the K step cut to K where K is shorter (rounded up to a power of two), and
+    halved while a pipeline stage's tiles of W and x would take more than _STAGE_BYTES."""
     block_n, block_k, warps, stages = _SETTINGS
-    return block_n, min(block_k, triton.next_power_of_2(weight.shape[1])), warps, stages
+    block_k = min(block_k, triton.next_power_of_2(weight.shape[1]))
+    while (block_n + _m_pad(rows)) * block_k * weight.element_size() > _STAGE_BYTES:
+        block_k //= 2
+    return block_n, block_k, warps, stages
+
+
+def _m_pad(rows: int) -> int:
+    return max(16, triton.next_power_of_2(rows))
 
 
 def launch(
@@ -78,8 +91,8 @@ def launch(
     to a STORE's output; config: (rows of W per program, K step, warps, stages) in place of the
     shape's, for engine.gemv_bench's sweep."""
     assert applies(x, weight)
-    block_n, block_k, num_warps, num_stages = config or _config(weight)
     (m, k), n = x.shape, weight.shape[0]
+    block_n, block_k, num_warps, num_stages = config or _config(weight, m)
     y = torch.empty(m, outputs or n, dtype=x.dtype, device=x.device)
     cos, sin, half, rotated = rope if rope is not None else (y, y, 1, 0)  # read by ROPE only
     h, eps = norm if norm is not None else (x, 0.0)  # h read by NORM only
@@ -89,7 +102,7 @@ def launch(
     _rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else y, y, cos, sin, h, eps, res, norm_w, scaled,
         m, n, k, x.stride(0), weight.stride(0), cos.stride(0), rotated,
-        BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=_m_pad(m),
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, EPILOGUE=epilogue, HALF=half,
         NORM=norm is not None, K_PAD=triton.next_power_of_2(k) if norm is not None else 1,
         RESIDUAL=residual is not None,
