@@ -346,30 +346,9 @@ def combine_kernel(
     triton_pdl.await_previous_kernel(PDL)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    chunk = tl.arange(0, CHUNK)
     partial = partial_ptr + seq * stride_pb + head * stride_ph
     lses = lse_ptr + seq * stride_lb + head * stride_lh
-    m = tl.full([], float("-inf"), tl.float32)
-    denom = tl.zeros([], tl.float32)
-    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    for first in range(0, used_splits, CHUNK):
-        splits = first + chunk
-        in_range = splits < used_splits
-        lse = tl.load(lses + splits, mask=in_range, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        # Until a non-empty split is seen m_new is -inf; shifting by 0 keeps exp2 free of NaN.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - shift)
-        weight = tl.exp2(lse - shift)  # 0 for a zero-length row's split 0, whose output is 0
-        part = tl.load(
-            partial + splits[:, None] * stride_ps + dims[None, :],
-            mask=in_range[:, None] & dim_mask[None, :],
-            other=0.0,
-        )
-        acc = acc * alpha + tl.sum(weight[:, None] * part, 0)
-        denom = denom * alpha + tl.sum(weight, 0)
-        m = m_new
-    out = tl.where(denom > 0, acc / tl.where(denom > 0, denom, 1.0), 0.0)
+    out = merge_splits(partial, lses, used_splits, stride_ps, dims, dim_mask, HEAD_DIM_PAD, CHUNK)
     tl.store(
         out_ptr + seq * stride_ob + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -407,3 +386,34 @@ def write_kv_kernel(
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dims, mask=mask)
     tl.store(k_cache_ptr + dst + dims, triton_ops.to_cache(k, k_cache_ptr), mask=mask)
     tl.store(v_cache_ptr + dst + dims, triton_ops.to_cache(v, v_cache_ptr), mask=mask)
+
+
+@triton.jit
+def merge_splits(partial, lses, used_splits, stride_ps, dims, dim_mask, DIMS: tl.constexpr,
+                 CHUNK: tl.constexpr):  # fmt: skip
+    """One query row's output over `dims` [DIMS] from its splits' partial outputs (split s's at
+    partial + s * stride_ps) and their log2-domain sums of exponentials `lses`: the splits'
+    outputs weighted by their shares of the softmax, CHUNK splits a step; 0 where every split
+    was empty (a zero-length row)."""
+    chunk = tl.arange(0, CHUNK)
+    m = tl.full([], float("-inf"), tl.float32)
+    denom = tl.zeros([], tl.float32)
+    acc = tl.zeros([DIMS], tl.float32)
+    for first in range(0, used_splits, CHUNK):
+        splits = first + chunk
+        in_range = splits < used_splits
+        lse = tl.load(lses + splits, mask=in_range, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        # Until a non-empty split is seen m_new is -inf; shifting by 0 keeps exp2 free of NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - shift)
+        weight = tl.exp2(lse - shift)  # 0 for a zero-length row's split 0, whose output is 0
+        part = tl.load(
+            partial + splits[:, None] * stride_ps + dims[None, :],
+            mask=in_range[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha + tl.sum(weight[:, None] * part, 0)
+        denom = denom * alpha + tl.sum(weight, 0)
+        m = m_new
+    return tl.where(denom > 0, acc / tl.where(denom > 0, denom, 1.0), 0.0)

@@ -56,7 +56,7 @@ from engine import triton_device, triton_mla_heads, triton_pdl
 from engine.attention import AttentionMetadata
 from engine.fp8 import FP8_DTYPE
 from engine.mla import absorbed_decode
-from engine.triton_attention_kernels import split_tiles
+from engine.triton_attention_kernels import merge_splits, split_tiles
 from engine.triton_latent_store import store_latent
 
 __all__ = ["choose_num_splits", "decode_attention", "mla_decode", "store_latent"]
@@ -379,30 +379,9 @@ def _combine_kernel(
     used_splits = tl.maximum(1, tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1)))
     triton_pdl.await_previous_kernel(PDL)
     dim_mask = dims < RANK
-    chunk = tl.arange(0, CHUNK)
     partial = partial_ptr + seq * stride_pb + head * stride_ph
     lses = lse_ptr + seq * stride_lb + head * stride_lh
-    m = tl.full([], float("-inf"), tl.float32)
-    denom = tl.zeros([], tl.float32)
-    acc = tl.zeros([DIMS], tl.float32)
-    for first in range(0, used_splits, CHUNK):
-        splits = first + chunk
-        in_range = splits < used_splits
-        lse = tl.load(lses + splits, mask=in_range, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        # Until a non-empty split is seen m_new is -inf; shifting by 0 keeps exp2 free of NaN.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - shift)
-        weight = tl.exp2(lse - shift)  # 0 for a zero-length row's split 0, whose output is 0
-        part = tl.load(
-            partial + splits[:, None] * stride_ps + dims[None, :],
-            mask=in_range[:, None] & dim_mask[None, :],
-            other=0.0,
-        )
-        acc = acc * alpha + tl.sum(weight[:, None] * part, 0)
-        denom = denom * alpha + tl.sum(weight, 0)
-        m = m_new
-    out = tl.where(denom > 0, acc / tl.where(denom > 0, denom, 1.0), 0.0)
+    out = merge_splits(partial, lses, used_splits, stride_ps, dims, dim_mask, DIMS, CHUNK)
     tl.store(
         out_ptr + seq * stride_ob + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),
