@@ -80,9 +80,9 @@ def compiled(monkeypatch, tmp_path):
     yield kernels
 
 
-def _paged_case(rows_per_seq, batch, context, kv_heads, block_size, kv_dtype):
-    """Metadata of `batch` sequences of `context` tokens, each with rows_per_seq rows, and a
-    cache plane shaped [blocks, kv_heads, block_size, dim] of kv_dtype."""
+def _paged_case(rows_per_seq, batch, context, block_size):
+    """Metadata of `batch` sequences of `context` tokens, each with rows_per_seq rows (a
+    verification's, told apart by row_in_seq), and how many cache blocks they take."""
     blocks = -(-(context + rows_per_seq) // block_size)
     lens, tables, index = [], [], []
     for s in range(batch):
@@ -106,7 +106,7 @@ def _paged_case(rows_per_seq, batch, context, kv_heads, block_size, kv_dtype):
 )
 def test_llama_attention(compiled, batch, context, rows_per_seq, kv_dtype):
     """Llama-3-8B's heads (32 query, 8 KV, 128 dims): decode steps and verifications' rows."""
-    meta, blocks = _paged_case(rows_per_seq, batch, context, 8, 16, kv_dtype)
+    meta, blocks = _paged_case(rows_per_seq, batch, context, 16)
     rows = batch * rows_per_seq
     k_cache, v_cache = (torch.empty(blocks, 8, 16, 128, dtype=kv_dtype) for _ in range(2))
     q, k, v = (torch.empty(rows, heads, 128, dtype=torch.bfloat16) for heads in (32, 8, 8))
@@ -115,14 +115,14 @@ def test_llama_attention(compiled, batch, context, rows_per_seq, kv_dtype):
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     names = {name for name, _ in compiled}
     assert {"split_kernel", "write_kv_kernel"} <= names
-    assert ("combine_kernel" in names) == (batch < 64)  # bs=64 needs one split a sequence
+    assert ("combine_kernel" in names) == (batch < 64)  # bs=64: one split a sequence, no merge
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("batch,context", [(1, 1024), (8, 8192), (64, 1024)])
 def test_mla_attention(compiled, batch, context, cache_dtype):
     """DeepSeek-V2-Lite's MLA decode: 16 heads over a 512 + 64 latent."""
-    meta, blocks = _paged_case(1, batch, context, 1, 64, cache_dtype)
+    meta, blocks = _paged_case(1, batch, context, 64)
     cache = torch.empty(blocks, 1, 64, 576, dtype=cache_dtype)
     q_c = torch.empty(batch, 16, 512, dtype=torch.bfloat16)
     q_pe = torch.empty(batch, 16, 64, dtype=torch.bfloat16)
