@@ -140,11 +140,12 @@ class StepInputs:
         """Moves the first n rows, once copied to the device, `offsets` [n] positions further
         (their lengths and slots with them), there: for rows whose positions follow from
         device values the host has not read (the accepted drafts of a verification)."""
-        positions = self.positions[:n] + offsets
-        self.positions[:n] = positions
-        self.seq_lens[:n] = positions + 1
-        blocks = self.block_tables[:n].gather(1, (positions // self._block_size)[:, None])
-        self.slots[:n] = blocks[:, 0] * self._block_size + positions % self._block_size
+        from engine.triton_step_shift import shift_rows  # Triton: imported where it runs
+
+        assert offsets.shape == (n,)
+        shift_rows(
+            self.positions, self.seq_lens, self.slots, self.block_tables, offsets, self._block_size
+        )
 
 
 @contextmanager

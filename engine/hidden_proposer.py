@@ -29,7 +29,7 @@ from engine.host_values import to_device
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sequence import Sequence
-from engine.speculative import chain_drafts, draft_table
+from engine.speculative import RowIndex, chain_drafts, draft_table
 from engine.step_plan import ScheduledSeq, StepPlan
 
 if TYPE_CHECKING:
@@ -119,15 +119,14 @@ class HiddenStateProposer:
             return [[] for _ in seqs]
         g, guesses = self._catch_up([seq for seq, _ in active])
 
-        def step(j: int, rows: list[int], index: torch.Tensor, previous: torch.Tensor):
+        def step(j: int, rows: list[int], index: RowIndex, previous: torch.Tensor):
             # Draft j - 1 at position N - 2 + j, after g of the position before.
             nonlocal g
             riding = [active[i][0] for i in rows]
             positions = [seq.num_tokens - 2 + j for seq in riding]
             tables = [seq.block_ids for seq in riding]
             g_rows, guesses = self._rows(j, previous, positions, tables, g[index])
-            g = g.clone()  # g_rows may be a graph's buffer, which the next replay overwrites
-            g[index] = g_rows
+            g = _updated(g, index, g_rows)
             return guesses
 
         return chain_drafts(seqs, active, guesses, step)
@@ -186,14 +185,13 @@ class HiddenStateProposer:
         if shift is not None:
             accepted = accepted + shift  # from here on, each sequence's whole offset
 
-        def chain(j: int, rows: list[int], index: torch.Tensor, before: torch.Tensor):
+        def chain(j: int, rows: list[int], index: RowIndex, before: torch.Tensor):
             nonlocal g
             riding = [items[i] for i in rows]
             at = [item.start + j for item in riding]
             tables = [i.seq.block_ids for i in riding]
             g_rows, guesses = self._rows(j, before, at, tables, g[index], offsets=accepted[index])
-            g = g.clone()  # g_rows may be a graph's buffer, which the next replay overwrites
-            g[index] = g_rows
+            g = _updated(g, index, g_rows)
             return guesses
 
         table = draft_table(active, greedy[last], chain)
@@ -345,6 +343,18 @@ def drafting_rows(plan: StepPlan) -> list[tuple[ScheduledSeq, int, int, int]]:
             verify_row += 1 + len(item.draft)
             sampling += 1
     return chosen
+
+
+def _updated(g: torch.Tensor, index: RowIndex, g_rows: torch.Tensor) -> torch.Tensor:
+    """g with its `index` rows replaced by g_rows, the states the next draft's forward reads.
+    g_rows may be a graph's buffer, which the next replay overwrites: that replay copies its
+    inputs (these rows) before it runs, so all rows replaced may stay in the buffer; a part
+    goes into a copy of g."""
+    if isinstance(index, slice):
+        return g_rows
+    g = g.clone()
+    g[index] = g_rows
+    return g
 
 
 def _drafted_ahead(seq: Sequence, num_tokens: int) -> bool:

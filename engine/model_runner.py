@@ -120,7 +120,7 @@ class ModelRunner:
                 )
                 logits, greedy = logits[sampling_rows], greedy[sampling_rows]
         elif not eager and self._verifies_in_graph(plan):
-            logits, hidden = self._verify_with_graph(plan, ahead)
+            logits, greedy, hidden = self._verify_with_graph(plan, ahead)
         else:
             # A shifted plan's positions, here on the host (on a GPU: a wait for the step before).
             shifts = None if ahead is None else ahead.shift.tolist()
@@ -133,7 +133,7 @@ class ModelRunner:
             logits = self.executor.logits(sample_rows)
         rows = [item.seq.sampling_row() for item in sampling]
         if any(item.draft for item in sampling):
-            step = self._verify(plan, sampling, logits, rows, ahead)
+            step = self._verify(plan, sampling, logits, greedy, rows, ahead)
         else:
             step = self._sample(plan, sampling, logits, greedy, rows, feed)
         step.hidden = hidden
@@ -157,8 +157,7 @@ class ModelRunner:
             # In place, before sampling and before the logprobs (vLLM's raw logprobs are taken
             # after its grammar mask too); the graph's argmax saw the logits unmasked.
             apply_grammars(logits, [item.seq.grammar for item in sampling])
-            greedy = None
-        if greedy is not None and all(r.params.greedy and not r.params.penalized for r in rows):
+        if greedy is not None and _argmax_decides(sampling, rows):
             tokens = greedy  # the graph's own argmax: no sampler to launch
         else:
             tokens = self.sampler(logits, rows)
@@ -174,12 +173,13 @@ class ModelRunner:
         plan: StepPlan,
         sampling: list[ScheduledSeq],
         logits: torch.Tensor,
+        greedy: torch.Tensor | None,
         rows: list[SamplingRow],
         fed: FedAhead | None = None,
     ) -> LaunchedStep:
         """The step's tokens when some sequence fed drafts: logits has one row per fed token
-        of those, one per sequence otherwise (engine/spec_verify.py). `fed`: a shifted plan's
-        drafts, on the device."""
+        of those, one per sequence otherwise (engine/spec_verify.py); greedy, where not None,
+        each row's argmax (the graph's). `fed`: a shifted plan's drafts, on the device."""
         drafts = [item.draft for item in sampling]
         simulated = None
         if self.acceptance is not None:
@@ -189,8 +189,10 @@ class ModelRunner:
                 simulated.append(self.acceptance.draw(n, seq.seq_id, seq.num_verifications))
                 seq.num_verifications += n > 0
         on_device = (None, None) if fed is None else (fed.padded, fed.counts)
+        if not _argmax_decides(sampling, rows):
+            greedy = None
         tokens, accepted, row_tokens = verify(
-            logits, drafts, rows, self.sampler, simulated, *on_device
+            logits, drafts, rows, self.sampler, simulated, *on_device, greedy=greedy
         )
         # Each row's raw log-probabilities, of the token it gave (the rows past a sequence's
         # accepted ones are computed and dropped).
@@ -212,12 +214,11 @@ class ModelRunner:
             and plan.num_tokens <= graphs.max_batch
         )
 
-    def _verify_with_graph(
-        self, plan: StepPlan, fed: FedAhead | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits of the sampling sequences' rows (each fed token of theirs), and every row's
-        hidden state: a graph replay with a row per fed token, at its position, with its
-        sequence's block table. `fed`: a shifted plan's ids and offsets, on the device."""
+    def _verify_with_graph(self, plan: StepPlan, fed: FedAhead | None = None) -> GraphStep:
+        """Logits and greedy tokens of the sampling sequences' rows (each fed token of
+        theirs), and every row's hidden state: a graph replay with a row per fed token, at its
+        position, with its sequence's block table. `fed`: a shifted plan's ids and offsets, on
+        the device."""
         ids, positions, tables, sample_rows, row_in_seq = [], [], [], [], []
         per_seq = self.verify_graphs.max_rows_per_seq
         for item in plan.scheduled:
@@ -232,14 +233,15 @@ class ModelRunner:
             assert n <= per_seq, "a verification graph's sequence has k + 1 rows at most"
             row_in_seq.extend(range(n))
         if fed is None:
-            logits, _, hidden = self.executor.replay(True, ids, positions, tables, row_in_seq)
+            logits, greedy, hidden = self.executor.replay(True, ids, positions, tables, row_in_seq)
         else:
-            logits, _, hidden = self.executor.replay(
+            logits, greedy, hidden = self.executor.replay(
                 True, None, positions, tables, row_in_seq, fed_ids=fed.ids, offsets=fed.row_shift
             )
         if len(sample_rows) < len(positions):  # a one-token prompt chunk rode along
-            logits = logits[to_device(sample_rows, self.device)]
-        return logits, hidden
+            index = to_device(sample_rows, self.device)
+            logits, greedy = logits[index], greedy[index]
+        return GraphStep(logits, greedy, hidden)
 
     def _next_host(self, n: int) -> torch.Tensor | None:
         if not self._host_tokens:
@@ -324,3 +326,11 @@ class ModelRunner:
         ids = fed if fed is not None else input_ids
         hidden = self.executor.forward(ids, positions, query_lens, seq_lens, tables)
         return hidden, sample_rows
+
+
+def _argmax_decides(sampling: list[ScheduledSeq], rows: list[SamplingRow]) -> bool:
+    """Whether each row's token is its logits' argmax as the graph took it: every row greedy,
+    without penalties, and unconstrained (a grammar masks the logits after the graph)."""
+    return all(r.params.greedy and not r.params.penalized for r in rows) and all(
+        item.seq.grammar is None for item in sampling
+    )

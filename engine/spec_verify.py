@@ -35,6 +35,7 @@ def verify(
     simulated: Sequence[int] | None = None,
     padded: torch.Tensor | None = None,
     verified: torch.Tensor | None = None,
+    greedy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B], accepted [B], row_tokens [sum(n_b + 1)]), int64 on logits' device: each
     sequence's own token, its number of accepted drafts, and the token each row's logits
@@ -44,7 +45,9 @@ def verify(
     comparison, clipped at each sequence's drafts; the target's token is then drawn from row
     r_a unchanged. `padded` [B, width >= max n_b]: the drafts, on the device already (-1 past
     each sequence's), where `drafts` holds placeholders of their lengths; `verified` [B]: how
-    many of each are verified, on the device (<= n_b: its rows past those are ignored)."""
+    many of each are verified, on the device (<= n_b: its rows past those are ignored);
+    `greedy` [sum(n_b + 1)]: each row's argmax, already taken (a CUDA graph's), where every
+    row is greedy and unpenalized: the tokens are then read from it, no sampler launched."""
     device = logits.device
     counts = [len(d) for d in drafts]
     width = max(counts)
@@ -57,12 +60,16 @@ def verify(
         accepted = torch.minimum(to_device(list(simulated), device), count_t)
         excluded = None
     else:
-        accepted = _accepted(logits, padded, count_t, starts, rows, sampler)
+        argmax = greedy if greedy is not None else logits.argmax(dim=-1)
+        accepted = _accepted(logits, argmax, padded, count_t, starts, rows, sampler)
         # The draft at the first rejected position, when there is one (else -1: none).
         at = padded.gather(1, accepted.clamp(max=width - 1)[:, None]).squeeze(1)
         excluded = torch.where(accepted < count_t, at, -1)
-    final_logits = logits[starts + accepted]
-    tokens = sampler(final_logits, rows, excluded)
+    final_rows = starts + accepted
+    if greedy is not None:
+        tokens = greedy[final_rows]
+    else:
+        tokens = sampler(logits[final_rows], rows, excluded)
     # From the host's counts: repeating by a device tensor would wait for the device.
     seq_of_row = to_device([b for b, n in enumerate(counts) for _ in range(n + 1)], device)
     offset = torch.arange(len(seq_of_row), device=device) - starts[seq_of_row]
@@ -73,18 +80,20 @@ def verify(
 
 def _accepted(
     logits: torch.Tensor,
+    argmax: torch.Tensor,
     padded: torch.Tensor,
     counts: torch.Tensor,
     starts: torch.Tensor,
     rows: Sequence[SamplingRow],
     sampler: Sampler,
 ) -> torch.Tensor:
-    """[B]: each sequence's leading run of accepted drafts."""
+    """[B]: each sequence's leading run of accepted drafts (argmax: each row's, for the
+    greedy ones)."""
     batch, width = padded.shape
     index = starts[:, None] + torch.arange(width, device=logits.device)[None, :]
     index = torch.minimum(index, (starts + counts)[:, None])  # padding: the sequence's last row
     valid = torch.arange(width, device=logits.device)[None, :] < counts[:, None]
-    accept = padded == logits.argmax(dim=-1)[index]
+    accept = padded == argmax[index]
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if sampled:  # decided on the host: greedy batches compute no probabilities
         flat = index.flatten()

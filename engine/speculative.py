@@ -127,9 +127,13 @@ class Proposer(Protocol):
         ...
 
 
-DraftStep = Callable[[int, list[int], torch.Tensor, torch.Tensor], torch.Tensor]
+RowIndex = torch.Tensor | slice
+"""Rows of a device tensor: an index tensor, or `slice(None)` for all of them (a view, no
+kernel: the usual case, where every sequence has room for every draft)."""
+
+DraftStep = Callable[[int, list[int], RowIndex, torch.Tensor], torch.Tensor]
 """(j, rows, index, previous) -> draft j of the active sequences `rows` (`index`: the same
-positions on the device), after `previous`, their drafts j - 1."""
+rows of a device tensor), after `previous`, their drafts j - 1."""
 
 
 def chain_drafts(
@@ -158,7 +162,7 @@ def draft_table(
     table[:, 0] = first
     for j in range(1, depth):
         rows = [i for i, (_, room) in enumerate(active) if room > j]
-        index = to_device(rows, first.device)
+        index = slice(None) if len(rows) == len(active) else to_device(rows, first.device)
         table[index, j] = step(j, rows, index, table[index, j - 1])
     return table
 

@@ -32,6 +32,7 @@ from engine import (
     triton_route,
 )
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import StepInputs
 from engine.fp8 import FP8_DTYPE, Fp8Weight
 from engine.presets import PRESETS
 from engine.triton_attention import attention, paged_attention, write_kv
@@ -200,7 +201,8 @@ def test_deepseek_moe(compiled, tokens, fp8):
 
 @pytest.mark.parametrize("rows", [1, 4, 64])
 def test_elementwise_kernels(compiled, rows):
-    """The norms, SwiGLU, RoPE and greedy sampling at Llama-3-8B's sizes."""
+    """The norms, SwiGLU, RoPE and greedy sampling at Llama-3-8B's sizes; a speculative
+    step's rows moved on the device."""
     x = torch.empty(rows, 4096, dtype=torch.bfloat16)
     triton_ops.rms_norm(x, torch.empty(4096, dtype=torch.bfloat16), 1e-5)
     triton_ops.add_rms_norm(x, torch.empty_like(x), torch.empty(4096, dtype=torch.bfloat16), 1e-5)
@@ -208,4 +210,7 @@ def test_elementwise_kernels(compiled, rows):
     qkv = torch.empty(rows, 48, 128, dtype=torch.bfloat16)
     triton_ops.rope(qkv[:, :32], qkv[:, 32:40], torch.empty(rows, 64), torch.empty(rows, 64))
     triton_ops.greedy_tokens(torch.empty(rows, 128256))
-    assert len({name for name, _ in compiled}) >= 4
+    inputs = StepInputs(bucket=rows, max_blocks=64, padding_block=0, block_size=16, device="cpu")
+    inputs.shift(rows, torch.empty(rows, dtype=torch.int64))
+    assert "_shift_kernel" in {name for name, _ in compiled}
+    assert len({name for name, _ in compiled}) >= 6

@@ -32,6 +32,18 @@ def test_greedy_keeps_the_drafts_up_to_the_first_disagreement():
     assert row_tokens.tolist() == [1, 2, 0, 0, 2, 3, 1]
 
 
+def test_greedy_rows_argmaxes_taken_by_the_graph_decide_alone():
+    """A CUDA graph's step has each row's argmax already: given, it decides acceptance and the
+    tokens (here over logits that tie everywhere, whose own argmax would be 0 in every row)."""
+    argmaxes = torch.tensor([1, 2, 0, 3, 2, 3, 1])
+    tokens, accepted, row_tokens = verify(
+        torch.zeros(7, 4), [[1, 2, 3], [], [3]], [GREEDY] * 3, Sampler(), greedy=argmaxes
+    )
+    assert accepted.tolist() == [2, 0, 1]
+    assert tokens.tolist() == [0, 2, 1]
+    assert row_tokens.tolist() == [1, 2, 0, 0, 2, 3, 1]
+
+
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())
