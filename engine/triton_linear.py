@@ -61,9 +61,9 @@ __all__ = [
 
 ROWS_KERNEL = False
 """Whether products of 2 to 64 rows run engine.triton_gemv_rows, epilogues included, instead of
-cuBLAS and the separate kernels. Off: in an EAGLE-3 verification at bs=1 on an H100 it gained
-0.8% over cuBLAS (one run; docs/performance.md), and it has not been timed at the batches of 2
-to 64 rows a plain decode step would also give it (its tests set this)."""
+cuBLAS and the separate kernels. Off: on an H100 it gains 1% over cuBLAS in an EAGLE-3
+verification at bs=1 (4 rows) and loses at bs=8, 3.5% in a plain step (8 rows) and 27% in a
+verification (32 rows; docs/performance.md). Its tests set this."""
 
 # (rows per program, largest K step, warps) by the matrix's shape, N out of K in. Chosen on an
 # H200 in the engine's own bs=1 decode graph of Llama-3-8B, where each GEMV overlaps the
