@@ -1,5 +1,6 @@
 """Linear layers for decode on the GPU: a Triton GEMV for one-row inputs, a few-row kernel
-(engine.triton_gemv_rows) for 2 to 64 rows where ROWS_KERNEL is on, cuBLAS otherwise.
+(engine.triton_gemv_rows) for 2 to ROWS_KERNEL_MAX_ROWS rows of the matrices it streams faster
+than cuBLAS, cuBLAS otherwise.
 
 A bs=1 decode step is a chain of matrix-vector products that stream every weight once, so
 their bandwidth is the step's speed. cuBLAS's M=1 kernels leave bandwidth unused on the square
@@ -59,11 +60,16 @@ __all__ = [
     "linear_silu",
 ]
 
-ROWS_KERNEL = False
-"""Whether products of 2 to 64 rows run engine.triton_gemv_rows, epilogues included, instead of
-cuBLAS and the separate kernels. Off: on an H100 it gains 1% over cuBLAS in an EAGLE-3
-verification at bs=1 (4 rows) and loses at bs=8, 3.5% in a plain step (8 rows) and 27% in a
-verification (32 rows; docs/performance.md). Its tests set this."""
+ROWS_KERNEL_MAX_ROWS = 4
+"""Products of 2 to this many rows of a matrix that is not very tall (qkv_proj, o_proj,
+down_proj: N < 3K) run engine.triton_gemv_rows, epilogues included, instead of cuBLAS and the
+separate kernels. Timed in Llama-3-8B's steps on an H100 (docs/performance.md): plain decode
+gained 4.1% at 2 rows, 3.7% at 4 and 4.6% at 8, an EAGLE-3 verification 3.1% at 4 rows (bs=1)
+but lost 2.8% at 8 (bs=2). Very tall matrices (gate_up, lm_head) stay with cuBLAS, whose tiles
+stream them faster at these rows: with them the kernel lost 3.5% at 8 rows and 27% at 32."""
+ROWS_KERNEL_VERY_TALL = False
+"""Whether very tall matrices take the few-row kernel too (its tests set this, and
+ROWS_KERNEL_MAX_ROWS to triton_gemv_rows.MAX_ROWS)."""
 
 # (rows per program, largest K step, warps) by the matrix's shape, N out of K in. Chosen on an
 # H200 in the engine's own bs=1 decode graph of Llama-3-8B, where each GEMV overlaps the
@@ -136,7 +142,11 @@ def fuses(x: torch.Tensor, weight: Matrix) -> bool:
 
 
 def _rows_kernel_applies(x: torch.Tensor, weight: Matrix) -> bool:
-    return ROWS_KERNEL and triton_gemv_rows.applies(x, weight)
+    return (
+        triton_gemv_rows.applies(x, weight)
+        and x.shape[0] <= ROWS_KERNEL_MAX_ROWS
+        and (ROWS_KERNEL_VERY_TALL or not _very_tall(weight))
+    )
 
 
 def fuses_silu(x: torch.Tensor, weight: Matrix) -> bool:
@@ -188,9 +198,15 @@ def _config(weight: Matrix) -> tuple[int, int, int]:
     """(rows per program, largest K step, warps) of a matrix."""
     rows, columns = weight.shape
     config = _TALL if 2 * rows >= 3 * columns else _OTHER
-    if rows >= 3 * columns:
+    if _very_tall(weight):
         config = _VERY_TALL
     return _FP8_CONFIGS[config] if isinstance(weight, Fp8Weight) else config
+
+
+def _very_tall(weight: Matrix) -> bool:
+    """N >= 3K: gate_up_proj, lm_head."""
+    rows, columns = weight.shape
+    return rows >= 3 * columns
 
 
 def _pairs(x: torch.Tensor, weight: Matrix) -> int:

@@ -24,6 +24,7 @@ from triton.runtime.jit import JITFunction
 
 from engine import (
     triton_device,
+    triton_gemv_rows,
     triton_linear,
     triton_mla_heads,
     triton_moe,
@@ -154,9 +155,10 @@ QKV, O_PROJ, GATE_UP, DOWN = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 1
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_llama_projections(compiled, monkeypatch, rows, fp8):
     """A decoder layer's products with their epilogues (the norm before, RoPE, SwiGLU, the
-    residual add), as one-row GEMVs and as the few-row kernel (switched on here) or the fp8
+    residual add), as one-row GEMVs and as the few-row kernel (taking every matrix here) or the fp8
     GEMM."""
-    monkeypatch.setattr(triton_linear, "ROWS_KERNEL", True)
+    monkeypatch.setattr(triton_linear, "ROWS_KERNEL_MAX_ROWS", triton_gemv_rows.MAX_ROWS)
+    monkeypatch.setattr(triton_linear, "ROWS_KERNEL_VERY_TALL", True)
     h = torch.empty(rows, 4096, dtype=torch.bfloat16)
     norm = triton_linear.Prenorm(h, 1e-5)
     cos = sin = torch.empty(rows, 64)

@@ -52,7 +52,8 @@ def _relative_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     ],
 )
 def test_rows_match_float64_reference(rows, out_features, in_features, dtype, bias, monkeypatch):
-    monkeypatch.setattr(triton_linear, "ROWS_KERNEL", True)
+    monkeypatch.setattr(triton_linear, "ROWS_KERNEL_MAX_ROWS", triton_gemv_rows.MAX_ROWS)
+    monkeypatch.setattr(triton_linear, "ROWS_KERNEL_VERY_TALL", True)
     x, weight, b, ref = _case(rows, out_features, in_features, dtype, bias)
     assert triton_gemv_rows.applies(x, weight)
     y = triton_linear.linear(x, weight, b)  # the engine's entry: it picks this kernel
@@ -83,9 +84,17 @@ def test_other_inputs_are_not_taken(rows, in_features, dtype):
     assert not triton_gemv_rows.applies(x.float(), weight)  # mismatched dtypes neither
 
 
-def test_the_engine_keeps_cublas_while_the_kernel_is_off():
-    """Until the kernel is switched on (triton_linear.ROWS_KERNEL), several rows are F.linear."""
-    assert not triton_linear.ROWS_KERNEL
-    x, weight, _, _ = _case(4, 32, 128, torch.bfloat16, False, seed=3)
-    assert not triton_linear.fuses(x, weight)
-    assert torch.equal(triton_linear.linear(x, weight), F.linear(x, weight))
+def test_the_engine_takes_the_kernel_for_a_few_rows_of_matrices_not_very_tall():
+    """Where it streams faster than cuBLAS (triton_linear.ROWS_KERNEL_MAX_ROWS): 2 to 4 rows of
+    qkv-, o_proj- and down-like matrices; more rows, and very tall matrices (gate_up, lm_head),
+    stay F.linear."""
+    x, weight, _, ref = _case(4, 32, 128, torch.bfloat16, False, seed=3)
+    assert triton_linear.fuses(x, weight)
+    assert (
+        _relative_errors(triton_linear.linear(x, weight), ref) < TOLERANCE[torch.bfloat16]
+    ).all()
+    more, _, _, _ = _case(5, 32, 128, torch.bfloat16, False, seed=3)
+    tall, tall_weight, _, _ = _case(4, 3 * 128, 128, torch.bfloat16, False, seed=3)
+    for rows, matrix in ((more, weight), (tall, tall_weight)):
+        assert not triton_linear.fuses(rows, matrix)
+        assert torch.equal(triton_linear.linear(rows, matrix), F.linear(rows, matrix))

@@ -154,7 +154,8 @@ def test_residual_add_and_norm_in_the_gemvs(
     The sum is bit for bit the separate add's; the products are close to float64, and no
     further from it than those of the norm's own kernel followed by the same kernels (the fused
     path does not round the normalized input)."""
-    monkeypatch.setattr(triton_linear, "ROWS_KERNEL", True)
+    monkeypatch.setattr(triton_linear, "ROWS_KERNEL_MAX_ROWS", triton_gemv_rows.MAX_ROWS)
+    monkeypatch.setattr(triton_linear, "ROWS_KERNEL_VERY_TALL", True)
     gen = torch.Generator().manual_seed(8)
     o_w = _weight(gen, hidden, heads * head_dim, dtype)
     qkv_w = _weight(gen, (heads + 2 * kv_heads) * head_dim, hidden, dtype)
