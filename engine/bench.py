@@ -21,7 +21,9 @@ decode's (above 100% is speculation's gain), and `accept len` is the mean tokens
 proposal; `--benchmark-mode` lets a variant simulate acceptance from a committed curve
 (engine/acceptance_curves.json) on random weights. `--prompt-file` (one JSON string per line)
 decodes real text instead of random tokens, e.g. n-gram lookup's real acceptance on code edits
-(the context column is then the prompts' mean length).
+(the context column is then the prompts' mean length). `--profile-steps N` runs N more steps of
+each case under torch.profiler and prints where a step's time goes, kernel by kernel
+(engine/step_profile.py), its whole trace written beside --out.
 
     python -m engine.bench --model random:llama3-8b --device cuda --batch-sizes 1,64 \
         --context-lens 1024 --peer hf --out bench.json
@@ -34,13 +36,14 @@ import dataclasses
 import gc
 import json
 import random
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from engine import hf_peer
+from engine import hf_peer, step_profile
 from engine.engine_config import DTYPES
 from engine.grammar import Grammar, GrammarCompiler, GrammarKind, GrammarSpec
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -65,6 +68,7 @@ class Result:
     peak_memory_gb: float | None
     tpot_ms: float | None = None  # decode seconds per token of one sequence
     acceptance_length: float | None = None  # speculative decoding: tokens per verified proposal
+    profile: step_profile.StepProfile | None = None  # --profile-steps: after the timed steps
 
 
 def read_bandwidth(device: str) -> float:
@@ -140,12 +144,16 @@ def bench_engine(
     system: str = "tandem",
     texts: list[list[int]] | None = None,
     sampling: SamplingParams | None = None,
+    profile_steps: int = 0,
+    trace: Path | None = None,
 ) -> Result:
     """Prefills `batch` prompts, then times decode steps in which all of them decode (each
     constrained to `grammar` when given) until they have generated `decode_tokens` each on
     average (one a step, or with speculative decoding up to k + 1). The same prefill runs once
     untimed first: the first batches of a shape compile kernels. The roofline is the
-    one-token-a-step decode's: with speculation, more than 100% of it is its gain."""
+    one-token-a-step decode's: with speculation, more than 100% of it is its gain. Then
+    `profile_steps` more steps run under the profiler (engine/step_profile.py; the whole trace
+    written to `trace`)."""
     rng = random.Random(batch * 1_000_003 + context)
     vocab = engine.model_config.vocab_size
     # Room for the decodes that run while later prompts are still prefilling, and the timed ones
@@ -156,7 +164,8 @@ def bench_engine(
         context = sum(map(len, prompts)) // batch
     prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens) + 1
     per_step = engine.config.num_speculative_tokens + 1
-    stop = StopConditions(max_tokens=prefill_steps + per_step * decode_tokens + 2, ignore_eos=True)
+    steps = decode_tokens + profile_steps
+    stop = StopConditions(max_tokens=prefill_steps + per_step * steps + 2, ignore_eos=True)
     sampling = sampling or SamplingParams()
     _prefill(engine, prompts, stop, f"warm-up-b{batch}-c{context}", sampling, grammar)
     _abort_all(engine)
@@ -177,6 +186,8 @@ def bench_engine(
             left += " (its grammar completed: give a schema with longer outputs)"
         assert len(engine.sequences) == batch, left
     decode_s = time.perf_counter() - start
+    acceptance = _acceptance_length(engine, drafts_before)
+    profile = step_profile.profile_steps(engine, profile_steps, trace) if profile_steps else None
     _abort_all(engine)
     # One-token steps: as many as tokens per sequence, each reading the weights and the KV.
     one_token_steps = generated / batch
@@ -197,7 +208,8 @@ def bench_engine(
         mbu=mbu_s / decode_s if cuda else None,
         peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         tpot_ms=decode_s / one_token_steps * 1e3,
-        acceptance_length=_acceptance_length(engine, drafts_before),
+        acceptance_length=acceptance,
+        profile=profile,
     )
 
 
@@ -320,6 +332,13 @@ def main() -> None:
         'labelled: \'draft:speculative_config={"method": "draft_model", ...}\' (JSON, last)',
     )
     parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after each case's timed steps, this many more under torch.profiler: the time a "
+        "step spends in each kernel, printed and in the JSON, the whole trace beside --out",
+    )
+    parser.add_argument(
         "--prompt-file",
         default=None,
         help="decode these prompts (one JSON string per line, tokenized by --model's "
@@ -372,9 +391,13 @@ def main() -> None:
                         system,
                         texts,
                         SamplingParams(temperature=args.temperature, top_p=args.top_p),
+                        args.profile_steps,
+                        _trace_path(args.out, system, batch, context),
                     )
                 )
                 print(_table(results[-1:], bandwidth).splitlines()[-1], flush=True)
+                if results[-1].profile is not None:
+                    print(results[-1].profile.table(), flush=True)
                 if args.peer == "hf" and system == "tandem":
                     results.append(bench_hf(engine, batch, context, args.decode_tokens))
                     print(_table(results[-1:], bandwidth).splitlines()[-1], flush=True)
@@ -400,6 +423,12 @@ def main() -> None:
     }
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)
+
+
+def _trace_path(out: str, system: str, batch: int, context: int) -> Path:
+    """Where --profile-steps writes a case's trace: beside --out, named after the case."""
+    label = re.sub(r"[^\w.-]+", "_", system)
+    return Path(out).with_name(f"{Path(out).stem}-{label}-b{batch}-c{context}.trace.json.gz")
 
 
 def _prompt_file(path: str, model: str) -> list[list[int]]:

@@ -1,6 +1,7 @@
 """The benchmark tool runs end to end (CPU, tiny model) and writes its JSON: it cannot rot; its
 roofline counts the bytes it says it counts."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -14,10 +15,12 @@ from engine.tests.tiny_hf import hf_deepseek_v2
 
 
 def test_bench_writes_results_for_every_point_and_the_peer(tmp_path):
+    """Every case's figures, the peer's, and (--profile-steps) a profile of further steps with
+    its trace beside the JSON."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "engine.bench", "--model", "random:tiny", "--dtype", "float32"]
     cmd += ["--batch-sizes", "1,3", "--context-lens", "20", "--decode-tokens", "4"]
-    cmd += ["--peer", "hf", "--out", str(out)]
+    cmd += ["--peer", "hf", "--profile-steps", "2", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     results = json.loads(out.read_text())["results"]
@@ -25,6 +28,14 @@ def test_bench_writes_results_for_every_point_and_the_peer(tmp_path):
     assert points == [("tandem", 1, 20), ("hf", 1, 20), ("tandem", 3, 20), ("hf", 3, 20)]
     assert all(r["decode_tok_s"] > 0 for r in results)
     assert "decode tok/s" in done.stdout
+    for r in results[::2]:  # tandem's
+        profile = r["profile"]
+        assert (profile["steps"], profile["tokens"]) == (2, 2 * r["batch"])
+        assert 0 < profile["busy_us_per_step"] <= profile["wall_us_per_step"]
+        assert any(k["name"].startswith("aten::") for k in profile["kernels"])
+        trace = tmp_path / f"bench-tandem-b{r['batch']}-c20.trace.json.gz"
+        assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert "us/step" in done.stdout
 
 
 def test_bench_runs_a_labelled_speculative_variant_at_its_simulated_acceptance(tmp_path):
