@@ -26,9 +26,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from engine.bench import read_bandwidth
 from engine.config import ModelConfig
 from engine.fp8 import Fp8Scheme, Fp8Weight, quantize
+from engine.roofline import read_bandwidth
 
 LAYER_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine import bench
+from engine import bench, roofline
 from engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.tests.tiny_hf import hf_deepseek_v2
@@ -100,10 +100,10 @@ def test_roofline_counts_the_bytes_of_the_model_and_of_a_step(preset):
     table = c.vocab_size * c.hidden_size
     lm_head = 0 if c.tie_word_embeddings else table
     params = c.num_layers * layer + table + lm_head + c.hidden_size
-    assert bench.parameter_bytes(engine) == 4 * params
+    assert roofline.parameter_bytes(engine) == 4 * params
     # A step gathers one embedding row per sequence; a tied lm_head reads the whole table.
     read = params - (0 if c.tie_word_embeddings else table) + 3 * c.hidden_size
-    assert bench.weight_bytes_per_step(engine, batch=3) == 4 * read
+    assert roofline.weight_bytes_per_step(engine, batch=3) == 4 * read
 
 
 @pytest.mark.parametrize("model", ["random:deepseek-tiny", "deepseek-v2-folder"])
@@ -135,10 +135,10 @@ def test_moe_roofline_counts_the_experts_a_step_chooses(batch):
     expert = 3 * moe.moe_intermediate_size * c.hidden_size
     sparse = c.num_layers - moe.first_k_dense_replace
     table = c.vocab_size * c.hidden_size
-    all_read = bench.parameter_bytes(engine) // 4 - table + batch * c.hidden_size
+    all_read = roofline.parameter_bytes(engine) // 4 - table + batch * c.hidden_size
     hit = 2 if batch == 1 else 8 * (1 - (1 - 2 / 8) ** batch)
     expected = all_read - sparse * (8 - hit) * expert
-    assert bench.weight_bytes_per_step(engine, batch) == pytest.approx(4 * expected, abs=4)
+    assert roofline.weight_bytes_per_step(engine, batch) == pytest.approx(4 * expected, abs=4)
 
 
 def test_moe_roofline_counts_fp8_experts_at_their_bytes():
@@ -152,7 +152,7 @@ def test_moe_roofline_counts_fp8_experts_at_their_bytes():
     scales = 2 * size * -(-hidden // 32) + hidden * -(-size // 32)
     expert = 3 * size * hidden + 4 * scales
     sparse = c.num_layers - moe.first_k_dense_replace
-    one, two = (bench.weight_bytes_per_step(engine, batch) for batch in (1, 2))
+    one, two = (roofline.weight_bytes_per_step(engine, batch) for batch in (1, 2))
     unread = [sparse * (8 - hit) * expert for hit in (2, 8 * (1 - (1 - 2 / 8) ** 2))]
     assert two - one == pytest.approx(4 * hidden + unread[0] - unread[1], abs=2)
 
