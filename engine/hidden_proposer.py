@@ -29,7 +29,7 @@ from engine.host_values import to_device
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sequence import Sequence
-from engine.speculative import RowIndex, chain_drafts, draft_table
+from engine.speculative import RowIndex, chain_drafts, draft_table, repeat_rows
 from engine.step_plan import ScheduledSeq, StepPlan
 
 if TYPE_CHECKING:
@@ -176,8 +176,7 @@ class HiddenStateProposer:
             shift = None if shift is None else shift[sampling]
         row_shift = None
         if shift is not None:
-            seq_of_row = [b for b, item in enumerate(items) for _ in range(item.num_new_tokens)]
-            row_shift = shift[to_device(seq_of_row, self.device)]
+            row_shift = repeat_rows(shift, [item.num_new_tokens for item in items])
         previous = hidden if self.prepare is None else self.prepare(hidden)
         g, greedy = self._rows(0, ids, positions, tables, previous, offsets=row_shift)
         last = to_device(firsts, self.device) + accepted

@@ -27,6 +27,7 @@ from engine.model import CausalLM
 from engine.sampling import Sampler, SamplingRow, compute_logprobs
 from engine.spec_acceptance import AcceptanceCurve
 from engine.spec_verify import verify
+from engine.speculative import repeat_rows, row_index
 from engine.step_executor import StepExecutor
 from engine.step_plan import ScheduledSeq, StepPlan
 
@@ -260,35 +261,34 @@ class ModelRunner:
 
     def _fed_ahead(self, plan: StepPlan, feed: LaunchedStep, drafts: DraftsAhead) -> FedAhead:
         """A shifted plan's inputs: each sequence feeds the token `feed` samples for it, then
-        its drafts made ahead, its rows moved by the drafts `feed` kept of it."""
+        its drafts made ahead, its rows moved by the drafts `feed` kept of it. Where the plan
+        has `feed`'s sequences in its order, each with a full row of drafts (the usual case),
+        its rows are views of `feed`'s and of the drafts' tensors, not gathers."""
         index = {seq_id: i for i, seq_id in enumerate(feed.seq_ids)}
         width = 1 + drafts.table.shape[1]
-        feed_rows, table_rows, flat, seq_of_row = [], [], [], []
-        for b, item in enumerate(plan.scheduled):
-            seq_id, n = item.seq.seq_id, len(item.draft)
-            assert n <= drafts.depths[seq_id], "a draft not made ahead"
-            feed_rows.append(index[seq_id])
-            table_rows.append(drafts.rows[seq_id])
-            flat.extend(range(b * width, b * width + 1 + n))
-            seq_of_row.extend([b] * (1 + n))
-        at_feed = to_device(feed_rows, self.device)
-        made = drafts.table[to_device(table_rows, self.device)]
+        scheduled = plan.scheduled
+        for item in scheduled:
+            assert len(item.draft) <= drafts.depths[item.seq.seq_id], "a draft not made ahead"
+        feed_rows = [index[item.seq.seq_id] for item in scheduled]
+        at_feed = row_index(feed_rows, len(feed.seq_ids), self.device)
+        table_rows = [drafts.rows[item.seq.seq_id] for item in scheduled]
+        made = drafts.table[row_index(table_rows, drafts.table.shape[0], self.device)]
         shift = feed.verified.accepted[at_feed]
         # The drafts verified: those the room left after what `feed` kept (Scheduler.resolve).
-        fed = to_device([len(item.draft) for item in plan.scheduled], self.device)
-        rooms = to_device([item.draft_room for item in plan.scheduled], self.device)
+        host = [len(item.draft) for item in scheduled] + [item.draft_room for item in scheduled]
+        fed, rooms = to_device(host, self.device, torch.long).view(2, len(scheduled))
         counts = torch.minimum(fed, rooms - shift).clamp(min=0)
         columns = torch.arange(made.shape[1], device=self.device)
         padded = torch.where(columns[None, :] < counts[:, None], made, -1)
         # Rows past the drafts verified feed the drafts made there: valid tokens, never read.
-        grid = torch.cat([feed.tokens[at_feed][:, None], made.clamp(min=0)], dim=1)
-        return FedAhead(
-            grid.flatten()[to_device(flat, self.device)],
-            shift[to_device(seq_of_row, self.device)],
-            shift,
-            padded,
-            counts,
-        )
+        ids = torch.cat([feed.tokens[at_feed][:, None], made.clamp(min=0)], dim=1).flatten()
+        row_shift = repeat_rows(shift, [1 + len(item.draft) for item in scheduled])
+        if any(1 + len(item.draft) < width for item in scheduled):
+            fed_rows = [
+                b * width + j for b, i in enumerate(scheduled) for j in range(1 + len(i.draft))
+            ]
+            ids = ids[to_device(fed_rows, self.device)]
+        return FedAhead(ids, row_shift, shift, padded, counts)
 
     def _decode_with_graph(self, plan: StepPlan, fed: torch.Tensor | None) -> GraphStep:
         """Logits, greedy tokens and hidden states of every scheduled sequence, one row each."""

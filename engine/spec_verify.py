@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from engine.host_values import to_device
 from engine.sampling import Sampler, SamplingRow
@@ -52,12 +53,16 @@ def verify(
     counts = [len(d) for d in drafts]
     width = max(counts)
     assert width >= 1, "verify() of a step without drafts"
-    starts = to_device(_starts(counts), device)
-    count_t = to_device(counts, device) if verified is None else verified
+    # The host's values in one copy: each a copy of its own is a kernel's launch and more.
+    batch = len(counts)
+    host = _starts(counts) + (counts if verified is None else []) + list(simulated or [])
+    uploaded = to_device(host, device, torch.long)
+    starts = uploaded[:batch]
+    count_t = uploaded[batch : 2 * batch] if verified is None else verified
     if padded is None:
         padded = to_device([list(d) + [-1] * (width - len(d)) for d in drafts], device)
     if simulated is not None:
-        accepted = torch.minimum(to_device(list(simulated), device), count_t)
+        accepted = torch.minimum(uploaded[-batch:], count_t)
         excluded = None
     else:
         argmax = greedy if greedy is not None else logits.argmax(dim=-1)
@@ -70,12 +75,15 @@ def verify(
         tokens = greedy[final_rows]
     else:
         tokens = sampler(logits[final_rows], rows, excluded)
-    # From the host's counts: repeating by a device tensor would wait for the device.
-    seq_of_row = to_device([b for b, n in enumerate(counts) for _ in range(n + 1)], device)
-    offset = torch.arange(len(seq_of_row), device=device) - starts[seq_of_row]
-    drafted = padded[seq_of_row, offset.clamp(max=width - 1)]
-    row_tokens = torch.where(offset < accepted[seq_of_row], drafted, tokens[seq_of_row])
-    return tokens, accepted, row_tokens
+    # grid[b, j]: the token row j of sequence b gave (draft j where accepted, then b's own);
+    # its rows are the sequences' rows where every sequence fed `width` drafts (the usual case).
+    columns = torch.arange(width + 1, device=device)
+    drafted = F.pad(padded[:, :width], (0, 1), value=-1)
+    grid = torch.where(columns[None, :] < accepted[:, None], drafted, tokens[:, None]).flatten()
+    if all(n == width for n in counts):
+        return tokens, accepted, grid
+    flat = [b * (width + 1) + j for b, n in enumerate(counts) for j in range(n + 1)]
+    return tokens, accepted, grid[to_device(flat, device)]
 
 
 def _accepted(

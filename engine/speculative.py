@@ -131,6 +131,22 @@ RowIndex = torch.Tensor | slice
 """Rows of a device tensor: an index tensor, or `slice(None)` for all of them (a view, no
 kernel: the usual case, where every sequence has room for every draft)."""
 
+
+def row_index(rows: list[int], total: int, device: torch.device) -> RowIndex:
+    """`rows` of a device tensor of `total` rows: slice(None) where they are all of them in
+    order, else an index tensor copied to `device`."""
+    return slice(None) if rows == list(range(total)) else to_device(rows, device)
+
+
+def repeat_rows(values: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """values[b] repeated counts[b] times, in order, on values' device: a broadcast where every
+    count is the same (the usual case), else a gather by an index copied from the host."""
+    if len(set(counts)) == 1:
+        return values[:, None].expand(len(counts), counts[0]).flatten()
+    index = [b for b, n in enumerate(counts) for _ in range(n)]
+    return values[to_device(index, values.device)]
+
+
 DraftStep = Callable[[int, list[int], RowIndex, torch.Tensor], torch.Tensor]
 """(j, rows, index, previous) -> draft j of the active sequences `rows` (`index`: the same
 rows of a device tensor), after `previous`, their drafts j - 1."""
@@ -162,7 +178,7 @@ def draft_table(
     table[:, 0] = first
     for j in range(1, depth):
         rows = [i for i, (_, room) in enumerate(active) if room > j]
-        index = slice(None) if len(rows) == len(active) else to_device(rows, first.device)
+        index = row_index(rows, len(active), first.device)
         table[index, j] = step(j, rows, index, table[index, j - 1])
     return table
 
