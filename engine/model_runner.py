@@ -27,7 +27,7 @@ from engine.model import CausalLM
 from engine.sampling import Sampler, SamplingRow, compute_logprobs
 from engine.spec_acceptance import AcceptanceCurve
 from engine.spec_verify import verify
-from engine.speculative import repeat_rows, row_index
+from engine.speculative import RowIndex, repeat_rows, row_index
 from engine.step_executor import StepExecutor
 from engine.step_plan import ScheduledSeq, StepPlan
 
@@ -253,24 +253,25 @@ class ModelRunner:
     def _fed_ids(self, plan: StepPlan, feed: LaunchedStep) -> torch.Tensor:
         """The input ids of a step planned ahead: the tokens `feed` samples for its sequences
         (one of `feed` that has finished, or stops on its length there, has no row in `plan`)."""
-        seq_ids = [item.seq.seq_id for item in plan.scheduled]
-        if seq_ids == feed.seq_ids:
-            return feed.tokens
+        return feed.tokens[self._feed_rows(plan, feed)]
+
+    def _feed_rows(self, plan: StepPlan, feed: LaunchedStep) -> RowIndex:
+        """Each scheduled sequence's row of `feed`'s tokens: a view of all of them where the
+        plan keeps `feed`'s sequences in their order (the usual case)."""
         row = {seq_id: i for i, seq_id in enumerate(feed.seq_ids)}
-        return feed.tokens[to_device([row[s] for s in seq_ids], self.device)]
+        rows = [row[item.seq.seq_id] for item in plan.scheduled]
+        return row_index(rows, len(feed.seq_ids), self.device)
 
     def _fed_ahead(self, plan: StepPlan, feed: LaunchedStep, drafts: DraftsAhead) -> FedAhead:
         """A shifted plan's inputs: each sequence feeds the token `feed` samples for it, then
         its drafts made ahead, its rows moved by the drafts `feed` kept of it. Where the plan
         has `feed`'s sequences in its order, each with a full row of drafts (the usual case),
         its rows are views of `feed`'s and of the drafts' tensors, not gathers."""
-        index = {seq_id: i for i, seq_id in enumerate(feed.seq_ids)}
         width = 1 + drafts.table.shape[1]
         scheduled = plan.scheduled
         for item in scheduled:
             assert len(item.draft) <= drafts.depths[item.seq.seq_id], "a draft not made ahead"
-        feed_rows = [index[item.seq.seq_id] for item in scheduled]
-        at_feed = row_index(feed_rows, len(feed.seq_ids), self.device)
+        at_feed = self._feed_rows(plan, feed)
         table_rows = [drafts.rows[item.seq.seq_id] for item in scheduled]
         made = drafts.table[row_index(table_rows, drafts.table.shape[0], self.device)]
         shift = feed.verified.accepted[at_feed]
