@@ -28,13 +28,15 @@ def shift_rows(
     """In place, for each of the n = len(offsets) first rows: positions += offsets, seq_lens =
     positions + 1, slots = the cache slot of the new position in the row's block table.
     positions, slots int64 and seq_lens int32 [>= n], contiguous; block_tables int32 [>= n,
-    max_blocks], rows contiguous; offsets [n] integers."""
+    max_blocks], rows contiguous; offsets [n] integers, at any stride (a broadcast's 0:
+    speculative.repeat_rows of one sequence)."""
     n = offsets.shape[0]
     assert positions.is_contiguous() and slots.is_contiguous() and seq_lens.is_contiguous()
-    assert block_tables.stride(1) == 1 and offsets.is_contiguous()
+    assert block_tables.stride(1) == 1
     if n:
         _shift_kernel[(triton.cdiv(n, _ROWS),)](
             positions, seq_lens, slots, block_tables, offsets, n, block_tables.stride(0),
+            offsets.stride(0),
             BLOCK_SIZE=block_size, ROWS=_ROWS,
         )  # fmt: skip
 
@@ -48,13 +50,14 @@ def _shift_kernel(
     offsets_ptr,
     n,
     stride_table,
+    stride_offsets,
     BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = rows < n
     position = tl.load(positions_ptr + rows, mask=live, other=0)
-    position += tl.load(offsets_ptr + rows, mask=live, other=0).to(position.dtype)
+    position += tl.load(offsets_ptr + rows * stride_offsets, mask=live, other=0).to(position.dtype)
     tl.store(positions_ptr + rows, position, mask=live)
     tl.store(seq_lens_ptr + rows, (position + 1).to(tl.int32), mask=live)
     table = tables_ptr + rows.to(tl.int64) * stride_table

@@ -3,6 +3,7 @@
 import torch
 
 from engine.cuda_graphs import StepInputs, batch_buckets
+from engine.speculative import repeat_rows
 
 
 def test_batch_buckets_end_at_max_batch_and_grow():
@@ -67,3 +68,17 @@ def test_step_inputs_shifted_on_the_device_equal_those_written_at_the_shifted_po
         inputs.seq_lens.tolist(),
     ]
     assert shifted[1].tolist() == [7 * 16 + 1, 6 * 16 + 14, 5 * 16 + 2, 9 * 16]
+
+
+def test_one_sequences_rows_shift_by_a_broadcast_offset():
+    """One sequence's k + 1 verification rows move by its one accepted count, given as a
+    broadcast (speculative.repeat_rows: stride 0), as an index-built copy would move them."""
+    tables = [[3, 7]] * 3
+    inputs = StepInputs(bucket=4, max_blocks=2, padding_block=9, block_size=16, device="cpu")
+    inputs.upload([1, 2, 3], [13, 14, 15], tables)
+    offsets = repeat_rows(torch.tensor([2]), [3])
+    assert offsets.stride() == (0,)
+    inputs.shift(3, offsets)
+    assert inputs.positions.tolist()[:3] == [15, 16, 17]
+    assert inputs.slots.tolist()[:3] == [3 * 16 + 15, 7 * 16, 7 * 16 + 1]
+    assert inputs.seq_lens.tolist()[:3] == [16, 17, 18]
