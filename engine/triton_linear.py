@@ -71,20 +71,25 @@ ROWS_KERNEL_VERY_TALL = False
 """Whether very tall matrices take the few-row kernel too (its tests set this, and
 ROWS_KERNEL_MAX_ROWS to triton_gemv_rows.MAX_ROWS)."""
 
-# (rows per program, largest K step, warps) by the matrix's shape, N out of K in. Chosen on an
-# H200 in the engine's own bs=1 decode graph of Llama-3-8B, where each GEMV overlaps the
-# kernels around it (its first tile is requested while they finish), each candidate's graph
-# replayed in turn with the others' (docs/performance.md): very tall matrices (N >= 3K:
-# gate_up, lm_head) with 16 rows and 8 warps a program, tall ones (qkv, N = 1.5K) with 16 rows
-# in short steps, square and wide ones (o_proj, down_proj) with 4 rows and 4 warps. Streaming
-# each shape alone had chosen fewer rows for very tall, square and wide matrices, 2.1% slower
-# in the step.
-_VERY_TALL = (16, 1024, 8)
-_TALL = (16, 512, 8)
-_OTHER = (4, 1024, 4)
-# FP8 matrices: the best of 7 sets timed in the engine's own bs=1 decode step of Llama-3-8B in
-# fp8 on an H200 (each from a sweep of 24 per shape streamed alone; docs/performance.md).
-_FP8_CONFIGS = {_VERY_TALL: (8, 2048, 4), _TALL: (16, 1024, 8), _OTHER: (8, 2048, 8)}
+# (rows per program, largest K step, warps) by the matrix's class (`_shape_class`), chosen in
+# the engine's own bs=1 decode step of Llama-3-8B, where each GEMV overlaps the kernels around
+# it (its first tile is requested while they finish); docs/performance.md. bf16, on an H200:
+# very tall matrices (gate_up, lm_head) with 16 rows and 8 warps a program, tall ones (qkv)
+# with 16 rows in short steps, square and wide ones (o_proj, down_proj) with 4 rows and 4 warps
+# (streaming each shape alone had chosen fewer rows for very tall, square and wide matrices,
+# 2.1% slower in the step).
+_CONFIGS = {"very tall": (16, 1024, 8), "tall": (16, 512, 8), "square": (4, 1024, 4)}
+_CONFIGS["wide"] = _CONFIGS["square"]
+# FP8: the very tall and tall sets the best of 7 timed on an H200 (each from a sweep of 24 per
+# shape streamed alone); the square and wide ones, which had shared (8, 2048, 8) there, each the
+# best of 11 timed apart on an H100 (+6% in the fp8 step), where the very tall and tall ones
+# stayed the best of 7 each.
+_FP8_CONFIGS = {
+    "very tall": (8, 2048, 4),
+    "tall": (16, 1024, 8),
+    "square": (4, 2048, 4),
+    "wide": (2, 2048, 4),
+}
 
 # What the kernel does with its rounded outputs (the EPILOGUE constexpr), as the few-row one.
 _STORE, _SILU, _ROPE = triton_gemv_rows.STORE, triton_gemv_rows.SILU, triton_gemv_rows.ROPE
@@ -196,11 +201,19 @@ def linear_rope(
 
 def _config(weight: Matrix) -> tuple[int, int, int]:
     """(rows per program, largest K step, warps) of a matrix."""
+    configs = _FP8_CONFIGS if isinstance(weight, Fp8Weight) else _CONFIGS
+    return configs[_shape_class(weight)]
+
+
+def _shape_class(weight: Matrix) -> str:
+    """N out of K in: very tall (N >= 3K: gate_up, lm_head), tall (N >= 1.5K: qkv), wide
+    (N < K: down_proj) or square (o_proj)."""
     rows, columns = weight.shape
-    config = _TALL if 2 * rows >= 3 * columns else _OTHER
     if _very_tall(weight):
-        config = _VERY_TALL
-    return _FP8_CONFIGS[config] if isinstance(weight, Fp8Weight) else config
+        return "very tall"
+    if 2 * rows >= 3 * columns:
+        return "tall"
+    return "wide" if rows < columns else "square"
 
 
 def _very_tall(weight: Matrix) -> bool:
