@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass
 
 from engine.sampling_ranges import MAX_LOGPROBS, SAMPLING_RANGES, range_problem
@@ -247,7 +248,31 @@ def _json_object(raw: bytes) -> dict:
         raise RequestError(400, "body: not valid JSON") from None
     if not isinstance(body, dict):
         raise RequestError(400, "body: must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw) and _holds_lone_surrogate(body):
+        raise RequestError(400, "body: a string holds an unpaired UTF-16 surrogate (not Unicode)")
     return body
+
+
+# JSON lets a string escape half a UTF-16 pair (\ud800); Python keeps it as a lone surrogate,
+# which no tokenizer or UTF-8 encoder takes. Only such an escape can make one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _holds_lone_surrogate(body: dict) -> bool:
+    pending: list = [body]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend(value)
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+        elif isinstance(value, str) and not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return True
+    return False
 
 
 def _prompt(prompt, vocab_size: int) -> tuple[str | None, list[int] | None]:

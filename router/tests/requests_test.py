@@ -29,6 +29,14 @@ def _parse(endpoint: Endpoint, body: dict | bytes):
     return parse(endpoint, raw, MODEL)
 
 
+SURROGATE = "body: a string holds an unpaired UTF-16 surrogate (not Unicode)"
+
+
+def test_escaped_surrogate_pairs_are_text():
+    """A JSON-escaped pair is one character (an emoji here), not a refusal."""
+    assert _parse(COMPLETIONS, b'{"prompt": "hi \\ud83d\\ude00"}').text == "hi \U0001f600"
+
+
 def _refusal(endpoint: Endpoint, body: dict | bytes) -> RequestError:
     with pytest.raises(RequestError) as refused:
         _parse(endpoint, body)
@@ -136,6 +144,11 @@ def test_chat_messages_as_clients_send_them(messages, expected):
         (COMPLETIONS, b"\xff\xfe", 400, None, "body: not valid JSON"),
         (COMPLETIONS, b"[" * 100000, 400, None, "body: not valid JSON"),
         (COMPLETIONS, [1, 2], 400, None, "body: must be a JSON object"),
+        (COMPLETIONS, b'{"prompt": "a\\ud800b"}', 400, None, SURROGATE),
+        (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": '
+         b'"\\udfff"}]}]}', 400, None, SURROGATE),
+        (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "stop": ["\\ud83d"]}', 400,
+         None, SURROGATE),
         (COMPLETIONS, {"prompt": "x", "wizardry": 2, "ghost": 1}, 400, "ghost",
          "unsupported parameter(s): ghost, wizardry"),
         (CHAT, {"messages": MESSAGES, "prompt": "x"}, 400, "prompt",
