@@ -18,14 +18,13 @@ aggregated router 409.
 
 from __future__ import annotations
 
-import json
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from router import discovery
 from router.errors import RequestError
 from router.orchestrator import Orchestrator
+from router.requests import json_object
 
 PATH = "/admin/instances"
 SETTLE_TIMEOUT_S = 30.0
@@ -69,12 +68,7 @@ class AdminApi:
 
 def _instance(body: bytes) -> tuple[str, str]:
     """(role, address) of a request body; RequestError(400) naming the field otherwise."""
-    try:
-        fields = json.loads(body)
-    except ValueError:
-        raise RequestError(400, "the body is not JSON") from None
-    if not isinstance(fields, dict):
-        raise RequestError(400, "the body must be a JSON object")
+    fields = json_object(body)
     role, address = fields.get("role"), fields.get("address")
     if role not in ("prefill", "decode"):
         raise RequestError(400, f"role: {role!r} is not 'prefill' or 'decode'", "role")

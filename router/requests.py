@@ -221,7 +221,7 @@ def generation_request(
 def checked_body(raw: bytes, model: ServedModel, accepted: frozenset[str]) -> dict:
     """The JSON object in `raw` without its null fields, once it names no parameter outside
     `accepted` and no model but `model`."""
-    body = {k: v for k, v in _json_object(raw).items() if v is not None}
+    body = {k: v for k, v in json_object(raw).items() if v is not None}
     unknown = sorted(set(body) - accepted)
     if unknown:
         raise RequestError(400, f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
@@ -239,7 +239,8 @@ def flag(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _json_object(raw: bytes) -> dict:
+def json_object(raw: bytes) -> dict:
+    """The JSON object a request body holds; RequestError (400, 413) for anything else."""
     if len(raw) > MAX_BODY_BYTES:
         raise RequestError(413, f"body: {len(raw)} bytes, at most {MAX_BODY_BYTES}")
     try:
