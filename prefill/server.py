@@ -35,6 +35,7 @@ from jinja2 import TemplateError
 
 from engine.chat_template import render_chat
 from engine.grammar import Grammar, structured_outputs_spec
+from engine.json_body import InvalidBody, json_object
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SAMPLING_FIELDS, SamplingParams
@@ -320,12 +321,9 @@ def choice_count(n: object) -> int:
 
 async def _json(request: Request) -> dict:
     try:
-        body = await request.json()
-    except ValueError:
-        raise PrefillError(400, "body: not valid JSON") from None
-    if not isinstance(body, dict):
-        raise PrefillError(400, "body: must be a JSON object")
-    return body
+        return json_object(await request.body())
+    except InvalidBody as e:
+        raise PrefillError(400, str(e)) from None
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:

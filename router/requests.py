@@ -13,10 +13,9 @@ name, never dropped; the few OpenAI defines as hints without effect here are acc
 from __future__ import annotations
 
 import enum
-import json
-import re
 from dataclasses import dataclass
 
+from engine import json_body
 from engine.sampling_ranges import MAX_LOGPROBS, SAMPLING_RANGES, range_problem
 from proto.tandem.v1 import decode_pb2
 from router import structured
@@ -244,36 +243,9 @@ def json_object(raw: bytes) -> dict:
     if len(raw) > MAX_BODY_BYTES:
         raise RequestError(413, f"body: {len(raw)} bytes, at most {MAX_BODY_BYTES}")
     try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):  # UnicodeDecodeError included
-        raise RequestError(400, "body: not valid JSON") from None
-    if not isinstance(body, dict):
-        raise RequestError(400, "body: must be a JSON object")
-    if _SURROGATE_ESCAPE.search(raw) and _holds_lone_surrogate(body):
-        raise RequestError(400, "body: a string holds an unpaired UTF-16 surrogate (not Unicode)")
-    return body
-
-
-# JSON lets a string escape half a UTF-16 pair (\ud800); Python keeps it as a lone surrogate,
-# which no tokenizer or UTF-8 encoder takes. Only such an escape can make one.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _holds_lone_surrogate(body: dict) -> bool:
-    pending: list = [body]
-    while pending:
-        value = pending.pop()
-        if isinstance(value, dict):
-            pending.extend(value)
-            pending.extend(value.values())
-        elif isinstance(value, list):
-            pending.extend(value)
-        elif isinstance(value, str) and not value.isascii():
-            try:
-                value.encode()
-            except UnicodeEncodeError:
-                return True
-    return False
+        return json_body.json_object(raw)
+    except json_body.InvalidBody as e:
+        raise RequestError(400, str(e)) from None
 
 
 def _prompt(prompt, vocab_size: int) -> tuple[str | None, list[int] | None]:

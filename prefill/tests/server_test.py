@@ -201,6 +201,20 @@ def test_a_bad_n_gets_400_naming_it(server, n):
     assert error["message"] == f"n: {n!r} is not an integer in [1, 16384]"
 
 
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"[" * 100000, "body: not valid JSON"),  # too deep for Python's parser
+        (b"[1]", "body: must be a JSON object"),
+        (b'{"prompt": [1], "max_tokens": 1, "stop": ["\\ud800"]}',
+         "body: a string holds an unpaired UTF-16 surrogate (not Unicode)"),
+    ],
+)  # fmt: skip
+def test_a_body_that_is_no_json_object_of_text_gets_400(server, raw, message):
+    reply = _bounded(lambda: TestClient(server.app).post("/v1/completions", content=raw))
+    assert reply.status_code == 400 and reply.json()["error"]["message"] == message
+
+
 def test_completion_logprobs_take_vllms_shape(server):
     client = TestClient(server.app)
     body = {"prompt": [1, 2, 3, 4], "max_tokens": 3, "temperature": 0, "logprobs": 2,
