@@ -257,9 +257,8 @@ class EngineLoop(EngineThread):
                 picked = self._groups.get(group, [])
                 if indexes is not None:
                     picked = [picked[i] for i in dict.fromkeys(indexes) if 0 <= i < len(picked)]
-                for seq_id in picked:
-                    if self.engine.abort(seq_id):
-                        delivered.append(self._delivery(seq_id, None, FinishReason.ABORT))
+                for seq_id in self.engine.abort_all(picked):
+                    delivered.append(self._delivery(seq_id, None, FinishReason.ABORT))
         self._publish(delivered)
 
     def _add_prefilled(self, choices: Seq[Choice], block_ids: list[int]) -> list[_Delivery]:

@@ -32,6 +32,7 @@ from engine.model_loader import Backend
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import PrefixCache
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
+from engine.sampling_ranges import MAX_N
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, StopConditions
 from engine.spec_build import acceptance_curve, build_proposer, proposer_cache_config
@@ -230,8 +231,9 @@ class LLMEngine:
     ) -> list[Sequence]:
         """The n choices of one request, `new_sequence`s with ids f"{request_id}#{i}"; choice i
         samples with seed + i (mod 2**64) when `sampling` has a seed, as vLLM's n does, and has
-        a grammar matcher of its own."""
-        assert n >= 1, n
+        a grammar matcher of its own. ValueError for n outside [1, MAX_N]."""
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n: {n} choices, not in [1, {MAX_N}]")
         # NOTE: a suffix on every id, choice 0's included, keeps ids distinct across requests:
         # with none on choice 0, request "x#1" would collide with choice 1 of "x".
         return [
@@ -309,8 +311,13 @@ class LLMEngine:
                 seq.block_ids = []
 
     def abort(self, seq_id: str) -> bool:
-        self.sequences.pop(seq_id, None)
-        aborted = self.scheduler.abort(seq_id) is not None
+        return bool(self.abort_all([seq_id]))
+
+    def abort_all(self, seq_ids: Seq[str]) -> list[str]:
+        """Aborts those of `seq_ids` not finished yet, together; returns their ids."""
+        for seq_id in seq_ids:
+            self.sequences.pop(seq_id, None)
+        aborted = [seq.seq_id for seq in self.scheduler.abort(seq_ids)]
         self._settle_idle_step()
         return aborted
 

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 """Alternatives per token at most (vLLM's default --max-logprobs, OpenAI's top_logprobs)."""
+MAX_N = 16384
+"""Choices (sequences) one request may ask for at most (vLLM's default VLLM_MAX_N_SEQUENCES);
+the router's OpenAI API allows 128."""
 SEED_END = 2**64
 """Seeds are unsigned 64-bit (torch.Generator.manual_seed's range)."""
 

@@ -23,6 +23,7 @@ moved there by what that step accepts (`StepPlan.shifted`, made true by `resolve
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from engine.kv_cache import BlockPool
@@ -95,14 +96,20 @@ class Scheduler:
         self.waiting.append(seq)
         return True
 
-    def abort(self, seq_id: str) -> Sequence | None:
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.seq_id == seq_id:
-                    queue.remove(seq)
-                    self._finish(seq, FinishReason.ABORT)
-                    return seq
-        return None
+    def abort(self, seq_ids: Collection[str]) -> list[Sequence]:
+        """Finishes the waiting or running sequences among `seq_ids` (ABORT) and returns them:
+        one pass over each queue however many ids come (a request's thousands of choices; a
+        search and a removal per id took minutes for 100k, with the engine stalled)."""
+        wanted = set(seq_ids)
+        aborted = [seq for seq in (*self.waiting, *self.running) if seq.seq_id in wanted]
+        if aborted:
+            kept = [seq for seq in self.waiting if seq.seq_id not in wanted]
+            self.waiting.clear()
+            self.waiting.extend(kept)
+            self.running[:] = [seq for seq in self.running if seq.seq_id not in wanted]
+            for seq in aborted:
+                self._finish(seq, FinishReason.ABORT)
+        return aborted
 
     @property
     def num_unfinished(self) -> int:

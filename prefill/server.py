@@ -39,6 +39,7 @@ from engine.json_body import InvalidBody, json_object
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SAMPLING_FIELDS, SamplingParams
+from engine.sampling_ranges import MAX_N
 from engine.sequence import StopConditions
 from prefill import server_timing
 from prefill.engine_layout import engine_layout
@@ -56,8 +57,6 @@ _ACCEPTED = _IGNORED | set(SAMPLING_FIELDS) | {
     "prompt", "max_tokens", "n", "kv_transfer_params", "return_tokens_as_token_ids",
     "structured_outputs",
 }  # fmt: skip
-MAX_N = 16384
-"""Choices a request may ask for at most (vLLM's default VLLM_MAX_N_SEQUENCES)."""
 
 
 @dataclass(frozen=True)

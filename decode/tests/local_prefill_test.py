@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from decode.tests.stack import BLOCK, BLOCKS, NEW_TOKENS, rpc_failure
+from engine.sampling_ranges import MAX_N
 from proto.tandem.v1 import decode_pb2
 
 torch.set_num_threads(1)
@@ -82,6 +83,7 @@ def test_refusals_name_the_values(stack):
             _local("others", PROMPT, other_choices=[decode_pb2.ChoiceStart(first_token_id=5)]),
             "other_choices: not with local_prefill (local_prefill.n gives the choices)",
         ),
+        (_local("many", PROMPT, n=MAX_N + 1), f"n: {MAX_N + 1} choices, not in [1, {MAX_N}]"),
         (
             _local("hot", PROMPT, sampling=decode_pb2.SamplingParams(temperature=-1)),
             None,  # the engine's own message

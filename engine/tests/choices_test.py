@@ -150,3 +150,23 @@ def test_choices_ending_first_leave_the_shared_blocks_to_the_others(prefill, eng
     assert engine.pool.refcount(blocks[0]) == 1
     _run(engine)
     assert seqs[2].output_ids == _alone(prefill, engine, prompt, FIRSTS[2], SamplingParams())
+
+
+def test_choices_running_and_waiting_abort_together(engine):
+    """`abort_all` ends every unfinished sequence among its ids, running or waiting, once each:
+    an id given twice, an unknown one and one ended before change nothing."""
+    running = engine.new_choices("g", PROMPT[:PARTIAL], SamplingParams(), STOP, 3)
+    for seq in running:
+        engine.add_sequence(seq)
+    engine.step()
+    waiting = engine.new_choices("h", PROMPT[:EXACT], SamplingParams(), STOP, 3)
+    for seq in waiting:
+        engine.add_sequence(seq)
+    assert all(seq.num_output_tokens == 1 for seq in running)
+    assert all(seq.num_output_tokens == 0 for seq in waiting)
+    assert engine.abort("g#0")
+    ids = [seq.seq_id for seq in running + waiting]
+    aborted = engine.abort_all([*ids, "g#1", "nobody"])
+    assert sorted(aborted) == sorted(ids[1:])
+    assert all(seq.finish_reason is FinishReason.ABORT for seq in running + waiting)
+    assert engine.abort_all(ids) == []

@@ -62,7 +62,7 @@ def test_prefill_then_decode_with_exact_blocks():
     sched.schedule()
     assert b.block_ids == [2, 3]  # b's 5th token opens a block
     for seq in (a, b):
-        sched.abort(seq.seq_id)
+        sched.abort([seq.seq_id])
     _assert_empty(sched)
 
 
@@ -92,7 +92,7 @@ def test_decodes_go_first_and_prefill_chunks_take_the_rest_of_the_budget():
     sched.add(_seq("b", 12))
     assert _shape(sched.schedule()) == [("a", 1, True), ("b", 7, False)]
     for seq_id in ("a", "b"):
-        sched.abort(seq_id)
+        sched.abort([seq_id])
     _assert_empty(sched)
 
 
@@ -124,7 +124,7 @@ def test_a_sequence_that_can_never_fit_preempts_itself_and_waits():
     plan = sched.schedule()  # the 9th token needs a 3rd block: it preempts itself
     assert plan is None and seq.status is SequenceStatus.WAITING
     assert sched.pool.num_free == 2
-    sched.abort("a")
+    sched.abort(["a"])
     _assert_empty(sched)
 
 
@@ -143,7 +143,7 @@ def test_max_num_seqs_caps_the_batch():
         sched.add(_seq(name, 2))
     assert [s.seq.seq_id for s in sched.schedule().scheduled] == ["a", "b"]
     for name in "abc":
-        sched.abort(name)
+        sched.abort([name])
     _assert_empty(sched)
 
 
@@ -158,7 +158,7 @@ def test_prefilled_sequence_starts_decoding_at_prompt_len():
     assert seq.num_computed == 7  # counted when planned: the forward writes its KV
     sched.update(plan, {"p": 41})
     assert seq.output_ids == [40, 41]
-    sched.abort("p")
+    sched.abort(["p"])
     _assert_empty(sched)
 
 
@@ -179,7 +179,7 @@ def test_prefilled_sequence_without_blocks_recomputes_prompt_and_first_token():
     assert seq.block_ids == [0, 1]
     sched.update(plan, {"p": 41})
     assert seq.output_ids == [40, 41]
-    sched.abort("p")
+    sched.abort(["p"])
     _assert_empty(sched)
 
 
@@ -284,7 +284,7 @@ def test_step_ahead_feeds_the_pending_tokens_and_grows_blocks_first():
     assert (a.output_ids, b.output_ids) == ([7, 20, 22], [7, 21, 23])
     assert [i.start for i in sched.schedule().scheduled] == [4, 5]
     for name in "ab":
-        sched.abort(name)
+        sched.abort([name])
     _assert_empty(sched)
 
 
@@ -306,7 +306,7 @@ def test_sequence_stopping_under_a_step_ahead_keeps_its_blocks_until_that_step_i
     assert sched.pool.num_free == free  # a's block back: no step left writes it
     sched.update(after, {"b": 33})
     assert b.output_ids == [7, 30, 32, 33]
-    sched.abort("b")
+    sched.abort(["b"])
     _assert_empty(sched)
 
 
@@ -319,7 +319,7 @@ def test_sequence_aborted_under_two_steps_ahead_keeps_its_blocks_until_the_last_
     second = sched.schedule_ahead(first)  # both steps ahead write a's KV
     assert _shape(second) == [("a", 1, True), ("b", 1, True)]
     free = sched.pool.num_free
-    sched.abort("a")
+    sched.abort(["a"])
     sched.update(first, {"a": 22, "b": 23})
     assert sched.pool.num_free == free  # `second` still writes a's KV
     third = sched.schedule_ahead(second)
@@ -327,7 +327,7 @@ def test_sequence_aborted_under_two_steps_ahead_keeps_its_blocks_until_the_last_
     sched.update(second, {"a": 24, "b": 25})
     assert sched.pool.num_free == free + 2  # a's two blocks
     assert a.output_ids == [7, 20] and b.output_ids == [7, 21, 23, 25]
-    sched.abort("b")
+    sched.abort(["b"])
     assert sched.ahead_is_idle  # `third` has no live sequence left: the engine waits for it
     sched.update(third, {})
     _assert_empty(sched)
@@ -339,7 +339,7 @@ def test_aborting_every_sequence_of_a_step_ahead_leaves_it_idle():
     plan = _decoding(sched, a)
     ahead = sched.schedule_ahead(plan)
     sched.update(plan, {"a": 30})
-    sched.abort("a")
+    sched.abort(["a"])
     assert sched.ahead_is_idle and sched.pool.num_free < sched.pool.num_total
     sched.update(ahead, {})
     assert not sched.ahead_is_idle
@@ -366,7 +366,7 @@ def test_step_ahead_leaves_out_sequences_that_stop_on_their_length():
     sched.update(ahead, {"b": 23})
     sched.update(after, {"b": 24})
     assert (a.output_ids, b.output_ids, c.output_ids) == ([7, 20], [7, 21, 23, 24], [7, 22])
-    sched.abort("b")
+    sched.abort(["b"])
     _assert_empty(sched)
 
 
@@ -426,7 +426,7 @@ def test_a_drafting_step_holds_blocks_for_the_drafts_made_ahead(max_model_len, r
     (item,) = sched.schedule().scheduled
     assert item.draft_room == room
     assert len(seq.block_ids) == blocks  # 4 + 1 + room (+ 2, within the length) tokens
-    sched.abort("a")
+    sched.abort(["a"])
     _assert_empty(sched)
 
 
@@ -457,7 +457,7 @@ def test_a_verification_planned_ahead_starts_where_none_were_accepted_then_resol
     assert [(i.start, i.draft) for i in resolved.scheduled] == [(8, (6, 9, 10)), (7, (6, 9))]
     finished = sched.update(resolved, {"a": 11, "b": 11}, {"a": 0, "b": 2})
     assert finished == [b] and b.output_ids == [7, 3, 4, 8, 6, 9, 11]  # its 7 tokens
-    sched.abort("a")
+    sched.abort(["a"])
     _assert_empty(sched)
 
 
@@ -474,5 +474,5 @@ def test_no_verification_planned_ahead_where_its_drafts_could_pass_the_context()
     assert sched.schedule_ahead(plan, {"a": 3}) is None
     assert (seq.num_computed, seq.block_ids) == (computed, blocks)
     sched.update(plan, {"a": 8}, {"a": 0})
-    sched.abort("a")
+    sched.abort(["a"])
     _assert_empty(sched)
