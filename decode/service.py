@@ -38,7 +38,8 @@ from decode.engine_loop import Choice, EngineFailed, EngineLoop, Tokens, TokenSt
 from decode.failures import AdmissionError, FailureKind
 from decode.metrics import DecodeMetrics
 from engine.grammar import Grammar, GrammarKind, GrammarSpec, allows
-from engine.sampling import SAMPLING_FIELDS, SamplingParams, TokenLogprobs
+from engine.sampling import SamplingParams, TokenLogprobs
+from engine.sampling_ranges import sampling_fields
 from engine.sequence import FinishReason, Sequence, StopConditions
 from prefill.ticket import mismatch
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
@@ -231,11 +232,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         else:  # Choice 0's start is the request's own fields, named as a ChoiceStart's.
             starts = [("", request)]
             starts += [(f"other_choices[{i}].", s) for i, s in enumerate(request.other_choices)]
-        sampling = request.sampling
         try:
-            params = SamplingParams(
-                **{f: getattr(sampling, f) for f in SAMPLING_FIELDS if sampling.HasField(f)}
-            )
+            params = SamplingParams(**sampling_fields(request.sampling))
             first_logprobs = [
                 None if params.logprobs is None or start is None else _first_logprobs(prefix, start)
                 for prefix, start in starts

@@ -204,6 +204,9 @@ class LLMEngine:
         if prompt_ids and not (min(prompt_ids) >= 0 and max(prompt_ids) < vocab):
             bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= vocab:  # sorted by id
+            top = sampling.logit_bias[-1][0]
+            raise ValueError(f"logit_bias: token id {top} is outside the vocabulary [0, {vocab})")
         seq = Sequence(
             seq_id, prompt_ids, sampling, stop, self.model_config.eos_token_ids, self.max_model_len
         )

@@ -331,7 +331,8 @@ class ModelRunner:
 
 def _argmax_decides(sampling: list[ScheduledSeq], rows: list[SamplingRow]) -> bool:
     """Whether each row's token is its logits' argmax as the graph took it: every row greedy,
-    without penalties, and unconstrained (a grammar masks the logits after the graph)."""
-    return all(r.params.greedy and not r.params.penalized for r in rows) and all(
+    without penalties or a logit bias, and unconstrained (a grammar masks the logits after the
+    graph)."""
+    return all(r.params.plain_argmax for r in rows) and all(
         item.seq.grammar is None for item in sampling
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from engine.host_values import to_device
-from engine.sampling_ranges import SAMPLING_RANGES, SEED_END, range_problem
+from engine.sampling_ranges import SAMPLING_RANGES, SEED_END, logit_bias_pairs, range_problem
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,14 @@ class SamplingParams:
     (vLLM's `logprobs`, its default raw_logprobs mode: from the raw logits, before penalties,
     temperature and filtering; after a structured output's grammar mask, as in vLLM, so tokens
     the grammar refuses have -inf). None: nothing is computed."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs, sorted by id, added to the logits before penalties and sampling
+    (OpenAI's logit_bias, clamped to [-100, 100]; given as a {token id: bias} mapping, it is
+    converted); not seen by `logprobs`, as vLLM's raw log-probabilities."""
 
     def __post_init__(self) -> None:
+        # Frozen: the normal form is written once, here, whatever form it was given in.
+        object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
         for name, allowed in SAMPLING_RANGES.items():
             value = getattr(self, name)
             if value is None and name in ("seed", "logprobs"):
@@ -74,6 +80,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy on the model's logits as they are: no penalty or bias changes them."""
+        return self.greedy and not (self.penalized or self.logit_bias)
 
     @property
     def penalized(self) -> bool:
@@ -132,6 +143,8 @@ class Sampler:
         one-hot draft (engine/spec_verify.py)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows)
         logits = logits.float()
+        if any(r.params.logit_bias for r in rows):  # decided on the host, as the penalties
+            logits = _apply_logit_bias(logits, rows)
         if any(r.params.penalized for r in rows):
             logits = _apply_penalties(logits, rows)
         flags = [r.params.greedy for r in rows]
@@ -249,6 +262,15 @@ def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     outside[:, 0] = False
     sorted_probs = sorted_probs.masked_fill(outside, 0.0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """logits plus each row's logit_bias (a new tensor), the ids and biases in one upload."""
+    where = [(i, token, bias) for i, r in enumerate(rows) for token, bias in r.params.logit_bias]
+    row_ids, token_ids, biases = zip(*where, strict=True)
+    index = to_device([row_ids, token_ids], logits.device)
+    values = to_device(biases, logits.device, torch.float32)
+    return logits.index_put((index[0], index[1]), values, accumulate=True)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -7,7 +7,7 @@ the router imports it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
@@ -52,3 +52,46 @@ def range_problem(name: str, value: object) -> str | None:
     if not allowed.accepts(value):
         return f"{name}: {value!r} is not {allowed.text}"
     return None
+
+
+LOGIT_BIAS_BOUND = 100.0
+"""A logit bias is clamped to [-100, 100]: OpenAI's range, clamped as vLLM clamps it."""
+
+
+def logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` ({token id: bias}, the id a string in JSON; or (id, bias) pairs) as
+    (id, bias) pairs sorted by id, each bias clamped to [-100, 100] as vLLM does. ValueError,
+    naming the entry, for an id that is no integer or is negative, or a bias that is no number.
+    Ids above the vocabulary are the caller's to refuse (it knows the model)."""
+    if not isinstance(value, Mapping):
+        try:
+            value = dict(value)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            kind = type(value).__name__
+            raise ValueError(
+                f"logit_bias: a {kind}, not an object of token ids to biases"
+            ) from None
+    pairs = {}
+    for key, bias in value.items():
+        token = _token_id(key)
+        if token is None:
+            raise ValueError(f"logit_bias: key {key!r} is not a token id (an integer, at least 0)")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or math.isnan(bias):
+            raise ValueError(f"logit_bias: the bias of {key!r}, {bias!r}, is not a number")
+        pairs[token] = min(LOGIT_BIAS_BOUND, max(-LOGIT_BIAS_BOUND, float(bias)))
+    return tuple(sorted(pairs.items()))
+
+
+def _token_id(key: object) -> int | None:
+    """key as a token id ("50256" or 50256), or None."""
+    if isinstance(key, str) and key.strip().lstrip("+").isdecimal():
+        key = int(key)
+    if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+        return None
+    return key
+
+
+def sampling_fields(message) -> dict[str, object]:
+    """The fields a tandem.v1.SamplingParams sets, by name (as SamplingParams and vLLM's
+    requests name them): logit_bias, a map, as a dict, and only when it has entries."""
+    return {f.name: dict(v) if f.message_type else v for f, v in message.ListFields()}

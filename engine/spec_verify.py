@@ -48,7 +48,8 @@ def verify(
     each sequence's), where `drafts` holds placeholders of their lengths; `verified` [B]: how
     many of each are verified, on the device (<= n_b: its rows past those are ignored);
     `greedy` [sum(n_b + 1)]: each row's argmax, already taken (a CUDA graph's), where every
-    row is greedy and unpenalized: the tokens are then read from it, no sampler launched."""
+    row is greedy on the logits as they are (`SamplingParams.plain_argmax`): the tokens are
+    then read from it, no sampler launched."""
     device = logits.device
     counts = [len(d) for d in drafts]
     width = max(counts)

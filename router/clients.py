@@ -20,6 +20,7 @@ from typing import Protocol
 import grpc
 import httpx
 
+from engine.sampling_ranges import sampling_fields
 from prefill import server_timing
 from proto.tandem.v1 import decode_pb2, decode_pb2_grpc
 from router.structured import prefill_fields
@@ -247,7 +248,7 @@ def _prefill_sampling(sampling: decode_pb2.SamplingParams) -> dict:
     """The request's sampling fields for the prefill, which samples the first token: the ones
     the client set, and the temperature always (unset means greedy here, as on the decode
     server; vLLM's own default would be the model's generation config)."""
-    fields = {f.name: value for f, value in sampling.ListFields()}
+    fields = sampling_fields(sampling)
     fields.setdefault("temperature", 0.0)
     if "logprobs" in fields:  # named by id: router/logprobs.py reads them so
         fields["return_tokens_as_token_ids"] = True

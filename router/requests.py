@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass
 
 from engine import json_body
-from engine.sampling_ranges import MAX_LOGPROBS, SAMPLING_RANGES, range_problem
+from engine.sampling_ranges import MAX_LOGPROBS, SAMPLING_RANGES, logit_bias_pairs, range_problem
 from proto.tandem.v1 import decode_pb2
 from router import structured
 from router.errors import RequestError
@@ -41,13 +41,12 @@ _TEMPLATE = ("add_generation_prompt", "continue_final_message", "chat_template_k
 _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _COMMON = {"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
-           "ignore_eos", "min_tokens", "logprobs", "skip_special_tokens",
+           "ignore_eos", "min_tokens", "logprobs", "logit_bias", "skip_special_tokens",
            "include_stop_str_in_output", *SAMPLING, *IGNORED, *structured.FIELDS}  # fmt: skip
 _NOT_YET = {
     "best_of": lambda v: v == 1,
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
-    "logit_bias": lambda v: v == {},
     "prompt_logprobs": lambda v: False,
 }
 """Known parameters tandem does not serve yet, and the values that ask for nothing."""
@@ -155,7 +154,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
     options = body.get("stream_options", {})
     if not isinstance(options, dict):
         raise RequestError(400, "stream_options: must be an object", "stream_options")
-    sampling = _sampling(endpoint, body)
+    sampling = _sampling(endpoint, body, model.vocab_size)
     n = _integer(body, "n", 1, MAX_CHOICES + 1, 1)
     if n > 1 and not sampling.temperature:  # unset or 0: greedy
         raise RequestError(400, f"n: {n} choices need sampling (a temperature above 0); greedy "
@@ -263,9 +262,10 @@ def _prompt(prompt, vocab_size: int) -> tuple[str | None, list[int] | None]:
                        f"{vocab_size}", "prompt")  # fmt: skip
 
 
-def _sampling(endpoint: Endpoint, body: dict) -> decode_pb2.SamplingParams:
+def _sampling(endpoint: Endpoint, body: dict, vocab_size: int) -> decode_pb2.SamplingParams:
     """The sampling fields the client set; unset ones stay unset (the decode server's
-    defaults). vLLM's conventions: top_k -1 is no limit; a negative seed is a 64-bit one."""
+    defaults). vLLM's conventions: top_k -1 is no limit; a negative seed is a 64-bit one; a
+    logit bias is clamped to [-100, 100]."""
     sampling = decode_pb2.SamplingParams()
     for name in SAMPLING:
         if name not in body:
@@ -282,7 +282,25 @@ def _sampling(endpoint: Endpoint, body: dict) -> decode_pb2.SamplingParams:
     logprobs = _logprobs(endpoint, body)
     if logprobs is not None:
         sampling.logprobs = logprobs
+    sampling.logit_bias.update(_logit_bias(body.get("logit_bias"), vocab_size))
     return sampling
+
+
+def _logit_bias(value: object, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """The request's logit_bias as (token id, bias) pairs; none for null."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise RequestError(400, "logit_bias: must be an object of token ids to biases",
+                           "logit_bias")  # fmt: skip
+    try:
+        pairs = logit_bias_pairs(value)
+    except ValueError as e:
+        raise RequestError(400, str(e), "logit_bias") from None
+    if pairs and pairs[-1][0] >= vocab_size:  # sorted by id
+        raise RequestError(400, f"logit_bias: token id {pairs[-1][0]} is outside the "
+                           f"vocabulary [0, {vocab_size})", "logit_bias")  # fmt: skip
+    return pairs
 
 
 def _logprobs(endpoint: Endpoint, body: dict) -> int | None:

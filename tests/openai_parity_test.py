@@ -1,10 +1,11 @@
 """OpenAI API parity through `//tools:serve` (real prefill and decode servers and the router;
 a second router on them with vLLM's hermes tool-call and qwen3 reasoning parsers), driven by the
 official `openai` client: content parts and null fields, logprobs (equal to Hugging Face's
-log-softmax), n choices from one KV transfer, JSON Schema and choice constraints, tool calls
-(named, and auto through the hermes parser), reasoning split by the qwen3 parser, /tokenize and
-/detokenize; a bad-input suite where every answer is a fast 4xx with OpenAI's body;
-non-streaming clients that time out free their slot."""
+log-softmax), logit_bias (greedy on Hugging Face's logits plus the bias), n choices from one KV
+transfer, JSON Schema and choice constraints, tool calls (named, and auto through the hermes
+parser), reasoning split by the qwen3 parser, /tokenize and /detokenize; a bad-input suite
+where every answer is a fast 4xx with OpenAI's body; non-streaming clients that time out free
+their slot."""
 
 from __future__ import annotations
 
@@ -103,6 +104,34 @@ def test_completion_logprobs_equal_hugging_faces(client, hf_model):
         assert lp.top_logprobs[i] == pytest.approx(
             {f"token_id:{int(t)}": float(v) for v, t in zip(*top, strict=True)}, abs=1e-3
         )
+
+
+def test_a_logit_bias_steers_greedy_tokens_as_on_hugging_faces_logits(client, hf_model):
+    """Through the prefill (the first token) and the decode (the rest): the greedy tokens of
+    Hugging Face's logits plus the bias; logprobs stay the raw ones (vLLM's)."""
+    prompt, ids = [504, 3458, 2767, 28], {"return_tokens_as_token_ids": True}
+    kwargs = {"model": SERVED, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+              "logprobs": 0, "extra_body": ids}  # fmt: skip
+    plain = _token_ids(client.completions.create(**kwargs))
+    bias = {plain[0]: -100.0, plain[2]: -100.0, 28: 3.0}
+    reply = client.completions.create(**kwargs, logit_bias={str(t): b for t, b in bias.items()})
+    biased = _token_ids(reply)
+    expected, context = [], list(prompt)
+    with torch.inference_mode():
+        for _ in range(6):
+            logits = hf_model(torch.tensor([context])).logits[0, -1].float()
+            raw = torch.log_softmax(logits, dim=-1)
+            for token, value in bias.items():
+                logits[token] += value
+            expected.append((int(logits.argmax()), float(raw[logits.argmax()])))
+            context.append(expected[-1][0])
+    assert biased == [t for t, _ in expected] and biased != plain
+    assert reply.choices[0].logprobs.token_logprobs == pytest.approx([lp for _, lp in expected],
+                                                                     abs=1e-3)  # fmt: skip
+
+
+def _token_ids(reply) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
 
 
 def test_chat_logprobs_streamed_or_not(client):
@@ -290,6 +319,8 @@ BAD_INPUT = [
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "hi", "logit_bias": {"49152": 5}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"the": 5}}, 400, "logit_bias"),
     ({"prompt": "hi", "wizardry": 1}, 400, "wizardry"),
     ({"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),

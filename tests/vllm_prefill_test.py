@@ -86,6 +86,7 @@ def reference(prompts) -> dict[str, list[int]]:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         outs["chat_text"] = _chat(client, MODEL)
         outs["chat_logprobs"] = _chat_logprobs(client, MODEL)
+        outs["biased"] = _biased(client, MODEL, prompts["short"], outs["short"])
         return outs
     finally:
         stop(proc)
@@ -128,6 +129,15 @@ def _chat_logprobs(client: openai.OpenAI, model: str) -> list[tuple]:
     )  # fmt: skip
     return [(e.token, e.logprob, [t.token for t in e.top_logprobs])
             for e in reply.choices[0].logprobs.content]  # fmt: skip
+
+
+def _biased(client: openai.OpenAI, model: str, prompt: list[int], plain: list[int]) -> str:
+    """A greedy completion with a logit bias that bans two of its plain tokens (the first, which
+    the prefill samples, and one the decode does) and favours another: its text."""
+    bias = {str(plain[0]): -100, str(plain[3]): -100, str(plain[5]): 2.5}
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS,
+                                      temperature=0, logit_bias=bias)  # fmt: skip
+    return reply.choices[0].text
 
 
 def _prefill(stub, http, address: str, request_id: str, prompt: list[int]):
@@ -256,13 +266,14 @@ def test_a_decode_server_with_another_kv_dtype_fails_the_request_at_once(stack, 
         stop(decode)
 
 
-def test_the_router_cannot_tell_vllm_from_tandems_prefill(reference):
+def test_the_router_cannot_tell_vllm_from_tandems_prefill(prompts, reference):
     """`//tools:serve --prefill vllm`, as a user runs it: tandem's router in front of vLLM as it
     is in front of tandem's prefill server: its tokenizer check against /tokenize, then chat
     through Reserve, prefill and Generate; with logprobs, the first token's from vLLM and the
-    rest from the decode server, equal to vLLM's own; a JSON Schema that both constrain (vLLM the
-    first token, the decode server the rest); and n=2 with a seed: two choices from one KV
-    transfer (vLLM's two child requests send it once)."""
+    rest from the decode server, equal to vLLM's own; a logit bias's greedy text equal to vLLM's
+    own (vLLM biases the first token, the decode server the rest); a JSON Schema that both
+    constrain (likewise); and n=2 with a seed: two choices from one KV transfer (vLLM's two
+    child requests send it once)."""
     proc, m = start(["tools.serve", "--prefill", "vllm", "--model", MODEL, "--port", "0",
                      "--kv-cache-gb", "1"],
                     r"tandem ready: (http://\S+) \(decode metrics: (\S+)\)",
@@ -282,6 +293,7 @@ def test_the_router_cannot_tell_vllm_from_tandems_prefill(reference):
         assert [(t, top) for t, _, top in logprobs] == [(t, top) for t, _, top in expected]
         assert [lp for _, lp, _ in logprobs] == pytest.approx([lp for _, lp, _ in expected],
                                                               abs=1e-3)  # fmt: skip
+        assert _biased(client, served, prompts["short"], reference["short"]) == reference["biased"]
         _assert_n_choices_share_one_transfer(client, served, m.group(2))
     finally:
         stop(proc)

@@ -1,9 +1,10 @@
 """A Generate with local_prefill through the real tandem.v1.DecodeService (decode/tests/stack.py:
 a tiny random-weight engine on the CPU, over gRPC): no Reserve and no sender, the decode server
 prefills the prompt itself. Greedy tokens equal one engine doing the whole request and a
-handed-over request's; logprobs come with every token, the first included; n choices each
-sample with seed + i as a handed-over request's choices do; an Abort and a bad parameter take
-effect as for a ticket. Every test ends with the pool all free and no request live.
+handed-over request's; a logit bias holds from the first token on; logprobs come with every
+token, the first included; n choices each sample with seed + i as a handed-over request's
+choices do; an Abort and a bad parameter take effect as for a ticket. Every test ends with
+the pool all free and no request live.
 """
 
 from __future__ import annotations
@@ -60,6 +61,18 @@ def test_logprobs_and_seeded_choices_are_as_for_a_ticket(stack):
         assert _tokens(stack.stub.Generate(request, timeout=30)) == _tokens(messages, index)
 
 
+def test_a_logit_bias_holds_for_the_first_token_and_every_one_after(stack):
+    """+100 on one token outweighs the tiny model's logits: every token is it; -100 on the
+    plain greedy tokens keeps each of them out."""
+    forced = decode_pb2.SamplingParams(logit_bias={42: 100.0})
+    request = _local("forced", PROMPT, sampling=forced, ignore_eos=True)
+    assert _tokens(stack.stub.Generate(request, timeout=30)) == [42] * NEW_TOKENS
+    plain = stack.prefill.reference(PROMPT)
+    banned = decode_pb2.SamplingParams(logit_bias=dict.fromkeys(plain, -100.0))
+    request = _local("banned", PROMPT, sampling=banned, ignore_eos=True)
+    assert not set(_tokens(stack.stub.Generate(request, timeout=30))) & set(plain)
+
+
 def test_an_abort_stops_it_and_a_live_id_is_refused(stack):
     stream = stack.stub.Generate(_local("long", PROMPT, max_tokens=300, ignore_eos=True))
     assert next(stream).token_ids
@@ -84,6 +97,10 @@ def test_refusals_name_the_values(stack):
             "other_choices: not with local_prefill (local_prefill.n gives the choices)",
         ),
         (_local("many", PROMPT, n=MAX_N + 1), f"n: {MAX_N + 1} choices, not in [1, {MAX_N}]"),
+        (
+            _local("bias", PROMPT, sampling=decode_pb2.SamplingParams(logit_bias={256: 1.0})),
+            "logit_bias: token id 256 is outside the vocabulary [0, 256)",
+        ),
         (
             _local("hot", PROMPT, sampling=decode_pb2.SamplingParams(temperature=-1)),
             None,  # the engine's own message

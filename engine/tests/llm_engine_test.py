@@ -223,4 +223,7 @@ def test_out_of_vocabulary_prompt_is_rejected_by_name():
     engine = _engine()
     with pytest.raises(ValueError, match=r"^prompt: token id 49152 is outside"):
         engine.add_request("bad", [1, 49152], GREEDY, StopConditions(max_tokens=1))
+    with pytest.raises(ValueError, match=r"^logit_bias: token id 49152 is outside"):
+        biased = SamplingParams(logit_bias={5: 1.0, 49152: 1.0})
+        engine.add_request("bad", [1, 2], biased, StopConditions(max_tokens=1))
     _assert_pool_free(engine)

@@ -1,3 +1,6 @@
+import re
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -112,9 +115,41 @@ def test_penalties_follow_openai_and_vllm_semantics():
     assert out.tolist() == pytest.approx([0.0, -4.0, -0.25, 0.5])
 
 
+def test_logit_bias_moves_greedy_and_sampled_tokens_and_leaves_other_rows_and_the_logits():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 0.0]]).repeat(3, 1)
+    before = logits.clone()
+    rows = [
+        SamplingRow(SamplingParams(logit_bias={"1": -100, 3: 6.5}), None),  # 3: 6.5 beats 2: 4
+        SamplingRow(SamplingParams(), None),
+        SamplingRow(SamplingParams(logit_bias={"2": 1.5}), None),  # 2: 5.5 beats 1: 5
+    ]
+    assert Sampler()(logits, rows).tolist() == [3, 1, 2]
+    assert torch.equal(logits, before)  # logprobs are taken from them after the sampler
+    # Sampled: a banned token is never drawn, even the likeliest.
+    banned = _rows(SamplingParams(temperature=1.0, logit_bias={1: -100}), 2000)
+    assert 1 not in set(Sampler(seed=7)(logits[:1].repeat(2000, 1), banned).tolist())
+
+
+def test_logit_bias_is_sorted_pairs_clamped_as_vllm_and_refused_by_name():
+    params = SamplingParams.from_dict({"logit_bias": {"9": 250, "2": -1e9, "+4": 0.5}})
+    assert params.logit_bias == ((2, -100.0), (4, 0.5), (9, 100.0))
+    assert not params.plain_argmax and SamplingParams().plain_argmax
+    assert replace(params, seed=3).logit_bias == params.logit_bias
+    for bad, problem in [
+        ({"x": 1}, "key 'x' is not a token id"),
+        ({"-3": 1}, "key '-3' is not a token id"),
+        ({"3": "up"}, "the bias of '3', 'up', is not a number"),
+        ({"3": float("nan")}, "the bias of '3', nan, is not a number"),
+        ({"3": True}, "the bias of '3', True, is not a number"),
+        (7, "a int, not an object"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^logit_bias: {re.escape(problem)}"):
+            SamplingParams(logit_bias=bad)
+
+
 def test_from_dict_rejects_unknown_parameters_by_name():
-    with pytest.raises(ValueError, match=r"unsupported sampling parameter.*best_of, logit_bias"):
-        SamplingParams.from_dict({"temperature": 0.5, "logit_bias": {}, "best_of": 2})
+    with pytest.raises(ValueError, match=r"unsupported sampling parameter.*best_of, echo"):
+        SamplingParams.from_dict({"temperature": 0.5, "echo": True, "best_of": 2})
     assert SamplingParams.from_dict({"top_p": None, "top_k": 3}).top_k == 3
 
 

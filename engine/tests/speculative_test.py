@@ -44,10 +44,14 @@ def _engine(**overrides) -> LLMEngine:
     return LLMEngine.build(EngineConfig(**{**config, **overrides}))
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    """Every prompt at once, prompt i stopping after NEW_TOKENS - 5 * i tokens."""
+def _run(
+    engine: LLMEngine, prompts: list[list[int]], sampling: list[SamplingParams] | None = None
+) -> list[list[int]]:
+    """Every prompt at once (prompt i with sampling[i], greedy by default), prompt i stopping
+    after NEW_TOKENS - 5 * i tokens."""
+    sampling = sampling or [GREEDY] * len(prompts)
     seqs = [
-        engine.add_request(f"r{i}", p, GREEDY, StopConditions(max_tokens=NEW_TOKENS - 5 * i))
+        engine.add_request(f"r{i}", p, sampling[i], StopConditions(max_tokens=NEW_TOKENS - 5 * i))
         for i, p in enumerate(prompts)
     ]
     streamed: dict[str, list[int]] = {s.seq_id: [] for s in seqs}
@@ -71,6 +75,19 @@ def test_ngram_greedy_equals_decoding_without_speculation(prompts, reference):
     stats = engine.spec_stats
     # The repeated code is proposed, and mostly accepted.
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > stats.num_draft_tokens / 3
+
+
+def test_a_logit_biased_request_is_not_speculated_and_its_neighbours_are(prompts, reference):
+    """Verification compares drafts with the logits as they are: a request with a logit bias
+    decodes one token a step (vLLM refuses the two together), the others still speculate."""
+    banned = reference[0][0]  # the repeated code's first token, which n-gram lookup proposes
+    sampling = [SamplingParams(logit_bias={banned: -100.0})] + [GREEDY] * (len(prompts) - 1)
+    expected = _run(_engine(), prompts, sampling)
+    engine = _engine(speculative_config=NGRAM)
+    outputs = _run(engine, prompts, sampling)
+    assert outputs == expected and outputs[1:] == reference[1:]
+    assert banned not in outputs[0] and outputs[0] != reference[0]
+    assert engine.spec_stats.num_draft_tokens > 0
 
 
 def test_a_draft_identical_to_the_target_has_every_proposal_accepted(prompts, reference):

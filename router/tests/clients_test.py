@@ -46,6 +46,11 @@ def test_complete_posts_the_prompt_the_ticket_and_the_sampling_fields_set():
     for sampling, expected in [
         (decode_pb2.SamplingParams(), {"temperature": 0.0}),  # unset: greedy, not vLLM's default
         (decode_pb2.SamplingParams(temperature=0.5, seed=3), {"temperature": 0.5, "seed": 3}),
+        # A map, in JSON an object keyed by the ids' strings, as vLLM's logit_bias.
+        (
+            decode_pb2.SamplingParams(logit_bias={7: -100.0, 3: 0.5}),
+            {"temperature": 0.0, "logit_bias": {"7": -100.0, "3": 0.5}},
+        ),
     ]:
         reply = _call(handler, "complete", [1, 2], params, sampling)
         assert reply == PrefillReply(200, {"kv_transfer_params": {"first_token_id": 5}},

@@ -105,6 +105,14 @@ def test_logprobs_in_either_apis_shape(endpoint, body, logprobs):
     assert (sampling.logprobs if sampling.HasField("logprobs") else None) == logprobs
 
 
+def test_logit_bias_by_token_id_clamped_as_vllm():
+    body = {"prompt": "x", "logit_bias": {"999": 1.5, "0": -250, "17": 100.5}}
+    assert dict(_parse(COMPLETIONS, body).sampling.logit_bias) == {999: 1.5, 0: -100.0, 17: 100.0}
+    for empty in ({}, None):
+        sampling = _parse(CHAT, {"messages": MESSAGES, "logit_bias": empty}).sampling
+        assert sampling == decode_pb2.SamplingParams()
+
+
 def test_top_k_minus_one_is_no_limit():
     assert _parse(COMPLETIONS, {"prompt": "x", "top_k": -1}).sampling.top_k == 0
 
@@ -168,6 +176,14 @@ def test_chat_messages_as_clients_send_them(messages, expected):
          "best_of: 2 is not supported yet"),
         (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo",
          "echo: True is not supported yet"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"1000": 1}}, 400, "logit_bias",
+         "logit_bias: token id 1000 is outside the vocabulary [0, 1000)"),
+        (CHAT, {"messages": MESSAGES, "logit_bias": {"a": 1}}, 400, "logit_bias",
+         "logit_bias: key 'a' is not a token id (an integer, at least 0)"),
+        (CHAT, {"messages": MESSAGES, "logit_bias": {"5": "x"}}, 400, "logit_bias",
+         "logit_bias: the bias of '5', 'x', is not a number"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": [[5, 1]]}, 400, "logit_bias",
+         "logit_bias: must be an object of token ids to biases"),
         (CHAT, {"messages": MESSAGES, "response_format": {"type": "xml"}}, 400,
          "response_format",
          "response_format: type 'xml' is not one of text, json_object, json_schema"),
