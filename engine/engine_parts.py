@@ -67,11 +67,7 @@ def build_parts(
         raise ValueError(
             f"kv_cache_gb: {config.kv_cache_gb} GiB holds no block of {block_bytes} bytes"
         )
-    # A sequence must fit the whole cache alone, else it could wait for blocks forever.
-    max_model_len = min(
-        config.max_model_len or model_config.max_position_embeddings,
-        num_blocks * config.block_size,
-    )
+    max_model_len = _max_model_len(config, model_config.max_position_embeddings, num_blocks)
     # Every position a sequence can reach: its RoPE angles become one gather a step.
     model.model.rotary_emb.cache(max_model_len, dtype)
     kv_cache = KVCache(model_config, num_blocks, config.block_size, config.kv_dtype, config.device)
@@ -86,3 +82,25 @@ def build_parts(
         model, kv_cache, graphs, verify_graphs(config, model, kv_cache, max_model_len)
     )
     return EngineParts(model_config, model, draft, kv_cache, max_model_len, executor, embedding)
+
+
+def _max_model_len(config: EngineConfig, longest: int, num_blocks: int) -> int:
+    """The context length: --max-model-len, refused past the model's `longest`
+    (max_position_embeddings: positions it was not built for give wrong tokens, as vLLM warns)
+    or past what the KV cache holds (a sequence must fit the whole cache alone, else it could
+    wait for blocks forever). Unset: the model's longest, or what the cache holds if less."""
+    held = num_blocks * config.block_size
+    wanted = config.max_model_len
+    if wanted is None:
+        return min(longest, held)
+    if wanted > longest:
+        raise ValueError(
+            f"max_model_len: {wanted} is past the model's max_position_embeddings {longest}; "
+            "fix: lower --max-model-len, or leave it unset"
+        )
+    if wanted > held:
+        raise ValueError(
+            f"max_model_len: {wanted} tokens do not fit the KV cache, which holds {held} "
+            f"({config.kv_cache_gb} GiB); fix: raise --kv-cache-gb or lower --max-model-len"
+        )
+    return wanted

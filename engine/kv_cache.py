@@ -8,6 +8,7 @@ gets a copy of a partial last one, which its owner goes on writing into.
 """
 
 import bisect
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -60,16 +61,8 @@ class KVCache:
         # registers (and an RDMA NIC pins) one region instead of one per plane and layer, and
         # each layer's planes are still contiguous views. Zeroed so that a fresh cache reads the
         # same everywhere (checksums, dumps), not whatever the allocator left.
-        self.storage = torch.zeros(
-            config.num_layers,
-            planes,
-            num_blocks + 1,
-            heads,
-            block_size,
-            channels,
-            dtype=dtype,
-            device=device,
-        )
+        shape = (config.num_layers, planes, num_blocks + 1, heads, block_size, channels)
+        self.storage = _zeros_that_fit(shape, dtype, torch.device(device))
         # The model's `kv_caches` argument: per layer a tuple of its planes, (K, V) or
         # (latent,). Indexed, not iterated: iterating unbinds into views that autograd forbids
         # writing in place.
@@ -306,3 +299,39 @@ def fork_blocks(
     if copies:
         cache.copy_blocks([block_ids[full]] * len(copies), copies)
     return forks
+
+
+def _zeros_that_fit(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    """torch.zeros(shape), or a ValueError naming the fix where it does not fit in the memory
+    free: checked first (on the CPU an allocation past it succeeds, and the process is killed
+    later, when the zeros touch its pages), and the allocation's own failure too."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    free = _free_bytes(device)
+    if free is None or nbytes <= free:
+        try:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        except torch.OutOfMemoryError:  # taken meanwhile, or fragmented
+            free = _free_bytes(device)
+    place = "the host" if device.type == "cpu" else str(device)
+    raise ValueError(
+        f"kv_cache_gb: the KV cache needs {nbytes / 2**30:.2f} GiB; {place} has "
+        f"{(free or 0) / 2**30:.2f} GiB free after the weights; fix: lower --kv-cache-gb"
+    )
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Memory an allocation on `device` can have: the GPU's free memory and what torch's
+    allocator holds unused; the host's MemAvailable. None where it cannot be read."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

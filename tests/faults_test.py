@@ -91,14 +91,23 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error(decode):
         prefill.wait(timeout=10)
 
 
+TINY = ["--model", "random:tiny", "--dtype", "float32"]
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
         (["--model", "/nonexistent"], "is not a Hugging Face folder"),
         (["--model", "random:tiny", "--transport", "carrier-pigeon"], "transport"),
-        (["--model", "random:tiny", "--dtype", "float32", "--kv-cache-gb", "-1"], "kv_cache_gb"),
+        ([*TINY, "--kv-cache-gb", "-1"], "kv_cache_gb"),
+        # More than the host has: refused before the zeros touch the pages (no OOM kill).
+        ([*TINY, "--kv-cache-gb", "100000"], "fix: lower --kv-cache-gb"),
+        ([*TINY, "--max-model-len", "1025"],  # tiny's max_position_embeddings: 1024
+         "past the model's max_position_embeddings 1024; fix: lower --max-model-len"),
+        ([*TINY, "--max-model-len", "1000", "--kv-cache-gb", "0.0001"],  # 208 tokens of 512 B
+         "fix: raise --kv-cache-gb or lower --max-model-len"),
     ],
-)
+)  # fmt: skip
 def test_bad_configuration_exits_with_one_line_naming_the_fix(args, expected):
     done = subprocess.run(
         [sys.executable, "-m", "decode.server", *args], capture_output=True, text=True,

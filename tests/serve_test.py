@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from tests.servers import MODEL
 from tools.launch import start
@@ -59,3 +60,18 @@ def test_serve_fails_fast_with_a_message_for_a_bad_model(tmp_path):
     )  # fmt: skip
     assert done.returncode != 0
     assert "is not a Hugging Face folder" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--port", "70000"], "serve: --port 70000 is not a port number"),
+        (["--aggregated", "--prefill", "vllm"], "serve: --aggregated starts no prefill: drop it,"),
+        (["--aggregated", "--num-prefill", "2"], "serve: --aggregated starts no prefill: drop it,"),
+    ],
+)
+def test_serve_refuses_flags_that_cannot_work_before_starting_anything(args, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.serve", *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0 and done.stderr.startswith(message), done.stderr
