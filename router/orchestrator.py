@@ -184,6 +184,12 @@ class Orchestrator(Membership):
                 num_senders=0, max_tokens=request.max_tokens,
             )  # fmt: skip
             reserved = await self.decode_client.reserve(decode.address, reserve)
+        except asyncio.CancelledError:
+            # The client is gone while the decode server may have reserved already (its answer
+            # on its way): no prefill has the ticket, so the blocks can be freed at once rather
+            # than at the ticket's deadline.
+            await asyncio.shield(self._abort(decode, rid, "client gone", True))
+            raise
         finally:
             arrival.end()
         placed.placement = (decode, rid)

@@ -190,6 +190,8 @@ class FakeDecode:
         """What Stats reports of every address, with 16-token blocks, 1,000 of them."""
         self.reserve_gate: asyncio.Event | None = None
         """When set: Reserve answers only once the event is set."""
+        self.reserving = asyncio.Event()
+        """Set once a Reserve has reserved (its answer then waits on `reserve_gate`, if set)."""
         self.generating = asyncio.Event()
         """Set once a Generate stream has sent its tokens."""
         self.calls: list[tuple[str, str, object]] = []
@@ -211,10 +213,12 @@ class FakeDecode:
 
     async def reserve(self, address, request) -> decode_pb2.ReserveResponse:
         self._call("Reserve", address, request)
+        self._generation += 1
+        # The server's side is done here; only its answer waits on the gate.
+        self.reserved[request.request_id] = address
+        self.reserving.set()
         if self.reserve_gate is not None:
             await self.reserve_gate.wait()
-        self._generation += 1
-        self.reserved[request.request_id] = address
         ticket = decode_pb2.Ticket(
             request_id=request.request_id,
             generation=self._generation,

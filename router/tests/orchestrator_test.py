@@ -310,6 +310,19 @@ def test_a_cancelled_consumer_aborts_on_the_decode_server():
     _assert_idle(orchestrator, decode)
 
 
+def test_a_consumer_cancelled_before_its_reserve_answered_frees_the_reservation_at_once():
+    """The decode server reserved, the answer is on its way: no prefill has the ticket, so the
+    Abort says so and the blocks are freed at once, not at the ticket's deadline."""
+    orchestrator, _, decode = _stack()
+    decode.reserve_gate = asyncio.Event()  # never set: the answer never comes
+
+    cancel_once(decode.reserving, _generate(orchestrator))
+    (abort,) = decode.aborts()
+    assert abort.reason == "client gone" and abort.ticket_undelivered
+    assert [rpc for rpc, _, _ in decode.calls] == ["Reserve", "Abort"]
+    _assert_idle(orchestrator, decode)
+
+
 def test_a_consumer_cancelled_during_the_prefill_aborts_its_reservation():
     """Its ticket may still be written by the prefill: the Abort says so (the decode server
     keeps the blocks quarantined until that prefill commits), rather than leaving the
