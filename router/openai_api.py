@@ -35,7 +35,15 @@ from router.orchestrator import Orchestrator
 from router.output_parsing import OutputParsing
 from router.prompts import PromptTokenizer
 from router.requests import ApiRequest, Endpoint, ServedModel, generation_request, parse
-from router.streaming import ChoiceText, Delta, collect, completion_body, sse, text_events
+from router.streaming import (
+    ChoiceText,
+    Delta,
+    batched,
+    collect,
+    completion_body,
+    sse,
+    text_events,
+)
 from router.streaming import Response as StreamResponse
 from router.tokenize_api import detokenize, tokenize
 
@@ -148,24 +156,29 @@ class OpenAIApi:
     async def _serve(self, endpoint: Endpoint, request: Request) -> Response:
         model = self.served()
         api_request = parse(endpoint, await request.body(), model)
+        parts = api_request.one_per_prompt()  # a completions batch: one generation a prompt
         started = time.monotonic()
-        prompt_ids = await self._prompt_ids(api_request)
+        prompts = [await self._prompt_ids(part) for part in parts]
         self.orchestrator.on_phase("tokenize", time.monotonic() - started)
-        generation = generation_request(api_request, prompt_ids, model.max_model_len)
+        generations = [generation_request(part, prompt_ids, model.max_model_len)
+                       for part, prompt_ids in zip(parts, prompts, strict=True)]  # fmt: skip
         request_id = request.state.request_id
-        response = self._response(api_request, prompt_ids, f"{endpoint.id_prefix}-{request_id}")
+        response_id = f"{endpoint.id_prefix}-{request_id}"
+        response = self._response(api_request, prompts[0], response_id, len(parts))
         parser = response.parser(0)
         skip_special = parser.skip_special_tokens if parser else api_request.skip_special_tokens
-        events = self._events(generation, api_request, request_id, skip_special)
+        streams = [self._events(generation, part, request_id, skip_special)
+                   for generation, part in zip(generations, parts, strict=True)]  # fmt: skip
         try:  # admission, and failures before the first token, get an HTTP status
-            first = await _unless_client_leaves(request, anext(events))
+            firsts = await _unless_client_leaves(request, _first_events(streams))
         except QueueFull as e:
             return error_response(429, str(e), headers={"Retry-After": str(RETRY_AFTER_S)})
         except BackendError as e:
             return error_response(e.status, str(e))
         except ClientGone:
             return Response(status_code=CLIENT_GONE)
-        events = _chain(first, events)
+        started_streams = [_chain(f, rest) for f, rest in zip(firsts, streams, strict=True)]
+        events = batched(started_streams, api_request.n)
         if api_request.stream:
             return StreamingResponse(sse(events, response), media_type="text/event-stream")
         try:
@@ -177,7 +190,7 @@ class OpenAIApi:
         return JSONResponse(completion_body(response, choices))
 
     def _response(
-        self, request: ApiRequest, prompt_ids: list[int], response_id: str
+        self, request: ApiRequest, prompt_ids: list[int], response_id: str, num_prompts: int
     ) -> StreamResponse:
         """The response's framing, with a logprobs writer and an output parser per choice."""
         logprobs = parsers = ()
@@ -185,7 +198,7 @@ class OpenAIApi:
             logprobs = tuple(LogprobsFormat(self.prompts.local.tokenizer,
                                             chat=request.endpoint is Endpoint.CHAT,
                                             tokens_as_ids=request.tokens_as_ids)
-                             for _ in range(request.n))  # fmt: skip
+                             for _ in range(request.n * num_prompts))  # fmt: skip
         if request.tools is not None:  # a chat
             kwargs = (request.template or {}).get("chat_template_kwargs")
             parsers = tuple(self.parsing.start(request.tools, prompt_ids,
@@ -193,7 +206,8 @@ class OpenAIApi:
                             for _ in range(request.n))  # fmt: skip
         spec = self.model.spec_metrics and request.n == 1
         return StreamResponse(request.endpoint, response_id, self.model.name, int(time.time()),
-                              request.include_usage, logprobs, parsers, spec)  # fmt: skip
+                              request.include_usage, logprobs, parsers, spec,
+                              request.n)  # fmt: skip
 
     async def _prompt_ids(self, request: ApiRequest) -> list[int]:
         try:
@@ -265,6 +279,18 @@ def error_response(
 
 async def _refused(request: Request, error: RequestError) -> JSONResponse:
     return error_response(error.status, str(error), error.param)
+
+
+async def _first_events(streams: list[AsyncIterator]) -> list:
+    """Each stream's first event, taken together; should any fail, every stream is closed (what
+    was admitted is aborted) and its error raised."""
+    firsts = await asyncio.gather(*(anext(stream) for stream in streams), return_exceptions=True)
+    failed = [e for e in firsts if isinstance(e, BaseException)]
+    if failed:
+        for stream in streams:
+            await stream.aclose()
+        raise failed[0]
+    return firsts
 
 
 async def _chain(first, rest: AsyncIterator) -> AsyncIterator:

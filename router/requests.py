@@ -13,7 +13,7 @@ name, never dropped; the few OpenAI defines as hints without effect here are acc
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine import json_body
 from engine.sampling_ranges import MAX_LOGPROBS, SAMPLING_RANGES, logit_bias_pairs, range_problem
@@ -90,6 +90,10 @@ class ServedModel:
     --per-request-spec-decode-metrics summary)."""
 
 
+Prompt = tuple[str | None, list[int] | None]
+"""A completion's prompt: (text, None) or (None, token ids)."""
+
+
 @dataclass(frozen=True)
 class ApiRequest:
     """A body that passed `parse`. Exactly one of `text`, `token_ids` and `messages` is set."""
@@ -125,7 +129,15 @@ class ApiRequest:
     include_usage: bool = False
     """Streaming: end with a chunk that carries the usage."""
     n: int = 1
-    """Choices to generate."""
+    """Choices to generate (of each prompt)."""
+    other_prompts: tuple[Prompt, ...] = ()
+    """Completions: a batch's prompts after the first (`text`, `token_ids`), as (text, None) or
+    (None, token ids). Choice j of prompt i is choice i * n + j of the response (vLLM's)."""
+
+    def one_per_prompt(self) -> list[ApiRequest]:
+        """This request once for each of its prompts, each with one prompt."""
+        firsts = [(self.text, self.token_ids), *self.other_prompts]
+        return [replace(self, text=text, token_ids=ids, other_prompts=()) for text, ids in firsts]
 
 
 def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
@@ -135,6 +147,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         if name in body and not asks_nothing(body[name]):
             raise RequestError(400, f"{name}: {body[name]!r} is not supported yet", name)
     text = token_ids = messages = template = tools = None
+    others: tuple[Prompt, ...] = ()
     constraint = structured.structured_output(body)
     if endpoint is Endpoint.CHAT:
         messages = chat_messages(body.get("messages"))
@@ -142,7 +155,8 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         tools, constraint = _tools(body, model, template, constraint)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
-        text, token_ids = _prompt(body.get("prompt"), model.vocab_size)
+        prompts = _prompts(body.get("prompt"), model.vocab_size)
+        (text, token_ids), others = prompts[0], prompts[1:]
         max_tokens = body.get("max_tokens", 16)
     if max_tokens is not None:
         _check_max_tokens(max_tokens)
@@ -156,6 +170,9 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         raise RequestError(400, "stream_options: must be an object", "stream_options")
     sampling = _sampling(endpoint, body, model.vocab_size)
     n = _integer(body, "n", 1, MAX_CHOICES + 1, 1)
+    if others and (1 + len(others)) * n > MAX_CHOICES:
+        raise RequestError(400, f"prompt: {1 + len(others)} prompts of {n} choices each, more "
+                           f"than {MAX_CHOICES} choices", "prompt")  # fmt: skip
     if n > 1 and not sampling.temperature:  # unset or 0: greedy
         raise RequestError(400, f"n: {n} choices need sampling (a temperature above 0); greedy "
                            "ones would all be the same", "n")  # fmt: skip
@@ -179,6 +196,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         stream=flag(body, "stream", False),
         include_usage=flag(options, "include_usage", False),
         n=n,
+        other_prompts=others,
     )
 
 
@@ -247,19 +265,20 @@ def json_object(raw: bytes) -> dict:
         raise RequestError(400, str(e)) from None
 
 
-def _prompt(prompt, vocab_size: int) -> tuple[str | None, list[int] | None]:
-    """(text, None) or (None, token ids)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
+def _prompts(prompt, vocab_size: int) -> tuple[Prompt, ...]:
+    """Each prompt of the body's `prompt`: a string, token ids, or a batch (a list of either),
+    as (text, None) or (None, token ids)."""
     if isinstance(prompt, str):
-        return prompt, None
+        return ((prompt, None),)
     if isinstance(prompt, list) and prompt and all(_is_token_id(t, vocab_size) for t in prompt):
-        return None, prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise RequestError(400, "prompt: one prompt per request (send a batch as separate "
-                           "requests)", "prompt")  # fmt: skip
-    raise RequestError(400, "prompt: a string or a non-empty list of token ids below "
-                       f"{vocab_size}", "prompt")  # fmt: skip
+        return ((None, prompt),)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return tuple((p, None) for p in prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(
+            _is_token_id(t, vocab_size) for t in p) for p in prompt):  # fmt: skip
+        return tuple((None, p) for p in prompt)
+    raise RequestError(400, "prompt: a string, a non-empty list of token ids below "
+                       f"{vocab_size}, or a list of either", "prompt")  # fmt: skip
 
 
 def _sampling(endpoint: Endpoint, body: dict, vocab_size: int) -> decode_pb2.SamplingParams:

@@ -12,10 +12,11 @@ server is told to stop it. A BackendError raised mid-stream becomes an error eve
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from proto.tandem.v1 import decode_pb2
 from router.detokenizer import IncrementalDetokenizer
@@ -124,6 +125,48 @@ async def text_events(
         await tokens.aclose()
 
 
+def batched(
+    streams: Sequence[AsyncIterator[Delta | Finished]], n: int
+) -> AsyncIterator[Delta | Finished]:
+    """The events of a completions batch's prompts (each stream a prompt's, of n choices), as
+    they come, prompt i's choice j renumbered i * n + j (vLLM's); a lone stream as it is."""
+    return streams[0] if len(streams) == 1 else _merged(streams, n)
+
+
+async def _merged(
+    streams: Sequence[AsyncIterator[Delta | Finished]], n: int
+) -> AsyncIterator[Delta | Finished]:
+    """The first error of any stream ends it, raised; however it ends, every stream is closed
+    (their generations aborted where not done)."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(prompt: int, stream: AsyncIterator[Delta | Finished]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for event in stream:
+                    await queue.put(replace(event, index=prompt * n + event.index))
+        except Exception as e:  # the consumer raises it
+            await queue.put(e)
+            return
+        await queue.put(None)  # this stream's end
+
+    pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        live = len(pumps)
+        while live:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                live -= 1
+            else:
+                yield item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
 @dataclass(frozen=True)
 class Response:
     """What every chunk or body of one response says besides its text."""
@@ -142,6 +185,9 @@ class Response:
     spec_metrics: bool = False
     """A one-choice response carries its speculative decoding under `metrics` (vLLM's
     --per-request-spec-decode-metrics summary): the body's, or the usage chunk's."""
+    n: int = 1
+    """Choices per prompt (a completions batch has several prompts): the usage counts each
+    prompt's tokens once."""
 
     def head(self, chunk: bool) -> dict:
         kind = self.endpoint.chunk_object if chunk else self.endpoint.value
@@ -179,7 +225,7 @@ async def sse(events: AsyncIterator[Delta | Finished], response: Response) -> As
                     yield _event({**head, "choices": [choice]})
                     started.add(event.index)
         if response.include_usage:
-            usage = {**head, "choices": [], "usage": _usage(finished)}
+            usage = {**head, "choices": [], "usage": _usage(finished, response.n)}
             yield _event({**usage, **_metrics(response, finished)})
     except BackendError as e:
         yield _event(error_body(e.status, str(e)))
@@ -203,7 +249,7 @@ def completion_body(response: Response, choices: list[tuple[Delta, Finished]]) -
     """The non-streaming response."""
     bodies = [_whole_choice(response, whole, finish) for whole, finish in choices]
     finished = [finish for _, finish in choices]
-    body = {**response.head(chunk=False), "choices": bodies, "usage": _usage(finished)}
+    body = {**response.head(chunk=False), "choices": bodies, "usage": _usage(finished, response.n)}
     return {**body, **_metrics(response, finished)}
 
 
@@ -258,9 +304,10 @@ def _present(fields: dict) -> dict:
     return {k: v for k, v in fields.items() if v is not None or k == "content"}
 
 
-def _usage(finished: list[Finished]) -> dict:
-    """Every choice's completion tokens, the prompt's once (vLLM's usage for n > 1)."""
-    prompt = finished[0].prompt_tokens if finished else 0
+def _usage(finished: list[Finished], n: int) -> dict:
+    """Every choice's completion tokens, each prompt's once (vLLM's usage for n > 1 and for a
+    batch: choice i * n is prompt i's first)."""
+    prompt = sum(f.prompt_tokens for f in finished if f.index % n == 0)
     completion = sum(f.completion_tokens for f in finished)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}  # fmt: skip

@@ -1,11 +1,11 @@
 """OpenAI API parity through `//tools:serve` (real prefill and decode servers and the router;
 a second router on them with vLLM's hermes tool-call and qwen3 reasoning parsers), driven by the
 official `openai` client: content parts and null fields, logprobs (equal to Hugging Face's
-log-softmax), logit_bias (greedy on Hugging Face's logits plus the bias), n choices from one KV
-transfer, JSON Schema and choice constraints, tool calls (named, and auto through the hermes
-parser), reasoning split by the qwen3 parser, /tokenize and /detokenize; a bad-input suite
-where every answer is a fast 4xx with OpenAI's body; non-streaming clients that time out free
-their slot."""
+log-softmax), logit_bias (greedy on Hugging Face's logits plus the bias), a batch of prompts,
+n choices from one KV transfer, JSON Schema and choice constraints, tool calls (named, and auto
+through the hermes parser), reasoning split by the qwen3 parser, /tokenize and /detokenize; a
+bad-input suite where every answer is a fast 4xx with OpenAI's body; non-streaming clients that
+time out free their slot."""
 
 from __future__ import annotations
 
@@ -132,6 +132,21 @@ def test_a_logit_bias_steers_greedy_tokens_as_on_hugging_faces_logits(client, hf
 
 def _token_ids(reply) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
+
+
+def test_a_batch_of_prompts_answers_as_each_prompt_alone(client):
+    prompts = ["The capital of France is", "1, 2, 3,", [504, 3458, 2767, 28]]
+    kwargs = {"model": SERVED, "max_tokens": 6, "temperature": 0}
+    alone = [client.completions.create(prompt=p, **kwargs) for p in prompts]
+    texts = [reply.choices[0].text for reply in alone]
+    batch = client.completions.create(prompt=prompts[:2], **kwargs)
+    assert [(c.index, c.text) for c in batch.choices] == list(enumerate(texts[:2]))
+    assert batch.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone[:2])
+    streamed = ["", ""]
+    for chunk in client.completions.create(prompt=[prompts[2]] * 2, stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [texts[2]] * 2
 
 
 def test_chat_logprobs_streamed_or_not(client):

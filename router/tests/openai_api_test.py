@@ -118,6 +118,47 @@ def test_n_choices_each_with_its_index_streamed_or_not():
     _run(test)
 
 
+def test_a_batch_of_prompts_answers_each_ones_choices_in_order_streamed_or_not():
+    """Choice j of prompt i is choice i * n + j (vLLM's); the usage counts each prompt once."""
+
+    async def test(router: Router):
+        batch = {**COMPLETION, "prompt": ["Capital?", "Of Peru?"], "n": 2, "temperature": 1}
+        body = (await router.post("/v1/completions", batch)).json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+        assert {c["text"] for c in body["choices"]} == {"Paris"}
+        assert body["usage"] == {"prompt_tokens": 16, "completion_tokens": 20, "total_tokens": 36}
+        prefilled = router.prefill.prefilled[-2:]  # one prefill of two choices a prompt
+        assert sorted(p.prompt_ids for p in prefilled) == [ids("Capital?"), ids("Of Peru?")]
+        assert [p.n for p in prefilled] == [2, 2]
+        stream = {**batch, "stream": True, "stream_options": {"include_usage": True}}
+        chunks = _sse(await router.post("/v1/completions", stream))
+        texts: dict[int, str] = {}
+        for chunk in chunks[:-1]:
+            (choice,) = chunk["choices"]
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        assert texts == dict.fromkeys(range(4), "Paris")
+        assert chunks[-1]["usage"]["prompt_tokens"] == 16
+        token_ids = {**COMPLETION, "prompt": [[70, 71], [72, 73, 74]]}
+        body = (await router.post("/v1/completions", token_ids)).json()
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        assert body["usage"]["prompt_tokens"] == 5
+
+    _run(test)
+
+
+def test_a_batch_fails_whole_and_aborts_the_prompts_already_admitted():
+    async def test(router: Router):
+        batch = {**COMPLETION, "prompt": ["Capital?", "Of Peru?", "Of Chad?"]}
+        for stream in (False, True):
+            router.decode.fail("Reserve", D0, rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "no"))
+            reply = await router.post("/v1/completions", {**batch, "stream": stream})
+            assert reply.status_code == 503
+        reply = await router.post("/v1/completions", {**batch, "prompt": ["Capital?", "x" * 60]})
+        assert reply.status_code == 400 and "context length 64" in reply.json()["error"]["message"]
+
+    _run(test)  # checks that no reservation is left live
+
+
 def test_bad_input_gets_an_openai_error_body():
     async def test(router: Router):
         reply = await router.post("/v1/completions", {**COMPLETION, "temperature": "hot"})

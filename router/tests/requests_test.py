@@ -29,6 +29,7 @@ def _parse(endpoint: Endpoint, body: dict | bytes):
     return parse(endpoint, raw, MODEL)
 
 
+PROMPT_FORMS = "prompt: a string, a non-empty list of token ids below 1000, or a list of either"
 SURROGATE = "body: a string holds an unpaired UTF-16 surrogate (not Unicode)"
 
 
@@ -51,6 +52,20 @@ def test_a_completion_with_defaults():
     assert (request.min_tokens, request.stop_token_ids, request.ignore_eos) == (0, (), False)
     assert (request.stops, request.stream, request.include_usage) == ((), False, False)
     assert request.skip_special_tokens and not request.include_stop_str_in_output
+
+
+def test_a_batch_of_prompts_is_one_request_a_prompt():
+    request = _parse(COMPLETIONS, {"prompt": ["a", "b", "c"], "n": 2, "temperature": 1})
+    assert (request.text, request.other_prompts) == ("a", (("b", None), ("c", None)))
+    parts = request.one_per_prompt()
+    assert [(p.text, p.token_ids, p.other_prompts, p.n) for p in parts] == [
+        ("a", None, (), 2),
+        ("b", None, (), 2),
+        ("c", None, (), 2),
+    ]
+    request = _parse(COMPLETIONS, {"prompt": [[1, 2], [3]]})
+    assert [p.token_ids for p in request.one_per_prompt()] == [[1, 2], [3]]
+    assert _parse(COMPLETIONS, {"prompt": ["a"]}).one_per_prompt()[0].text == "a"
 
 
 @pytest.mark.parametrize(
@@ -210,19 +225,22 @@ def test_chat_messages_as_clients_send_them(messages, expected):
          "structured_outputs", "structured_outputs: grammar: does not compile: EBNF parser error "
          "at line 1, column 10: Expect element, but got"),
         (COMPLETIONS, {"prompt": 42}, 400, "prompt",
-         "prompt: a string or a non-empty list of token ids below 1000"),
+         PROMPT_FORMS),
         (COMPLETIONS, {}, 400, "prompt",
-         "prompt: a string or a non-empty list of token ids below 1000"),
+         PROMPT_FORMS),
         (COMPLETIONS, {"prompt": []}, 400, "prompt",
-         "prompt: a string or a non-empty list of token ids below 1000"),
+         PROMPT_FORMS),
         (COMPLETIONS, {"prompt": [1, True]}, 400, "prompt",
-         "prompt: a string or a non-empty list of token ids below 1000"),
+         PROMPT_FORMS),
         (COMPLETIONS, {"prompt": [-1]}, 400, "prompt",
-         "prompt: a string or a non-empty list of token ids below 1000"),
+         PROMPT_FORMS),
         (COMPLETIONS, {"prompt": [1000]}, 400, "prompt",
-         "prompt: a string or a non-empty list of token ids below 1000"),
-        (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt",
-         "prompt: one prompt per request (send a batch as separate requests)"),
+         PROMPT_FORMS),
+        (COMPLETIONS, {"prompt": ["a", [1]]}, 400, "prompt", PROMPT_FORMS),
+        (COMPLETIONS, {"prompt": [[1], []]}, 400, "prompt", PROMPT_FORMS),
+        (COMPLETIONS, {"prompt": [[1], [1000]]}, 400, "prompt", PROMPT_FORMS),
+        (COMPLETIONS, {"prompt": ["a"] * 65, "n": 2, "temperature": 1}, 400, "prompt",
+         "prompt: 65 prompts of 2 choices each, more than 128 choices"),
         (CHAT, {"messages": []}, 400, "messages", "messages: a non-empty list of messages"),
         (CHAT, {"messages": [{"role": "user"}]}, 400, "messages",
          "messages[0].content: missing (a string or a list of text parts)"),

@@ -8,6 +8,8 @@ import asyncio
 import dataclasses
 import json
 
+import pytest
+
 from proto.tandem.v1 import decode_pb2
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import BackendError
@@ -18,6 +20,7 @@ from router.streaming import (
     ChoiceText,
     Delta,
     Response,
+    batched,
     collect,
     completion_body,
     sse,
@@ -251,7 +254,7 @@ def test_each_choice_has_its_own_text_stop_strings_and_finish():
 def test_two_choices_stream_with_their_indexes_and_one_usage():
     upstream = TwoChoices()
     events = _text(upstream.stream(), 2, [" here"], choices=2, stop=upstream.stop)
-    response = Response(CHAT, "id-1", "tiny", 1700, include_usage=True)
+    response = Response(CHAT, "id-1", "tiny", 1700, include_usage=True, n=2)
     lines = asyncio.run(_list(sse(events, response)))
     chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
     deltas = [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in chunks[:-1]]
@@ -268,7 +271,8 @@ def test_two_choices_stream_with_their_indexes_and_one_usage():
 def test_the_whole_body_lists_the_choices_in_order():
     upstream = TwoChoices()
     events = _text(upstream.stream(), 2, [" here"], choices=2, stop=upstream.stop)
-    body = completion_body(_response(COMPLETIONS), asyncio.run(collect(events)))
+    response = Response(COMPLETIONS, "id-1", "tiny", 1700, n=2)
+    body = completion_body(response, asyncio.run(collect(events)))
     assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
         (0, "Hi!Bye", "length"), (1, "Hostop", "stop")]  # fmt: skip
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 17, "total_tokens": 19}
@@ -294,3 +298,29 @@ def test_a_one_choice_response_carries_its_speculative_decoding_as_vllm_does():
     assert "metrics" not in completion_body(off, choices)
     second = (Delta("Ho", ids("Ho"), [], 1), dataclasses.replace(finish, index=1))
     assert "metrics" not in completion_body(on, [*choices, second])  # n > 1: none
+
+
+def test_a_batch_renumbers_each_prompts_choices_and_one_failing_closes_the_others():
+    closed = []
+
+    async def prompt(name: str, fail: bool = False, stall: bool = False):
+        try:
+            for index in (0, 1):
+                yield Delta(name, index=index)
+                await asyncio.sleep(0)
+            if fail:
+                raise BackendError(503, f"{name} failed")
+            if stall:
+                await asyncio.Event().wait()
+            yield Finished("length", 3, 1, 1)
+        finally:
+            closed.append(name)
+
+    events = asyncio.run(_list(batched([prompt("a"), prompt("b")], 2)))
+    assert sorted((e.index, e.text) for e in events if isinstance(e, Delta)) == [
+        (0, "a"), (1, "a"), (2, "b"), (3, "b")]  # fmt: skip
+    assert sorted(e.index for e in events if isinstance(e, Finished)) == [1, 3]
+    closed.clear()
+    with pytest.raises(BackendError, match="b failed"):
+        asyncio.run(_list(batched([prompt("a", stall=True), prompt("b", fail=True)], 2)))
+    assert sorted(closed) == ["a", "b"]  # the stalled one closed: its generation aborted
