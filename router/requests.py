@@ -159,7 +159,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         (text, token_ids), others = prompts[0], prompts[1:]
         max_tokens = body.get("max_tokens", 16)
     if max_tokens is not None:
-        _check_max_tokens(max_tokens)
+        max_tokens = _max_tokens(max_tokens)
     stop_ids = body.get("stop_token_ids", [])
     if not (isinstance(stop_ids, list) and all(_is_token_id(t, model.vocab_size)
                                                for t in stop_ids)):  # fmt: skip
@@ -372,27 +372,41 @@ def _template(body: dict) -> dict:
     return template
 
 
+def _whole(value) -> int | None:
+    """value as an int where it is one, 2.0 included (vLLM's pydantic models take an integral
+    float for an integer field); None otherwise (a bool, 2.5, a string)."""
+    if type(value) is int:
+        return value
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return None
+
+
 def _seed(value) -> int:
     """OpenAI's seeds are signed 64-bit; the engine's generators take them as unsigned."""
-    if type(value) is not int or not -_INT64 <= value < _INT64:
+    seed = _whole(value)
+    if seed is None or not -_INT64 <= seed < _INT64:
         raise RequestError(400, f"seed: {value!r} is not a 64-bit integer", "seed")
-    return value % 2**64
+    return seed % 2**64
 
 
 def _integer(body: dict, name: str, low: int, end: int, default):
     value = body.get(name, default)
     if value is default:
         return value
-    if type(value) is not int or not low <= value < end:
+    whole = _whole(value)
+    if whole is None or not low <= whole < end:
         raise RequestError(400, f"{name}: {value!r} is not an integer in [{low}, {end - 1}]", name)
-    return value
+    return whole
 
 
-def _check_max_tokens(max_tokens) -> None:
-    if type(max_tokens) is not int or max_tokens < 1:
+def _max_tokens(max_tokens) -> int:
+    whole = _whole(max_tokens)
+    if whole is None or whole < 1:
         raise RequestError(
             400, f"max_tokens: {max_tokens!r} must be a positive integer", "max_tokens"
         )
+    return whole
 
 
 def _stops(stop) -> tuple[str, ...]:

@@ -128,6 +128,15 @@ def test_logit_bias_by_token_id_clamped_as_vllm():
         assert sampling == decode_pb2.SamplingParams()
 
 
+def test_integral_floats_are_integers_as_vllms_pydantic_models_take_them():
+    body = {"prompt": "x", "max_tokens": 4.0, "n": 2.0, "temperature": 1, "min_tokens": 1.0,
+            "logprobs": 3.0, "seed": 7.0, "stop_token_ids": [2]}  # fmt: skip
+    request = _parse(COMPLETIONS, body)
+    assert (request.max_tokens, request.n, request.min_tokens) == (4, 2, 1)
+    assert type(request.max_tokens) is int and type(request.n) is int
+    assert (request.sampling.logprobs, request.sampling.seed) == (3, 7)
+
+
 def test_top_k_minus_one_is_no_limit():
     assert _parse(COMPLETIONS, {"prompt": "x", "top_k": -1}).sampling.top_k == 0
 
@@ -262,8 +271,9 @@ def test_chat_messages_as_clients_send_them(messages, expected):
          "max_tokens: -1 must be a positive integer"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens",
          "max_tokens: 'ten' must be a positive integer"),
-        (CHAT, {"messages": MESSAGES, "max_completion_tokens": 2.0}, 400, "max_tokens",
-         "max_tokens: 2.0 must be a positive integer"),
+        (CHAT, {"messages": MESSAGES, "max_completion_tokens": 2.5}, 400, "max_tokens",
+         "max_tokens: 2.5 must be a positive integer"),
+        (COMPLETIONS, {"prompt": "x", "n": 1.5}, 400, "n", "n: 1.5 is not an integer in [1, 128]"),
         (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, 400, "temperature",
          "temperature: 'hot' is not a number"),
         (COMPLETIONS, {"prompt": "x", "temperature": -1}, 400, "temperature",
