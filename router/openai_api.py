@@ -41,6 +41,7 @@ from router.streaming import (
     batched,
     collect,
     completion_body,
+    echoed,
     sse,
     text_events,
 )
@@ -179,6 +180,11 @@ class OpenAIApi:
             return Response(status_code=CLIENT_GONE)
         started_streams = [_chain(f, rest) for f, rest in zip(firsts, streams, strict=True)]
         events = batched(started_streams, api_request.n)
+        if api_request.echo:
+            decode = self.prompts.local.tokenizer.decode
+            texts = [part.text if part.text is not None else decode(ids)
+                     for part, ids in zip(parts, prompts, strict=True)]  # fmt: skip
+            events = echoed(events, texts, api_request.n)
         if api_request.stream:
             return StreamingResponse(sse(events, response), media_type="text/event-stream")
         try:

@@ -74,6 +74,14 @@ class Endpoint(enum.Enum):
             extra = {"prompt", "return_tokens_as_token_ids"}
         return frozenset(_COMMON | extra | set(_NOT_YET))
 
+    @property
+    def not_yet(self) -> dict:
+        """Its known parameters tandem does not serve yet, and the values that ask for nothing:
+        completions serve `echo` (chat's, which repeats the last message, they do not)."""
+        if self is Endpoint.COMPLETIONS:
+            return {k: v for k, v in _NOT_YET.items() if k != "echo"}
+        return _NOT_YET
+
 
 @dataclass(frozen=True)
 class ServedModel:
@@ -130,6 +138,8 @@ class ApiRequest:
     """Streaming: end with a chunk that carries the usage."""
     n: int = 1
     """Choices to generate (of each prompt)."""
+    echo: bool = False
+    """Completions: each choice's text starts with its prompt's (vLLM's echo)."""
     other_prompts: tuple[Prompt, ...] = ()
     """Completions: a batch's prompts after the first (`text`, `token_ids`), as (text, None) or
     (None, token ids). Choice j of prompt i is choice i * n + j of the response (vLLM's)."""
@@ -143,7 +153,7 @@ class ApiRequest:
 def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
     """Checks a raw body sent to `endpoint` of a router serving `model`."""
     body = checked_body(raw, model, endpoint.parameters)
-    for name, asks_nothing in _NOT_YET.items():
+    for name, asks_nothing in endpoint.not_yet.items():
         if name in body and not asks_nothing(body[name]):
             raise RequestError(400, f"{name}: {body[name]!r} is not supported yet", name)
     text = token_ids = messages = template = tools = None
@@ -173,6 +183,10 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
     if others and (1 + len(others)) * n > MAX_CHOICES:
         raise RequestError(400, f"prompt: {1 + len(others)} prompts of {n} choices each, more "
                            f"than {MAX_CHOICES} choices", "prompt")  # fmt: skip
+    echo = flag(body, "echo", False)
+    if echo and sampling.HasField("logprobs"):
+        raise RequestError(400, "echo: with logprobs it needs the prompt's log-probabilities "
+                           "(prompt_logprobs), not served yet", "echo")  # fmt: skip
     if n > 1 and not sampling.temperature:  # unset or 0: greedy
         raise RequestError(400, f"n: {n} choices need sampling (a temperature above 0); greedy "
                            "ones would all be the same", "n")  # fmt: skip
@@ -196,6 +210,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         stream=flag(body, "stream", False),
         include_usage=flag(options, "include_usage", False),
         n=n,
+        echo=echo,
         other_prompts=others,
     )
 

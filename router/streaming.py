@@ -133,6 +133,20 @@ def batched(
     return streams[0] if len(streams) == 1 else _merged(streams, n)
 
 
+async def echoed(
+    events: AsyncIterator[Delta | Finished], prompts: Sequence[str], n: int
+) -> AsyncIterator[Delta | Finished]:
+    """vLLM's echo: each choice's events after a Delta of its prompt's text (choice i's prompt
+    is prompts[i // n]), so a body's text and a stream's first chunk start with it."""
+    started: set[int] = set()
+    async with contextlib.aclosing(events):
+        async for event in events:
+            if event.index not in started:
+                started.add(event.index)
+                yield Delta(prompts[event.index // n], index=event.index)
+            yield event
+
+
 async def _merged(
     streams: Sequence[AsyncIterator[Delta | Finished]], n: int
 ) -> AsyncIterator[Delta | Finished]:

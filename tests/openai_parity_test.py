@@ -2,10 +2,10 @@
 a second router on them with vLLM's hermes tool-call and qwen3 reasoning parsers), driven by the
 official `openai` client: content parts and null fields, logprobs (equal to Hugging Face's
 log-softmax), logit_bias (greedy on Hugging Face's logits plus the bias), a batch of prompts,
-n choices from one KV transfer, JSON Schema and choice constraints, tool calls (named, and auto
-through the hermes parser), reasoning split by the qwen3 parser, /tokenize and /detokenize; a
-bad-input suite where every answer is a fast 4xx with OpenAI's body; non-streaming clients that
-time out free their slot."""
+echo, n choices from one KV transfer, JSON Schema and choice constraints, tool calls (named, and
+auto through the hermes parser), reasoning split by the qwen3 parser, /tokenize and /detokenize;
+a bad-input suite where every answer is a fast 4xx with OpenAI's body; non-streaming clients
+that time out free their slot."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def _token_ids(reply) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
 
 
-def test_a_batch_of_prompts_answers_as_each_prompt_alone(client):
+def test_a_batch_of_prompts_answers_as_each_prompt_alone_and_echo_prepends_the_prompt(client):
     prompts = ["The capital of France is", "1, 2, 3,", [504, 3458, 2767, 28]]
     kwargs = {"model": SERVED, "max_tokens": 6, "temperature": 0}
     alone = [client.completions.create(prompt=p, **kwargs) for p in prompts]
@@ -147,6 +147,8 @@ def test_a_batch_of_prompts_answers_as_each_prompt_alone(client):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert streamed == [texts[2]] * 2
+    echoed = client.completions.create(prompt=prompts[0], echo=True, **kwargs)
+    assert echoed.choices[0].text == prompts[0] + texts[0]
 
 
 def test_chat_logprobs_streamed_or_not(client):

@@ -146,6 +146,25 @@ def test_a_batch_of_prompts_answers_each_ones_choices_in_order_streamed_or_not()
     _run(test)
 
 
+def test_echo_starts_each_choices_text_with_its_prompts_streamed_or_not():
+    async def test(router: Router):
+        echo = {**COMPLETION, "prompt": ["Capital?", "Of Peru?"], "echo": True}
+        body = (await router.post("/v1/completions", echo)).json()
+        assert [c["text"] for c in body["choices"]] == ["Capital?Paris", "Of Peru?Paris"]
+        assert body["usage"]["completion_tokens"] == 10  # the prompts are no completion
+        chunks = _sse(await router.post("/v1/completions", {**echo, "stream": True}))
+        firsts: dict[int, str] = {}
+        for chunk in chunks:
+            (choice,) = chunk["choices"]
+            firsts.setdefault(choice["index"], choice["text"])
+        assert firsts == {0: "Capital?", 1: "Of Peru?"}
+        token_ids = {**echo, "prompt": [72, 105]}  # a token-id prompt echoes its text
+        body = (await router.post("/v1/completions", token_ids)).json()
+        assert body["choices"][0]["text"] == "HiParis"
+
+    _run(test)
+
+
 def test_a_batch_fails_whole_and_aborts_the_prompts_already_admitted():
     async def test(router: Router):
         batch = {**COMPLETION, "prompt": ["Capital?", "Of Peru?", "Of Chad?"]}

@@ -198,8 +198,11 @@ def test_chat_messages_as_clients_send_them(messages, expected):
          "n: 2 choices need sampling (a temperature above 0); greedy ones would all be the same"),
         (COMPLETIONS, {"prompt": "x", "best_of": 2}, 400, "best_of",
          "best_of: 2 is not supported yet"),
-        (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo",
+        (CHAT, {"messages": MESSAGES, "echo": True}, 400, "echo",
          "echo: True is not supported yet"),
+        (COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo",
+         "echo: with logprobs it needs the prompt's log-probabilities (prompt_logprobs), not "
+         "served yet"),
         (COMPLETIONS, {"prompt": "x", "logit_bias": {"1000": 1}}, 400, "logit_bias",
          "logit_bias: token id 1000 is outside the vocabulary [0, 1000)"),
         (CHAT, {"messages": MESSAGES, "logit_bias": {"a": 1}}, 400, "logit_bias",
