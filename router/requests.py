@@ -16,17 +16,24 @@ import enum
 from dataclasses import dataclass, replace
 
 from engine import json_body
-from engine.sampling_ranges import MAX_LOGPROBS, SAMPLING_RANGES, logit_bias_pairs, range_problem
+from engine.sampling_ranges import MAX_LOGPROBS, SAMPLING_RANGES, range_problem
 from proto.tandem.v1 import decode_pb2
 from router import structured
+from router.body_values import (
+    checked_max_tokens,
+    flag,
+    integer,
+    is_token_id,
+    logit_bias,
+    seed,
+    stops,
+)
 from router.errors import RequestError
 from router.generation import GenerationRequest
 from router.messages import chat_messages
 from router.tool_calls import ToolUse, check_tools, template_tools, tool_choice_schema
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-MAX_STOPS = 4
-"""Stop strings per request at most (vLLM's default VLLM_MAX_STOP_STRINGS, OpenAI's limit)."""
 MAX_CHOICES = 128
 """`n` at most (OpenAI's limit)."""
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
@@ -35,7 +42,6 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalt
 IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 """OpenAI's fields that identify or label a request, or hint at an absent feature: accepted,
 without effect (as vLLM does)."""
-_INT64 = 2**63
 _TEMPLATE = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs",
              "reasoning_effort")  # fmt: skip
 _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
@@ -169,9 +175,9 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         (text, token_ids), others = prompts[0], prompts[1:]
         max_tokens = body.get("max_tokens", 16)
     if max_tokens is not None:
-        max_tokens = _max_tokens(max_tokens)
+        max_tokens = checked_max_tokens(max_tokens)
     stop_ids = body.get("stop_token_ids", [])
-    if not (isinstance(stop_ids, list) and all(_is_token_id(t, model.vocab_size)
+    if not (isinstance(stop_ids, list) and all(is_token_id(t, model.vocab_size)
                                                for t in stop_ids)):  # fmt: skip
         raise RequestError(400, f"stop_token_ids: a list of token ids below {model.vocab_size}",
                            "stop_token_ids")  # fmt: skip
@@ -179,7 +185,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
     if not isinstance(options, dict):
         raise RequestError(400, "stream_options: must be an object", "stream_options")
     sampling = _sampling(endpoint, body, model.vocab_size)
-    n = _integer(body, "n", 1, MAX_CHOICES + 1, 1)
+    n = integer(body, "n", 1, MAX_CHOICES + 1, 1)
     if others and (1 + len(others)) * n > MAX_CHOICES:
         raise RequestError(400, f"prompt: {1 + len(others)} prompts of {n} choices each, more "
                            f"than {MAX_CHOICES} choices", "prompt")  # fmt: skip
@@ -200,10 +206,10 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         sampling=sampling,
         structured=constraint,
         tools=tools,
-        min_tokens=_integer(body, "min_tokens", 0, 2**32, 0),
+        min_tokens=integer(body, "min_tokens", 0, 2**32, 0),
         stop_token_ids=tuple(stop_ids),
         ignore_eos=flag(body, "ignore_eos", False),
-        stops=_stops(body.get("stop", [])),
+        stops=stops(body.get("stop", [])),
         include_stop_str_in_output=flag(body, "include_stop_str_in_output", False),
         skip_special_tokens=flag(body, "skip_special_tokens", True),
         tokens_as_ids=flag(body, "return_tokens_as_token_ids", False),
@@ -262,14 +268,6 @@ def checked_body(raw: bytes, model: ServedModel, accepted: frozenset[str]) -> di
     return body
 
 
-def flag(body: dict, name: str, default: bool) -> bool:
-    """body[name], a JSON boolean, or `default` when absent."""
-    value = body.get(name, default)
-    if not isinstance(value, bool):
-        raise RequestError(400, f"{name}: {value!r} is not true or false", name)
-    return value
-
-
 def json_object(raw: bytes) -> dict:
     """The JSON object a request body holds; RequestError (400, 413) for anything else."""
     if len(raw) > MAX_BODY_BYTES:
@@ -285,12 +283,12 @@ def _prompts(prompt, vocab_size: int) -> tuple[Prompt, ...]:
     as (text, None) or (None, token ids)."""
     if isinstance(prompt, str):
         return ((prompt, None),)
-    if isinstance(prompt, list) and prompt and all(_is_token_id(t, vocab_size) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_token_id(t, vocab_size) for t in prompt):
         return ((None, prompt),)
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return tuple((p, None) for p in prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(
-            _is_token_id(t, vocab_size) for t in p) for p in prompt):  # fmt: skip
+            is_token_id(t, vocab_size) for t in p) for p in prompt):  # fmt: skip
         return tuple((None, p) for p in prompt)
     raise RequestError(400, "prompt: a string, a non-empty list of token ids below "
                        f"{vocab_size}, or a list of either", "prompt")  # fmt: skip
@@ -306,7 +304,7 @@ def _sampling(endpoint: Endpoint, body: dict, vocab_size: int) -> decode_pb2.Sam
             continue
         value = body[name]
         if name == "seed":
-            value = _seed(value)
+            value = seed(value)
         elif name == "top_k" and value == -1:
             value = 0
         problem = range_problem(name, value)
@@ -316,34 +314,17 @@ def _sampling(endpoint: Endpoint, body: dict, vocab_size: int) -> decode_pb2.Sam
     logprobs = _logprobs(endpoint, body)
     if logprobs is not None:
         sampling.logprobs = logprobs
-    sampling.logit_bias.update(_logit_bias(body.get("logit_bias"), vocab_size))
+    sampling.logit_bias.update(logit_bias(body.get("logit_bias"), vocab_size))
     return sampling
-
-
-def _logit_bias(value: object, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """The request's logit_bias as (token id, bias) pairs; none for null."""
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise RequestError(400, "logit_bias: must be an object of token ids to biases",
-                           "logit_bias")  # fmt: skip
-    try:
-        pairs = logit_bias_pairs(value)
-    except ValueError as e:
-        raise RequestError(400, str(e), "logit_bias") from None
-    if pairs and pairs[-1][0] >= vocab_size:  # sorted by id
-        raise RequestError(400, f"logit_bias: token id {pairs[-1][0]} is outside the "
-                           f"vocabulary [0, {vocab_size})", "logit_bias")  # fmt: skip
-    return pairs
 
 
 def _logprobs(endpoint: Endpoint, body: dict) -> int | None:
     """Alternatives per token the client asked for, or None: chat has `logprobs` (bool) and
     `top_logprobs`; completions' `logprobs` is the count."""
     if endpoint is Endpoint.COMPLETIONS:
-        return _integer(body, "logprobs", 0, MAX_LOGPROBS + 1, None)
+        return integer(body, "logprobs", 0, MAX_LOGPROBS + 1, None)
     asked = flag(body, "logprobs", False)
-    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS + 1, None)
+    top = integer(body, "top_logprobs", 0, MAX_LOGPROBS + 1, None)
     if top is not None and not asked:
         raise RequestError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
     return (top or 0) if asked else None
@@ -385,53 +366,3 @@ def _template(body: dict) -> dict:
     if kwargs:
         template["chat_template_kwargs"] = kwargs
     return template
-
-
-def _whole(value) -> int | None:
-    """value as an int where it is one, 2.0 included (vLLM's pydantic models take an integral
-    float for an integer field); None otherwise (a bool, 2.5, a string)."""
-    if type(value) is int:
-        return value
-    if type(value) is float and value.is_integer():
-        return int(value)
-    return None
-
-
-def _seed(value) -> int:
-    """OpenAI's seeds are signed 64-bit; the engine's generators take them as unsigned."""
-    seed = _whole(value)
-    if seed is None or not -_INT64 <= seed < _INT64:
-        raise RequestError(400, f"seed: {value!r} is not a 64-bit integer", "seed")
-    return seed % 2**64
-
-
-def _integer(body: dict, name: str, low: int, end: int, default):
-    value = body.get(name, default)
-    if value is default:
-        return value
-    whole = _whole(value)
-    if whole is None or not low <= whole < end:
-        raise RequestError(400, f"{name}: {value!r} is not an integer in [{low}, {end - 1}]", name)
-    return whole
-
-
-def _max_tokens(max_tokens) -> int:
-    whole = _whole(max_tokens)
-    if whole is None or whole < 1:
-        raise RequestError(
-            400, f"max_tokens: {max_tokens!r} must be a positive integer", "max_tokens"
-        )
-    return whole
-
-
-def _stops(stop) -> tuple[str, ...]:
-    stops = [stop] if isinstance(stop, str) else stop
-    if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
-        raise RequestError(400, "stop: a string or a list of non-empty strings", "stop")
-    if len(stops) > MAX_STOPS:
-        raise RequestError(400, f"stop: {len(stops)} strings, at most {MAX_STOPS}", "stop")
-    return tuple(stops)
-
-
-def _is_token_id(value, vocab_size: int) -> bool:
-    return type(value) is int and 0 <= value < vocab_size

@@ -7,10 +7,11 @@ POST /detokenize  {tokens} -> {prompt}
 
 from __future__ import annotations
 
+from router.body_values import flag
 from router.errors import BackendError, RequestError
 from router.messages import chat_messages
 from router.prompts import PromptTokenizer
-from router.requests import ServedModel, checked_body, flag
+from router.requests import ServedModel, checked_body
 
 _TOKENIZE = frozenset({"model", "prompt", "messages", "add_special_tokens",
                        "add_generation_prompt", "return_token_strs"})  # fmt: skip
