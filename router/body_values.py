@@ -39,10 +39,10 @@ def logit_bias(value: object, vocab_size: int) -> tuple[tuple[int, float], ...]:
 
 def whole(value) -> int | None:
     """value as an int where it is one, 2.0 included (vLLM's pydantic models take an integral
-    float for an integer field); None otherwise (a bool, 2.5, a string)."""
+    float for an integer field); None otherwise (a bool, 2.5, 1e300, a string)."""
     if type(value) is int:
         return value
-    if type(value) is float and value.is_integer():
+    if type(value) is float and value.is_integer() and abs(value) < 2**64:
         return int(value)
     return None
 

@@ -226,6 +226,8 @@ def generation_request(
 ) -> GenerationRequest:
     """The orchestrator's request, once the prompt is `prompt_ids`: checks that the prompt and
     max_tokens fit `max_model_len`."""
+    if not prompt_ids:  # "" with a tokenizer that adds no BOS
+        raise RequestError(400, "prompt: no tokens; a prompt needs at least one", "prompt")
     max_tokens = request.max_tokens
     if max_tokens is None:
         max_tokens = max_model_len - len(prompt_ids)

@@ -316,6 +316,8 @@ BAD_INPUT = [
     ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 1e300}, 400, "max_tokens"),
+    ({"prompt": ""}, 400, "prompt"),  # no tokens: SmolLM2's tokenizer adds no BOS
     ({"prompt": [1] * 9000, "max_tokens": 1}, 400, "max_tokens"),
     ({"model": "gpt-9", "prompt": "hi"}, 404, "model"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),

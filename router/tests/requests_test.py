@@ -277,6 +277,8 @@ def test_chat_messages_as_clients_send_them(messages, expected):
         (CHAT, {"messages": MESSAGES, "max_completion_tokens": 2.5}, 400, "max_tokens",
          "max_tokens: 2.5 must be a positive integer"),
         (COMPLETIONS, {"prompt": "x", "n": 1.5}, 400, "n", "n: 1.5 is not an integer in [1, 128]"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 1e300}, 400, "max_tokens",
+         "max_tokens: 1e+300 must be a positive integer"),
         (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, 400, "temperature",
          "temperature: 'hot' is not a number"),
         (COMPLETIONS, {"prompt": "x", "temperature": -1}, 400, "temperature",
@@ -354,6 +356,12 @@ def test_a_generation_request_carries_every_checked_field():
     assert generation.prompt_ids == [1, 2] and generation.max_tokens == 4
     assert (generation.min_tokens, generation.stop_token_ids) == (2, (9,))
     assert generation.ignore_eos and generation.sampling.seed == 3
+
+
+def test_a_prompt_of_no_tokens_is_refused_naming_it():
+    with pytest.raises(RequestError, match=r"^prompt: no tokens") as refused:
+        generation_request(_parse(COMPLETIONS, {"prompt": ""}), [], max_model_len=10)
+    assert refused.value.param == "prompt"
 
 
 def test_no_limit_means_the_rest_of_the_context():
