@@ -32,7 +32,7 @@ from engine.model_loader import Backend
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import PrefixCache
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
-from engine.sampling_ranges import MAX_N
+from engine.sampling_ranges import MAX_N, logit_bias_vocabulary_problem
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, StopConditions
 from engine.spec_build import acceptance_curve, build_proposer, proposer_cache_config
@@ -204,9 +204,8 @@ class LLMEngine:
         if prompt_ids and not (min(prompt_ids) >= 0 and max(prompt_ids) < vocab):
             bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
-        if sampling.logit_bias and sampling.logit_bias[-1][0] >= vocab:  # sorted by id
-            top = sampling.logit_bias[-1][0]
-            raise ValueError(f"logit_bias: token id {top} is outside the vocabulary [0, {vocab})")
+        if problem := logit_bias_vocabulary_problem(sampling.logit_bias, vocab):
+            raise ValueError(problem)
         seq = Sequence(
             seq_id, prompt_ids, sampling, stop, self.model_config.eos_token_ids, self.max_model_len
         )

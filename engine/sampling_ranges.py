@@ -82,6 +82,13 @@ def logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+def logit_bias_vocabulary_problem(pairs: tuple[tuple[int, float], ...], vocab_size: int):
+    """Why `logit_bias_pairs`' pairs do not fit a model of `vocab_size` tokens, or None."""
+    if pairs and pairs[-1][0] >= vocab_size:  # sorted by id
+        return f"logit_bias: token id {pairs[-1][0]} is outside the vocabulary [0, {vocab_size})"
+    return None
+
+
 def _token_id(key: object) -> int | None:
     """key as a token id ("50256" or 50256), or None."""
     if isinstance(key, str) and key.strip().lstrip("+").isdecimal():

@@ -4,7 +4,7 @@ max_tokens, stop strings, token ids and logit_bias."""
 
 from __future__ import annotations
 
-from engine.sampling_ranges import logit_bias_pairs
+from engine.sampling_ranges import logit_bias_pairs, logit_bias_vocabulary_problem
 from router.errors import RequestError
 
 _INT64 = 2**63
@@ -31,9 +31,8 @@ def logit_bias(value: object, vocab_size: int) -> tuple[tuple[int, float], ...]:
         pairs = logit_bias_pairs(value)
     except ValueError as e:
         raise RequestError(400, str(e), "logit_bias") from None
-    if pairs and pairs[-1][0] >= vocab_size:  # sorted by id
-        raise RequestError(400, f"logit_bias: token id {pairs[-1][0]} is outside the "
-                           f"vocabulary [0, {vocab_size})", "logit_bias")  # fmt: skip
+    if problem := logit_bias_vocabulary_problem(pairs, vocab_size):
+        raise RequestError(400, problem, "logit_bias")
     return pairs
 
 
