@@ -66,16 +66,19 @@ def _proposer_needs_prompt_kv(speculative_config: str | None) -> bool:
         return False
 
 
-def _configuration_problem(args: argparse.Namespace) -> str | None:
+_PREFILL_FLAGS = ("prefill", "num_prefill", "prefill_tp", "prefill_kv_cache_gb", "kv_send")
+"""Flags that configure the prefills, which --aggregated does not start."""
+
+
+def _configuration_problem(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
     """What in the command line cannot work, naming the flags to change; None if nothing.
     Checked before any server starts (a model loads in seconds to minutes)."""
     if min(args.num_prefill, args.num_decode, args.decode_tp, args.prefill_tp) < 1:
         return "--num-prefill, --num-decode, --decode-tp and --prefill-tp must be >= 1"
     if not 0 <= args.port <= 65535:
         return f"--port {args.port} is not a port number (0: any free one)"
-    prefill_flags = (args.prefill, args.num_prefill, args.prefill_tp, args.prefill_kv_cache_gb,
-                     args.kv_send)  # fmt: skip
-    if args.aggregated and prefill_flags != ("embedded", 1, 1, None, "layerwise"):
+    changed = [f for f in _PREFILL_FLAGS if getattr(args, f) != parser.get_default(f)]
+    if args.aggregated and changed:
         return ("--aggregated starts no prefill: drop it, or the prefill's flags (--prefill, "
                 "--num-prefill, --prefill-tp, --prefill-kv-cache-gb, --kv-send)")  # fmt: skip
     if args.prefill == "vllm" and args.kv_send != "layerwise":
@@ -123,7 +126,7 @@ def main() -> None:
     parser.add_argument("--tool-call-parser", default=None, help="the router's (hermes, ...)")
     parser.add_argument("--reasoning-parser", default=None, help="the router's (qwen3, ...)")
     args = parser.parse_args()
-    problem = _configuration_problem(args)
+    problem = _configuration_problem(args, parser)
     if problem:
         sys.exit(f"serve: {problem}")
     num_prefill = 0 if args.aggregated else args.num_prefill
