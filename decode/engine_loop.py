@@ -91,6 +91,9 @@ class TokenStream:
         self._open = set(range(num_choices))
         """Choices not ended yet, as the writer sees them."""
         self._on_end = on_end
+        self.prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+        """Choice 0's prompt entries (SamplingParams.prompt_logprobs), set by the engine thread
+        before it puts that choice's first token: a reader that has read it sees them."""
 
     def put(self, index: int, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self._queue.put(_Put(index, (token_id, logprobs)))
@@ -281,7 +284,9 @@ class EngineLoop(EngineThread):
     def _step(self) -> None:
         self._publish(
             [
-                self._delivery(out.seq_id, out.token_id, out.finish_reason, out.logprobs)
+                self._delivery(
+                    out.seq_id, out.token_id, out.finish_reason, out.logprobs, out.prompt_logprobs
+                )
                 for out in self.engine.step()
                 if out.seq_id in self._live
             ]
@@ -304,12 +309,13 @@ class EngineLoop(EngineThread):
         token_id: int | None,
         reason: FinishReason | None,
         logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: tuple[TokenLogprobs, ...] | None = None,
     ) -> _Delivery:
         """A token for the choice's stream, and its end if `reason` finished it (it leaves, and
         its group with its last choice)."""
         live = self._live[seq_id]
         if reason is None:
-            return _Delivery(live.stream, live.index, token_id, logprobs)
+            return _Delivery(live.stream, live.index, token_id, logprobs, None, prompt_logprobs)
         del self._live[seq_id]
         if not any(other in self._live for other in self._groups[live.group]):
             del self._groups[live.group]
@@ -319,7 +325,7 @@ class EngineLoop(EngineThread):
             k = self.engine.config.num_speculative_tokens
             spec = (seq.acceptance_histogram or [0] * (k + 1), seq.num_draft_tokens)
         finished = Finished(reason, seq.num_prompt_tokens, seq.num_output_tokens, spec)
-        return _Delivery(live.stream, live.index, token_id, logprobs, finished)
+        return _Delivery(live.stream, live.index, token_id, logprobs, finished, prompt_logprobs)
 
     def _publish(self, delivered: list[_Delivery]) -> None:
         """A new snapshot, then what the admit or step gave each stream: whoever reads a token
@@ -334,6 +340,8 @@ class EngineLoop(EngineThread):
             ),
         )
         for delivery in delivered:
+            if delivery.prompt_logprobs is not None:
+                delivery.stream.prompt_logprobs = delivery.prompt_logprobs
             token = None if delivery.token_id is None else (delivery.token_id, delivery.logprobs)
             if delivery.finished is not None:
                 delivery.stream.end(delivery.index, delivery.finished, token)
@@ -350,3 +358,4 @@ class _Delivery:
     token_id: int | None = None
     logprobs: TokenLogprobs | None = None
     finished: Finished | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None

@@ -161,7 +161,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             first = False
             self.metrics.tokens_generated.inc(len(item.token_ids))
             self._tokens_generated += len(item.token_ids)
-            yield _response(item)
+            message = _response(item)
+            if item.index == 0 and stream.prompt_logprobs is not None:  # choice 0's first
+                message.prompt_logprobs.extend(_logprobs_pb(lp) for lp in stream.prompt_logprobs)
+                stream.prompt_logprobs = None
+            yield message
 
     def Abort(self, request, context):
         if request.choices:
@@ -233,7 +237,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             starts = [("", request)]
             starts += [(f"other_choices[{i}].", s) for i, s in enumerate(request.other_choices)]
         try:
-            params = SamplingParams(**sampling_fields(request.sampling))
+            fields = sampling_fields(request.sampling)
+            if not request.HasField("local_prefill"):  # the prefill computed them
+                fields.pop("prompt_logprobs", None)
+            params = SamplingParams(**fields)
             first_logprobs = [
                 None if params.logprobs is None or start is None else _first_logprobs(prefix, start)
                 for prefix, start in starts
@@ -359,6 +366,7 @@ def _logprobs_pb(logprobs: TokenLogprobs) -> decode_pb2.TokenLogprobs:
         logprob=logprobs.logprob,
         top_token_ids=logprobs.top_token_ids,
         top_logprobs=logprobs.top_logprobs,
+        rank=logprobs.rank or 0,
     )
 
 

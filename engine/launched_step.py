@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from engine.prompt_logprobs import PromptLogprobTensors
 from engine.sampling import LogprobTensors, TokenLogprobs, to_pinned
 from engine.step_plan import StepPlan
 
@@ -57,6 +58,8 @@ class LaunchedStep:
         """CausalLM.proposer_hidden of every fed row, in plan order (a sequence's rows
         together), set by the runner: a proposer fed hidden states reads it
         (engine/hidden_proposer.py). A graph's buffer: valid until the next step."""
+        self.prompt_logprobs: dict[str, PromptLogprobTensors] = {}
+        """Prompt entries the step computed (engine/prompt_logprobs.py), by sequence."""
         self.verified: Verified | None = None
         """A step that fed drafts: its verification's results, on the device."""
         self.shift: torch.Tensor | None = None

@@ -67,6 +67,9 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     logprobs: TokenLogprobs | None = None
     """token_id's log-probabilities, when the sequence's SamplingParams.logprobs is set."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    """On a sequence's first token, when its SamplingParams.prompt_logprobs is set: prompt
+    token i + 1's log-probabilities at [i]."""
 
 
 @dataclass
@@ -352,6 +355,9 @@ class LLMEngine:
         if self.async_scheduling and before_run is None:
             self._in_flight = self._launch_ahead(launched)
         sampled, logprobs = launched.result(), launched.logprobs()
+        for seq_id, computed in launched.prompt_logprobs.items():
+            if (seq := self.sequences.get(seq_id)) is not None:
+                seq.prompt_logprobs.extend(computed.entries())
         accepted = launched.accepted()
         before = {item.seq.seq_id: item.seq.num_tokens for item in launched.plan.scheduled}
         finished = {s.seq_id for s in self.scheduler.update(launched.plan, sampled, accepted)}
@@ -371,9 +377,14 @@ class LLMEngine:
             # Accepted drafts, then the sampled token (fewer when one of them finished it).
             new = seq.token_ids[before[seq_id] :]
             token_logprobs = logprobs.get(seq_id) or [None] * len(new)
+            # Its first token carries the prompt's log-probabilities, if it asked: all in now.
+            asked = seq.sampling.prompt_logprobs is not None
+            prompt = tuple(seq.prompt_logprobs) if asked else None
             for i, (token, lp) in enumerate(zip(new, token_logprobs, strict=False)):
+                first = before[seq_id] + i == seq.num_prompt_tokens
                 last = i == len(new) - 1
-                outputs.append(StepOutput(seq_id, token, reason if last else None, lp))
+                outputs.append(StepOutput(seq_id, token, reason if last else None, lp,
+                                          prompt if first else None))  # fmt: skip
             if reason is not None:
                 del self.sequences[seq_id]
         self._settle_idle_step()

@@ -1,7 +1,8 @@
 """Runs one StepPlan: packs the scheduled tokens, runs the model, samples the next tokens.
 
 Decode-only steps on CUDA replay a captured graph (engine/cuda_graphs.py); everything else
-(prefill chunks, mixed batches, CPU) runs the model eagerly. Rows of constrained sequences
+(prefill chunks, mixed batches, CPU, a step with prompt log-probabilities to compute) runs the
+model eagerly. Rows of constrained sequences
 (structured output) have their grammar's mask applied to the logits, after the graph, before
 sampling.
 
@@ -24,6 +25,7 @@ from engine.host_values import to_device
 from engine.kv_cache import KVCache
 from engine.launched_step import LaunchedStep, Verified
 from engine.model import CausalLM
+from engine.prompt_logprobs import compute_prompt_logprobs, prompt_spans
 from engine.sampling import Sampler, SamplingRow, compute_logprobs
 from engine.spec_acceptance import AcceptanceCurve
 from engine.spec_verify import verify
@@ -105,6 +107,9 @@ class ModelRunner:
         `eager`: no graph replay, even for a decode-only plan (a prompt's last one-token chunk
         whose layers the prefill sends as they are written)."""
         sampling = [item for item in plan.scheduled if item.samples]
+        spans = prompt_spans(plan)
+        eager = eager or bool(spans)  # their logits are of rows no graph computes
+        prompt = {}
         ahead = None
         if plan.shifted:
             assert feed is not None and drafts is not None
@@ -127,9 +132,10 @@ class ModelRunner:
             shifts = None if ahead is None else ahead.shift.tolist()
             hidden, sample_rows = self._forward_eager(plan, fed, shifts)
             hidden = self.model.proposer_hidden(hidden)  # the graphs' hidden is that already
+            prompt = compute_prompt_logprobs(spans, self.executor.logits)
             if not sampling:  # a prompt chunk: its hidden states only
                 step = LaunchedStep(plan, [], None)
-                step.hidden = hidden
+                step.hidden, step.prompt_logprobs = hidden, prompt
                 return step
             logits = self.executor.logits(sample_rows)
         rows = [item.seq.sampling_row() for item in sampling]
@@ -138,6 +144,7 @@ class ModelRunner:
         else:
             step = self._sample(plan, sampling, logits, greedy, rows, feed)
         step.hidden = hidden
+        step.prompt_logprobs = prompt
         if ahead is not None:
             step.shift, step.fed_drafts = ahead.shift, drafts
         return step

@@ -33,3 +33,25 @@ def completion_logprobs(
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}  # fmt: skip
+
+
+def prompt_logprobs_field(
+    prompt_ids: Sequence[int], entries: Sequence, token_text: Callable[[int], str]
+) -> list[dict | None]:
+    """A response's `prompt_logprobs` as vLLM writes it: None for the first prompt token, then
+    for each one {id: {logprob, rank, decoded_token}} of the token itself, then of its
+    position's most likely tokens (ranks 1 ..; one entry for a token that is both), the ids as
+    JSON keys. `entries`: prompt token i + 1's at [i], each with `logprob`, `rank`,
+    `top_token_ids` and `top_logprobs`."""
+    out: list[dict | None] = [None]
+    for token_id, lp in zip(prompt_ids[1:], entries, strict=True):
+        entry = {str(token_id): _logprob(lp.logprob, lp.rank, token_text(token_id))}
+        ranked = enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1)
+        for rank, (top_id, value) in ranked:
+            entry.setdefault(str(top_id), _logprob(value, rank, token_text(top_id)))
+        out.append(entry)
+    return out
+
+
+def _logprob(value: float, rank: int, text: str) -> dict:
+    return {"logprob": clamped(value), "rank": rank, "decoded_token": text}

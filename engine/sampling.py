@@ -46,13 +46,17 @@ class SamplingParams:
     """(token id, bias) pairs, sorted by id, added to the logits before penalties and sampling
     (OpenAI's logit_bias, clamped to [-100, 100]; given as a {token id: bias} mapping, it is
     converted); not seen by `logprobs`, as vLLM's raw log-probabilities."""
+    prompt_logprobs: int | None = None
+    """Report each prompt token's log-probability (after the first), its rank and this many
+    (0-20) most likely tokens' at its position (vLLM's `prompt_logprobs`; raw, as `logprobs`).
+    Computed where the prompt is prefilled (engine/prompt_logprobs.py). None: nothing is."""
 
     def __post_init__(self) -> None:
         # Frozen: the normal form is written once, here, whatever form it was given in.
         object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
         for name, allowed in SAMPLING_RANGES.items():
             value = getattr(self, name)
-            if value is None and name in ("seed", "logprobs"):
+            if value is None and name in ("seed", "logprobs", "prompt_logprobs"):
                 continue
             problem = range_problem(name, value)
             # A real int: a float would reach topk() or a generator on the engine thread.
@@ -72,10 +76,12 @@ class SamplingParams:
 
     def for_choice(self, index: int) -> SamplingParams:
         """Choice `index`'s params among a request's n (OpenAI's n): a seed becomes seed + index
-        (mod 2**64), as vLLM gives its child requests; unseeded choices are independent draws."""
-        if self.seed is None or index == 0:
+        (mod 2**64), as vLLM gives its child requests; unseeded choices are independent draws.
+        The prompt's log-probabilities are choice 0's to compute (the prompt is the same)."""
+        if index == 0:
             return self
-        return replace(self, seed=(self.seed + index) % SEED_END)
+        seed = None if self.seed is None else (self.seed + index) % SEED_END
+        return replace(self, seed=seed, prompt_logprobs=None)
 
     @property
     def greedy(self) -> bool:
@@ -105,6 +111,8 @@ class TokenLogprobs:
     """The SamplingParams.logprobs most likely tokens, most likely first."""
     top_logprobs: tuple[float, ...]
     """Theirs, in the same order."""
+    rank: int | None = None
+    """A prompt token's rank at its position (1: the most likely); None for sampled ones."""
 
 
 SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))

@@ -37,6 +37,9 @@ SAMPLING_RANGES: dict[str, Range] = {
     "presence_penalty": Range(lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
     "frequency_penalty": Range(lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
     "logprobs": Range(lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]", integer=True),
+    "prompt_logprobs": Range(
+        lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]", integer=True
+    ),
 }
 
 

@@ -335,8 +335,9 @@ class Scheduler:
 
     def _take_cached(self, seq: Sequence) -> int | None:
         """Prefix caching: a sequence without KV takes the cached blocks of its leading
-        tokens; how many tokens they hold (None: not looked up)."""
-        if self.prefix_cache is None or seq.block_ids:
+        tokens; how many tokens they hold (None: not looked up). Not one that has prompt
+        log-probabilities to compute: those need its positions' logits."""
+        if self.prefix_cache is None or seq.block_ids or seq.lacks_prompt_logprobs:
             return None
         return self.prefix_cache.take(seq)
 

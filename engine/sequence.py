@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from engine.sampling import SamplingParams, SamplingRow
+from engine.sampling import SamplingParams, SamplingRow, TokenLogprobs
 
 _log = logging.getLogger(__name__)
 
@@ -122,6 +122,9 @@ class Sequence:
         self.acceptance_histogram: list[int] | None = None
         """Speculative decoding: [j] = its verify steps that accepted exactly j drafts (length
         num_speculative_tokens + 1; vLLM's per-request acceptance_histogram)."""
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        """With SamplingParams.prompt_logprobs: prompt token i + 1's entry at [i], as its prompt
+        chunks compute them (engine/prompt_logprobs.py)."""
         self.grammar: Any = None
         """A constrained sequence's xgrammar.GrammarMatcher (set by the engine): it has accepted
         every output token, and masks the logits of the next one (engine/grammar.py)."""
@@ -137,6 +140,14 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def lacks_prompt_logprobs(self) -> bool:
+        """It asks for its prompt's log-probabilities and some are still to compute."""
+        return (
+            self.sampling.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def num_output_tokens(self) -> int:

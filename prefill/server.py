@@ -37,7 +37,7 @@ from engine.chat_template import render_chat
 from engine.grammar import Grammar, structured_outputs_spec
 from engine.json_body import InvalidBody, json_object
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.openai_logprobs import completion_logprobs
+from engine.openai_logprobs import completion_logprobs, prompt_logprobs_field
 from engine.sampling import SAMPLING_FIELDS, SamplingParams
 from engine.sampling_ranges import MAX_N
 from engine.sequence import StopConditions
@@ -224,15 +224,22 @@ class PrefillServer:
         # Any choice failing fails the request: the first failure is the answer.
         futures = self.worker.submit(jobs)
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        reply = self._reply(results, body.get("return_tokens_as_token_ids"))
+        reply = self._reply(jobs[0].prompt_ids, results, body.get("return_tokens_as_token_ids"))
         # Choice 0's phases (the one that sends).
         timing = server_timing.header(results[0].timing)
         return JSONResponse(reply, headers={"Server-Timing": timing})
 
-    def _reply(self, results: list[Result], as_token_ids: bool | None) -> dict:
+    def _reply(
+        self, prompt_ids: list[int], results: list[Result], as_token_ids: bool | None
+    ) -> dict:
         """The completion: one choice per result, in order; the prompt is counted once, and the
         transfer's `kv_transfer_params` are choice 0's (the only choice that sends)."""
         token_text = self._token_text(as_token_ids)
+        prompt_logprobs = None  # choice 0's (the others' prompt is the same), in every choice
+        if results[0].prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs_field(
+                prompt_ids, results[0].prompt_logprobs, self._token_text(False)
+            )
         choices = []
         for index, result in enumerate(results):
             logprobs = None
@@ -242,6 +249,7 @@ class PrefillServer:
             choices.append({
                 "index": index, "text": text, "token_ids": result.token_ids,
                 "finish_reason": result.finish_reason, "logprobs": logprobs,
+                "prompt_logprobs": prompt_logprobs,
             })  # fmt: skip
         prompt = results[0].prompt_tokens
         completion = sum(len(result.token_ids) for result in results)

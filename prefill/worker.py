@@ -68,6 +68,8 @@ class Job:
     seq: Sequence | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     """Each generated token's, when sampling.logprobs is set."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    """The prompt's, when sampling.prompt_logprobs is set (engine/prompt_logprobs.py)."""
     submitted: float = field(default_factory=time.monotonic)
     admitted: float | None = None
     """When the engine thread took it (time.monotonic(), as `submitted` and `sampled`)."""
@@ -85,7 +87,7 @@ class Job:
         logprobs = self.logprobs if self.sampling.logprobs is not None else None
         result = Result(
             seq.output_ids, finish_reason, seq.num_prompt_tokens, kv_transfer_params, logprobs,
-            self._timing(), seq.num_cached_tokens or 0,
+            self._timing(), seq.num_cached_tokens or 0, self.prompt_logprobs,
         )  # fmt: skip
         with contextlib.suppress(InvalidStateError):
             self.future.set_result(result)
@@ -114,6 +116,8 @@ class Result:
     """Milliseconds by phase (Job._timing), for the reply's Server-Timing header."""
     cached_tokens: int = 0
     """Prompt tokens whose KV the prefix cache held (engine/prefix_cache.py)."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    """Prompt token i + 1's at [i], when the request's sampling.prompt_logprobs is set."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,8 @@ class PrefillWorker(EngineThread):
                 continue
             if out.logprobs is not None:
                 job.logprobs.append(out.logprobs)
+            if out.prompt_logprobs is not None:
+                job.prompt_logprobs = out.prompt_logprobs
             if out.finish_reason is not None:
                 job.sampled = time.monotonic()
                 finished.append((job, out.finish_reason.value))

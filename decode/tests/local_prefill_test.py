@@ -2,18 +2,21 @@
 a tiny random-weight engine on the CPU, over gRPC): no Reserve and no sender, the decode server
 prefills the prompt itself. Greedy tokens equal one engine doing the whole request and a
 handed-over request's; a logit bias holds from the first token on; logprobs come with every
-token, the first included; n choices each sample with seed + i as a handed-over request's
-choices do; an Abort and a bad parameter take effect as for a ticket. Every test ends with
-the pool all free and no request live.
+token, the first included, and the prompt's on choice 0's first message; n choices each sample
+with seed + i as a handed-over request's choices do; an Abort and a bad parameter take effect
+as for a ticket. Every test ends with the pool all free and no request live.
 """
 
 from __future__ import annotations
 
 import grpc
+import pytest
 import torch
 
 from decode.tests.stack import BLOCK, BLOCKS, NEW_TOKENS, rpc_failure
+from engine.sampling import SamplingParams
 from engine.sampling_ranges import MAX_N
+from engine.sequence import StopConditions
 from proto.tandem.v1 import decode_pb2
 
 torch.set_num_threads(1)
@@ -59,6 +62,27 @@ def test_logprobs_and_seeded_choices_are_as_for_a_ticket(stack):
         alone = decode_pb2.SamplingParams(temperature=0.8, seed=7 + index, logprobs=2)
         request = _local(f"alone{index}", PROMPT, sampling=alone, ignore_eos=True)
         assert _tokens(stack.stub.Generate(request, timeout=30)) == _tokens(messages, index)
+
+
+def test_prompt_logprobs_come_on_choice_zeros_first_message_and_a_ticket_ignores_them(stack):
+    sampling = decode_pb2.SamplingParams(prompt_logprobs=3, seed=1, temperature=1.0)
+    messages = list(stack.stub.Generate(_local("p", PROMPT, n=2, sampling=sampling), timeout=30))
+    firsts = {}
+    for m in messages:
+        firsts.setdefault(m.index, m)
+    assert [m.prompt_logprobs for m in messages if m is not firsts[0]] == [[]] * (len(messages) - 1)
+    got = firsts[0].prompt_logprobs
+    stack.prefill.engine.add_request("ref", PROMPT, SamplingParams(prompt_logprobs=3),
+                                     StopConditions(max_tokens=1))  # fmt: skip
+    [out] = stack.prefill.engine.step()
+    assert len(got) == len(PROMPT) - 1
+    for mine, expected in zip(got, out.prompt_logprobs, strict=True):
+        assert mine.logprob == pytest.approx(expected.logprob, abs=1e-5)
+        assert mine.rank == expected.rank >= 1
+        assert list(mine.top_token_ids) == list(expected.top_token_ids)
+    ticket, first = stack.ready("ticket", PROMPT)
+    handed = stack.generate(ticket, first, sampling=decode_pb2.SamplingParams(prompt_logprobs=3))
+    assert not any(m.prompt_logprobs for m in handed)
 
 
 def test_a_logit_bias_holds_for_the_first_token_and_every_one_after(stack):

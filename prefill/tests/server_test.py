@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 import transport
 from engine.grammar import GrammarCompiler
-from engine.llm_engine import EngineConfig
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.openai_logprobs import completion_logprobs
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.sequence import StopConditions
@@ -236,10 +236,38 @@ def test_completion_logprobs_take_vllms_shape(server):
     assert reply.json()["choices"][0]["logprobs"] is None
 
 
+def test_prompt_logprobs_take_vllms_shape_in_every_choice(server):
+    """The prompt's first token has none; each other one {id: {logprob, rank, decoded_token}}
+    of itself, then of the most likely tokens there; they are those the engine computed."""
+    client = TestClient(server.app)
+    prompt = [1, 2, 3, 4, 5]
+    body = {"prompt": prompt, "max_tokens": 1, "n": 2, "temperature": 1.0, "seed": 5,
+            "prompt_logprobs": 2}  # fmt: skip
+    reply = _bounded(lambda: client.post("/v1/completions", json=body))
+    assert reply.status_code == 200, reply.text
+    first, second = (c["prompt_logprobs"] for c in reply.json()["choices"])
+    assert first == second and first[0] is None and len(first) == len(prompt)
+    alone = LLMEngine.build(server.config.engine)  # the same random weights (seeded)
+    alone.add_request("alone", prompt, SamplingParams(prompt_logprobs=2), StopConditions(1))
+    [out] = alone.step()
+    entries = out.prompt_logprobs
+    for token, entry, expected in zip(prompt[1:], first[1:], entries, strict=True):
+        own = entry[str(token)]
+        assert own == {"logprob": pytest.approx(expected.logprob, abs=1e-5),
+                       "rank": expected.rank, "decoded_token": f"token_id:{token}"}  # fmt: skip
+        tops = [(int(k), v["rank"]) for k, v in entry.items() if k != str(token)]
+        ranked = [(t, r) for r, t in enumerate(expected.top_token_ids, 1) if t != token]
+        assert tops == ranked
+    del body["prompt_logprobs"]
+    reply = _bounded(lambda: client.post("/v1/completions", json=body))
+    assert [c["prompt_logprobs"] for c in reply.json()["choices"]] == [None, None]
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
         ("logprobs", 21, "logprobs: 21 is not in [0, 20]"),
+        ("prompt_logprobs", -1, "prompt_logprobs: -1 is not in [0, 20]"),
         ("return_tokens_as_token_ids", "yes", "return_tokens_as_token_ids: 'yes' is not a boolean"),
     ],
 )
