@@ -1,6 +1,6 @@
 """The contract between the HTTP side and the orchestrator: a validated GenerationRequest goes
-in; Tokens and one Finished per choice come out (the choices' items interleave; each carries its
-choice's `index`)."""
+in; Tokens and one Finished per choice come out, after a PromptLogprobs per choice when the
+request asks for the prompt's (the choices' items interleave; each carries its choice's `index`)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,15 @@ class Finished:
     spec_decode: decode_pb2.SpecDecodeStats | None = None
     """Its speculative decoding, when its decode server speculates (and it ended there, not
     on a stop string the router found)."""
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's log-probabilities (sampling.prompt_logprobs set), for one choice (every
+    choice has them: the prompt is the same): prompt token i + 1's at `entries[i]`. A choice's
+    come before its first Tokens."""
+
+    prompt_ids: list[int]
+    entries: list[decode_pb2.TokenLogprobs]
+    index: int = 0
+    """The choice."""

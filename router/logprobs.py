@@ -2,6 +2,7 @@
 OpenAI's two shapes (the decode server streams the rest as tandem.v1.TokenLogprobs).
 
   prefill reply choices[0].logprobs --first_token_logprobs--> TokenLogprobs
+  prefill reply choices[0].prompt_logprobs --prompt_token_logprobs--> TokenLogprobs per token
   (token id, TokenLogprobs) pairs --LogprobsFormat.chat / .completion--> the response's `logprobs`
 
 The router asks the prefill for `return_tokens_as_token_ids`, so its reply names tokens
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.openai_logprobs import clamped, completion_logprobs
+from engine.openai_logprobs import clamped, completion_logprobs, prompt_logprobs_field
 from proto.tandem.v1 import decode_pb2
 
 TOKEN_ID_PREFIX = "token_id:"
@@ -37,6 +38,34 @@ def first_token_logprobs(choice: dict, top_n: int) -> decode_pb2.TokenLogprobs:
                                     top_logprobs=[lp for lp, _ in top])  # fmt: skip
 
 
+def prompt_token_logprobs(
+    choice: dict, prompt_ids: list[int], top_n: int
+) -> list[decode_pb2.TokenLogprobs]:
+    """The prompt's log-probabilities from a prefill's completions `choices[0]` (vLLM's
+    `prompt_logprobs`: None, then per prompt token {id: {logprob, rank, decoded_token}} of the
+    token and of the `top_n` most likely there): prompt token i + 1's at [i]."""
+    field = choice.get("prompt_logprobs")
+    try:
+        if not isinstance(field, list) or len(field) != len(prompt_ids):
+            size = len(field) if isinstance(field, list) else None
+            raise ValueError(f"{size} entries for a prompt of {len(prompt_ids)} tokens")
+        return [_prompt_entry(entry, token, top_n)
+                for token, entry in zip(prompt_ids[1:], field[1:], strict=True)]  # fmt: skip
+    except (TypeError, KeyError, ValueError, AttributeError) as e:
+        message = f"the prefill's reply has no prompt_logprobs for its prompt ({e!r})"
+        raise LogprobsError(message) from e
+
+
+def _prompt_entry(entry: dict, token: int, top_n: int) -> decode_pb2.TokenLogprobs:
+    own = entry[str(token)]
+    ranked = sorted((int(v["rank"]), int(k), float(v["logprob"])) for k, v in entry.items())
+    top = [(t, lp) for rank, t, lp in ranked if rank <= top_n][:top_n]
+    return decode_pb2.TokenLogprobs(
+        logprob=float(own["logprob"]), rank=int(own["rank"]),
+        top_token_ids=[t for t, _ in top], top_logprobs=[lp for _, lp in top],
+    )  # fmt: skip
+
+
 def _token_id(token: str) -> int:
     if not token.startswith(TOKEN_ID_PREFIX):
         raise ValueError(f"token {token!r} is not named by its id")
@@ -54,7 +83,7 @@ class LogprobsFormat:
         self.tokens_as_ids = tokens_as_ids
         self._offset = 0
 
-    def render(self, entries: Sequence[tuple[int, decode_pb2.TokenLogprobs]]) -> dict:
+    def render(self, entries: Sequence[tuple[int, decode_pb2.TokenLogprobs | None]]) -> dict:
         return self._chat(entries) if self.chat else self._completion(entries)
 
     def _chat(self, entries: Sequence[tuple[int, decode_pb2.TokenLogprobs]]) -> dict:
@@ -68,13 +97,20 @@ class LogprobsFormat:
             content.append({**self._chat_entry(token_id, lp.logprob), "top_logprobs": top})
         return {"content": content}
 
-    def _completion(self, entries: Sequence[tuple[int, decode_pb2.TokenLogprobs]]) -> dict:
+    def _completion(self, entries: Sequence[tuple[int, decode_pb2.TokenLogprobs | None]]) -> dict:
         """vLLM's completions shape (engine/openai_logprobs.py), offsets running on."""
         out = completion_logprobs([t for t, _ in entries], [lp for _, lp in entries],
                                   self.token, self._offset)  # fmt: skip
         if out["tokens"]:
             self._offset = out["text_offset"][-1] + len(out["tokens"][-1])
         return out
+
+    def prompt(self, prompt_ids: Sequence[int], entries: Sequence) -> list[dict | None]:
+        """vLLM's `prompt_logprobs` field; tokens named by their text whatever tokens_as_ids
+        says (vLLM's decoded_token)."""
+        text = self.tokenizer.decode
+        return prompt_logprobs_field(prompt_ids, entries,
+                                     lambda t: text([t], skip_special_tokens=False))  # fmt: skip
 
     def token(self, token_id: int) -> str:
         if self.tokens_as_ids:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from router.generation import Finished, Tokens
+from router.generation import Finished, PromptLogprobs, Tokens
 from router.limiter import InFlightLimiter
 from router.orchestrator import Orchestrator
 
@@ -104,14 +104,14 @@ class RequestTimer:
         self.tokens += count
 
     async def timed(
-        self, stream: AsyncIterator[Tokens | Finished]
-    ) -> AsyncIterator[Tokens | Finished]:
+        self, stream: AsyncIterator[Tokens | Finished | PromptLogprobs]
+    ) -> AsyncIterator[Tokens | Finished | PromptLogprobs]:
         """`stream` passed through, its token lists timed as they arrive; `done` once it ends
         or is closed (which closes `stream`)."""
         try:
             async with contextlib.aclosing(stream):
                 async for item in stream:
-                    if not isinstance(item, Finished):
+                    if isinstance(item, Tokens):
                         self.tokens_arrived(len(item.ids))
                     yield item
         finally:

@@ -184,7 +184,7 @@ class OpenAIApi:
             decode = self.prompts.local.tokenizer.decode
             texts = [part.text if part.text is not None else decode(ids)
                      for part, ids in zip(parts, prompts, strict=True)]  # fmt: skip
-            events = echoed(events, texts, api_request.n)
+            events = echoed(events, texts, api_request.n, api_request.prompt_only)
         if api_request.stream:
             return StreamingResponse(sse(events, response), media_type="text/event-stream")
         try:
@@ -211,9 +211,12 @@ class OpenAIApi:
                                                request.skip_special_tokens, kwargs)
                             for _ in range(request.n))  # fmt: skip
         spec = self.model.spec_metrics and request.n == 1
+        prompt_format = None
+        if request.sampling.HasField("prompt_logprobs"):
+            prompt_format = LogprobsFormat(self.prompts.local.tokenizer, chat=False)
         return StreamResponse(request.endpoint, response_id, self.model.name, int(time.time()),
-                              request.include_usage, logprobs, parsers, spec,
-                              request.n)  # fmt: skip
+                              request.include_usage, logprobs, parsers, spec, request.n,
+                              prompt_format)  # fmt: skip
 
     async def _prompt_ids(self, request: ApiRequest) -> list[int]:
         try:

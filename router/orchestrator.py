@@ -42,8 +42,9 @@ from router.clients import DecodeClient, PrefillCallError, PrefillClient, Prefil
 from router.decode_only import DecodeOnly
 from router.errors import BackendError
 from router.generation import Finished, GenerationRequest, Tokens
-from router.logprobs import LogprobsError, first_token_logprobs
+from router.logprobs import LogprobsError, first_token_logprobs, prompt_token_logprobs
 from router.membership import DecodeInstance, Membership, PrefillInstance
+from router.prompt_order import PromptLogprobsFirst
 
 
 class PrefillFailed(BackendError):
@@ -104,7 +105,7 @@ class Orchestrator(Membership):
         try:
             while True:
                 try:
-                    generate = await self._placed(decode, rid, request, placed, arrival)
+                    generate, prompt = await self._placed(decode, rid, request, placed, arrival)
                     break
                 except grpc.aio.AioRpcError as e:
                     # Only Reserve raises here, before anything was sent: a decode server that
@@ -122,27 +123,22 @@ class Orchestrator(Membership):
             decode.placed.place(names)
             stream = self.decode_client.generate(decode.address, generate)
             called = time.monotonic()
+            local = generate.HasField("local_prefill")
+            asked = local and request.sampling.HasField("prompt_logprobs")
+            order = PromptLogprobsFirst(request.n, request.prompt_ids, prompt, asked)
             async with contextlib.aclosing(stream):
                 async for message in stream:
                     if called:  # with the prompt's prefill where the decode server does it
-                        local = generate.HasField("local_prefill")
                         phase = "local_prefill" if local else "first_message"
                         self.on_phase(phase, time.monotonic() - called)
                         called = 0.0
                     arrival.end()  # a Generate it prefills itself was taken
-                    index = message.index
-                    if message.token_ids:
-                        on_stop = message.finish_reason == decode_pb2.FINISH_REASON_STOP
-                        yield Tokens(list(message.token_ids), list(message.logprobs), on_stop,
-                                     index)  # fmt: skip
-                    if message.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED:
-                        usage = message.usage
+                    for item in order.items(message, _items(message)):
                         # NOTE: consumers close the stream after the last Finished, without
                         # reading past it: that is no client gone, and nothing is left to abort.
-                        live.discard(index)
-                        spec = message.spec_decode if message.HasField("spec_decode") else None
-                        yield Finished(_FINISH[message.finish_reason], usage.prompt_tokens,
-                                       usage.completion_tokens, index, spec)  # fmt: skip
+                        if isinstance(item, Finished):
+                            live.discard(item.index)
+                        yield item
                         if not live:
                             return
             raise BackendError(502, f"decode server {decode.address} ended the stream early")
@@ -167,13 +163,14 @@ class Orchestrator(Membership):
         request: GenerationRequest,
         placed: Generation,
         arrival: _Arrival,
-    ) -> decode_pb2.GenerateRequest:
+    ) -> tuple[decode_pb2.GenerateRequest, list[decode_pb2.TokenLogprobs] | None]:
         """The request placed on `decode` as `rid`: reserved and prefilled, or, skipping both,
-        to be prefilled there; returns its Generate call. `arrival` ends once the decode server
-        has taken the request (its Reserve answered)."""
+        to be prefilled there; returns its Generate call, and the prompt's log-probabilities
+        where the prefill gave them. `arrival` ends once the decode server has taken the
+        request (its Reserve answered)."""
         if self.decode_only.skip_prefill(self._any_prefill_healthy()):
             placed.placement = (decode, rid)
-            return await asyncio.to_thread(_generate_request, request, rid)
+            return await asyncio.to_thread(_generate_request, request, rid), None
         started = time.monotonic()
         try:
             # NOTE: messages that carry the prompt's ids are built on a thread: a 300k-token
@@ -196,16 +193,16 @@ class Orchestrator(Membership):
         reserved_at = time.monotonic()
         self.on_phase("reserve", reserved_at - started)
         try:
-            firsts = await self._prefill(reserved.ticket, decode.address, request)
+            firsts, prompt = await self._prefill(reserved.ticket, decode.address, request)
             self.on_phase("prefill", time.monotonic() - reserved_at)
         except PrefillFailed as e:
             undelivered = not e.ticket_delivered
             await asyncio.shield(self._abort(decode, rid, "prefill failed", undelivered))
             # The last healthy prefill just went down: this request is the fallback's first.
             if e.status == 503 and self.decode_only.skip_prefill(self._any_prefill_healthy()):
-                return await asyncio.to_thread(_generate_request, request, rid)
+                return await asyncio.to_thread(_generate_request, request, rid), None
             raise
-        return _generate_request(request, rid, reserved.ticket, firsts)
+        return _generate_request(request, rid, reserved.ticket, firsts), prompt
 
     async def close(self) -> None:
         await self.prefill_client.close()
@@ -238,9 +235,9 @@ class Orchestrator(Membership):
 
     async def _prefill(
         self, ticket: decode_pb2.Ticket, decode_address: str, request: GenerationRequest
-    ) -> list[FirstToken]:
+    ) -> tuple[list[FirstToken], list[decode_pb2.TokenLogprobs] | None]:
         """Each choice's first token, from the first prefill instance to prefill the
-        request."""
+        request, and the prompt's log-probabilities when asked."""
         params = transfer_params(ticket, decode_address)
         error = "no prefill instance is available"
         delivered = False
@@ -257,7 +254,7 @@ class Orchestrator(Membership):
                     for name, ms in reply.timing.items():  # the prefill's own account of it
                         self.on_phase(f"prefill_{name}", ms / 1000)
                     try:
-                        return _first_tokens(reply.json or {}, request.sampling, request.n)
+                        return _first_tokens(reply.json or {}, request)
                     except LogprobsError as e:
                         error = f"prefill {prefill.url}: {e}"
                     except FirstTokenMissing as e:
@@ -361,10 +358,14 @@ class FirstTokenMissing(ValueError):
     """A prefill's 200 reply without the first tokens asked for."""
 
 
-def _first_tokens(reply: dict, sampling: decode_pb2.SamplingParams, n: int) -> list[FirstToken]:
+def _first_tokens(
+    reply: dict, request: GenerationRequest
+) -> tuple[list[FirstToken], list[decode_pb2.TokenLogprobs] | None]:
     """Each choice's first token from a prefill's 200 reply (its `token_ids`, which vLLM returns
-    with return_token_ids); FirstTokenMissing or LogprobsError when something asked for is
-    missing. The connector's kv_transfer_params must be there too: without it no KV was sent."""
+    with return_token_ids), and the prompt's log-probabilities where asked; FirstTokenMissing or
+    LogprobsError when something asked for is missing. The connector's kv_transfer_params must
+    be there too: without it no KV was sent."""
+    sampling, n = request.sampling, request.n
     if not isinstance((reply.get("kv_transfer_params") or {}).get("first_token_id"), int):
         raise FirstTokenMissing(
             "answered without kv_transfer_params.first_token_id: is it tandem's prefill "
@@ -380,7 +381,25 @@ def _first_tokens(reply: dict, sampling: decode_pb2.SamplingParams, n: int) -> l
         if sampling.HasField("logprobs"):
             logprobs = first_token_logprobs(choices[index], sampling.logprobs)
         firsts.append(FirstToken(token_ids[0], logprobs))
-    return firsts
+    prompt = None
+    if sampling.HasField("prompt_logprobs"):
+        prompt = prompt_token_logprobs(choices[0], request.prompt_ids, sampling.prompt_logprobs)
+    return firsts, prompt
+
+
+def _items(message: decode_pb2.GenerateResponse) -> list[Tokens | Finished]:
+    """A Generate message's tokens, and its choice's end if it is the last."""
+    items: list[Tokens | Finished] = []
+    if message.token_ids:
+        on_stop = message.finish_reason == decode_pb2.FINISH_REASON_STOP
+        items.append(Tokens(list(message.token_ids), list(message.logprobs), on_stop,
+                            message.index))  # fmt: skip
+    if message.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED:
+        usage = message.usage
+        spec = message.spec_decode if message.HasField("spec_decode") else None
+        items.append(Finished(_FINISH[message.finish_reason], usage.prompt_tokens,
+                              usage.completion_tokens, message.index, spec))  # fmt: skip
+    return items
 
 
 def _generate_request(

@@ -27,6 +27,7 @@ from router.body_values import (
     logit_bias,
     seed,
     stops,
+    whole,
 )
 from router.errors import RequestError
 from router.generation import GenerationRequest
@@ -47,13 +48,13 @@ _TEMPLATE = ("add_generation_prompt", "continue_final_message", "chat_template_k
 _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _COMMON = {"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
-           "ignore_eos", "min_tokens", "logprobs", "logit_bias", "skip_special_tokens",
+           "ignore_eos", "min_tokens", "logprobs", "prompt_logprobs", "logit_bias",
+           "skip_special_tokens",
            "include_stop_str_in_output", *SAMPLING, *IGNORED, *structured.FIELDS}  # fmt: skip
 _NOT_YET = {
     "best_of": lambda v: v == 1,
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
-    "prompt_logprobs": lambda v: False,
 }
 """Known parameters tandem does not serve yet, and the values that ask for nothing."""
 
@@ -145,7 +146,11 @@ class ApiRequest:
     n: int = 1
     """Choices to generate (of each prompt)."""
     echo: bool = False
-    """Completions: each choice's text starts with its prompt's (vLLM's echo)."""
+    """Completions: each choice's text starts with its prompt's (vLLM's echo); with logprobs,
+    so do its logprobs."""
+    prompt_only: bool = False
+    """Echo with max_tokens 0 (vLLM's): each choice is its prompt alone (the token generated
+    is left out)."""
     other_prompts: tuple[Prompt, ...] = ()
     """Completions: a batch's prompts after the first (`text`, `token_ids`), as (text, None) or
     (None, token ids). Choice j of prompt i is choice i * n + j of the response (vLLM's)."""
@@ -174,6 +179,10 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         prompts = _prompts(body.get("prompt"), model.vocab_size)
         (text, token_ids), others = prompts[0], prompts[1:]
         max_tokens = body.get("max_tokens", 16)
+    echo = flag(body, "echo", False)  # chat's is refused (not_yet)
+    prompt_only = echo and whole(max_tokens) == 0
+    if prompt_only:  # vLLM's: the prompt alone, of one token generated and left out
+        max_tokens = 1
     if max_tokens is not None:
         max_tokens = checked_max_tokens(max_tokens)
     stop_ids = body.get("stop_token_ids", [])
@@ -189,10 +198,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
     if others and (1 + len(others)) * n > MAX_CHOICES:
         raise RequestError(400, f"prompt: {1 + len(others)} prompts of {n} choices each, more "
                            f"than {MAX_CHOICES} choices", "prompt")  # fmt: skip
-    echo = flag(body, "echo", False)
-    if echo and sampling.HasField("logprobs"):
-        raise RequestError(400, "echo: with logprobs it needs the prompt's log-probabilities "
-                           "(prompt_logprobs), not served yet", "echo")  # fmt: skip
+    _prompt_logprobs(body, sampling, echo)
     if n > 1 and not sampling.temperature:  # unset or 0: greedy
         raise RequestError(400, f"n: {n} choices need sampling (a temperature above 0); greedy "
                            "ones would all be the same", "n")  # fmt: skip
@@ -217,6 +223,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         include_usage=flag(options, "include_usage", False),
         n=n,
         echo=echo,
+        prompt_only=prompt_only,
         other_prompts=others,
     )
 
@@ -318,6 +325,23 @@ def _sampling(endpoint: Endpoint, body: dict, vocab_size: int) -> decode_pb2.Sam
         sampling.logprobs = logprobs
     sampling.logit_bias.update(logit_bias(body.get("logit_bias"), vocab_size))
     return sampling
+
+
+def _prompt_logprobs(body: dict, sampling: decode_pb2.SamplingParams, echo: bool) -> None:
+    """vLLM's `prompt_logprobs` (and completions' echo with logprobs, which takes their count):
+    the prompt's log-probabilities, in a body, not in a stream (vLLM refuses them there, and
+    streams them only as an echo's)."""
+    count = integer(body, "prompt_logprobs", 0, MAX_LOGPROBS + 1, None)
+    streamed = flag(body, "stream", False)
+    if count and streamed:
+        raise RequestError(400, "prompt_logprobs: not available when stream is true",
+                           "prompt_logprobs")  # fmt: skip
+    if echo and sampling.HasField("logprobs"):
+        count = sampling.logprobs if count is None else count
+    elif streamed:
+        count = None  # 0: nothing to report
+    if count is not None:
+        sampling.prompt_logprobs = count
 
 
 def _logprobs(endpoint: Endpoint, body: dict) -> int | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from proto.tandem.v1 import decode_pb2
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import BackendError, error_body
-from router.generation import Finished, Tokens
+from router.generation import Finished, PromptLogprobs, Tokens
 from router.logprobs import LogprobsFormat
 from router.output_parsing import ChoiceParser
 from router.requests import Endpoint
@@ -32,10 +32,16 @@ class Delta:
     text: str
     token_ids: list[int] = field(default_factory=list)
     """The tokens consumed since the previous Delta (output parsers read them)."""
-    logprobs: list[tuple[int, decode_pb2.TokenLogprobs]] = field(default_factory=list)
-    """(token id, its logprobs) of those tokens, when asked."""
+    logprobs: list[tuple[int, decode_pb2.TokenLogprobs | None]] = field(default_factory=list)
+    """(token id, its logprobs) of those tokens, when asked (None: the prompt's first token,
+    echoed)."""
     index: int = 0
     """The choice."""
+    prompt: PromptLogprobs | None = None
+    """A whole choice's (`collect`), when the request asks for the prompt's."""
+
+
+Event = Delta | Finished | PromptLogprobs
 
 
 class ChoiceText:
@@ -99,16 +105,19 @@ class ChoiceText:
 
 
 async def text_events(
-    tokens: AsyncIterator[Tokens | Finished],
+    tokens: AsyncIterator[Tokens | Finished | PromptLogprobs],
     choices: Sequence[ChoiceText],
     stop_choice: Callable[[int], Awaitable[None]] | None = None,
-) -> AsyncIterator[Delta | Finished]:
+) -> AsyncIterator[Event]:
     """Every choice's Deltas, then its Finished, until all are done. A choice ended by a stop
     string is stopped upstream (`stop_choice`), and whatever it still sends is passed over.
     Closes `tokens` however it ends: once every choice is done, that aborts what is left."""
     live = len(choices)
     try:
         async for item in tokens:
+            if isinstance(item, PromptLogprobs):  # the echo and the body's, before any token
+                yield item
+                continue
             choice = choices[item.index]
             if choice.done:
                 continue
@@ -125,36 +134,48 @@ async def text_events(
         await tokens.aclose()
 
 
-def batched(
-    streams: Sequence[AsyncIterator[Delta | Finished]], n: int
-) -> AsyncIterator[Delta | Finished]:
+def batched(streams: Sequence[AsyncIterator[Event]], n: int) -> AsyncIterator[Event]:
     """The events of a completions batch's prompts (each stream a prompt's, of n choices), as
     they come, prompt i's choice j renumbered i * n + j (vLLM's); a lone stream as it is."""
     return streams[0] if len(streams) == 1 else _merged(streams, n)
 
 
 async def echoed(
-    events: AsyncIterator[Delta | Finished], prompts: Sequence[str], n: int
-) -> AsyncIterator[Delta | Finished]:
+    events: AsyncIterator[Event], prompts: Sequence[str], n: int, prompt_only: bool = False
+) -> AsyncIterator[Event]:
     """vLLM's echo: each choice's events after a Delta of its prompt's text (choice i's prompt
-    is prompts[i // n]), so a body's text and a stream's first chunk start with it."""
+    is prompts[i // n]), so a body's text and a stream's first chunk start with it; with the
+    prompt's log-probabilities where they came (the first token's None). `prompt_only`
+    (max_tokens 0): the generated text is left out."""
     started: set[int] = set()
+    prompt_logprobs: dict[int, PromptLogprobs] = {}
     async with contextlib.aclosing(events):
         async for event in events:
+            if isinstance(event, PromptLogprobs):  # before the choice's first event
+                prompt_logprobs[event.index] = event
+                yield event
+                continue
             if event.index not in started:
                 started.add(event.index)
-                yield Delta(prompts[event.index // n], index=event.index)
-            yield event
+                yield _echo(prompts[event.index // n], prompt_logprobs.get(event.index), event)
+            if not (prompt_only and isinstance(event, Delta)):
+                yield event
 
 
-async def _merged(
-    streams: Sequence[AsyncIterator[Delta | Finished]], n: int
-) -> AsyncIterator[Delta | Finished]:
+def _echo(text: str, prompt: PromptLogprobs | None, before: Delta | Finished) -> Delta:
+    if prompt is None:
+        return Delta(text, index=before.index)
+    ids = prompt.prompt_ids
+    entries = [(ids[0], None), *zip(ids[1:], prompt.entries, strict=True)]
+    return Delta(text, logprobs=entries, index=before.index)
+
+
+async def _merged(streams: Sequence[AsyncIterator[Event]], n: int) -> AsyncIterator[Event]:
     """The first error of any stream ends it, raised; however it ends, every stream is closed
     (their generations aborted where not done)."""
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
-    async def pump(prompt: int, stream: AsyncIterator[Delta | Finished]) -> None:
+    async def pump(prompt: int, stream: AsyncIterator[Event]) -> None:
         try:
             async with contextlib.aclosing(stream):
                 async for event in stream:
@@ -202,6 +223,8 @@ class Response:
     n: int = 1
     """Choices per prompt (a completions batch has several prompts): the usage counts each
     prompt's tokens once."""
+    prompt_format: LogprobsFormat | None = None
+    """Writes the prompt's log-probabilities, when the request asks for them."""
 
     def head(self, chunk: bool) -> dict:
         kind = self.endpoint.chunk_object if chunk else self.endpoint.value
@@ -209,6 +232,10 @@ class Response:
 
     def logprobs_of(self, delta: Delta) -> dict | None:
         return self.logprobs[delta.index].render(delta.logprobs) if self.logprobs else None
+
+    def prompt_logprobs_of(self, prompt: PromptLogprobs) -> list[dict | None]:
+        """vLLM's `prompt_logprobs` field."""
+        return self.prompt_format.prompt(prompt.prompt_ids, prompt.entries)
 
     def parser(self, index: int) -> ChoiceParser | None:
         return self.parsers[index] if self.parsers else None
@@ -218,7 +245,7 @@ class Response:
         return parser.finish_reason(finish.finish_reason) if parser else finish.finish_reason
 
 
-async def sse(events: AsyncIterator[Delta | Finished], response: Response) -> AsyncIterator[str]:
+async def sse(events: AsyncIterator[Event], response: Response) -> AsyncIterator[str]:
     """Server-sent events: a chunk per delta (none for text an output parser holds back) and
     one with the finish reason, per choice; a usage chunk if asked, then [DONE]. A BackendError
     on the way ends it with an error event, then [DONE]."""
@@ -229,6 +256,8 @@ async def sse(events: AsyncIterator[Delta | Finished], response: Response) -> As
     try:
         async with contextlib.aclosing(events):  # a client gone closes this, and `events`
             async for event in events:
+                if isinstance(event, PromptLogprobs):  # streamed only as an echo's
+                    continue
                 first = event.index not in started
                 if isinstance(event, Finished):
                     finished.append(event)
@@ -246,17 +275,21 @@ async def sse(events: AsyncIterator[Delta | Finished], response: Response) -> As
     yield "data: [DONE]\n\n"
 
 
-async def collect(events: AsyncIterator[Delta | Finished]) -> list[tuple[Delta, Finished]]:
-    """Each choice's whole text, its tokens and every logprob (one Delta), and its Finished, in
-    choice order; a BackendError propagates."""
+async def collect(events: AsyncIterator[Event]) -> list[tuple[Delta, Finished]]:
+    """Each choice's whole text, its tokens and every logprob (one Delta, with the prompt's
+    log-probabilities where they came), and its Finished, in choice order; a BackendError
+    propagates."""
     deltas: dict[int, list[Delta]] = {}
     finished: dict[int, Finished] = {}
+    prompts: dict[int, PromptLogprobs] = {}
     async for event in events:
         if isinstance(event, Finished):
             finished[event.index] = event
+        elif isinstance(event, PromptLogprobs):
+            prompts[event.index] = event
         else:
             deltas.setdefault(event.index, []).append(event)
-    return [(_joined(deltas.get(i, []), i), finished[i]) for i in sorted(finished)]
+    return [(_joined(deltas.get(i, []), i, prompts.get(i)), finished[i]) for i in sorted(finished)]
 
 
 def completion_body(response: Response, choices: list[tuple[Delta, Finished]]) -> dict:
@@ -264,12 +297,15 @@ def completion_body(response: Response, choices: list[tuple[Delta, Finished]]) -
     bodies = [_whole_choice(response, whole, finish) for whole, finish in choices]
     finished = [finish for _, finish in choices]
     body = {**response.head(chunk=False), "choices": bodies, "usage": _usage(finished, response.n)}
+    prompt = choices[0][0].prompt if choices else None
+    if response.endpoint is Endpoint.CHAT and prompt is not None:  # vLLM's: the response's
+        body["prompt_logprobs"] = response.prompt_logprobs_of(prompt)
     return {**body, **_metrics(response, finished)}
 
 
-def _joined(deltas: list[Delta], index: int) -> Delta:
+def _joined(deltas: list[Delta], index: int, prompt: PromptLogprobs | None) -> Delta:
     return Delta("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
-                 [lp for d in deltas for lp in d.logprobs], index)  # fmt: skip
+                 [lp for d in deltas for lp in d.logprobs], index, prompt)  # fmt: skip
 
 
 def _whole_choice(response: Response, whole: Delta, finish: Finished) -> dict:
@@ -283,6 +319,8 @@ def _whole_choice(response: Response, whole: Delta, finish: Finished) -> dict:
     choice.update(
         logprobs=response.logprobs_of(whole), finish_reason=response.finish_reason(finish)
     )
+    if response.endpoint is Endpoint.COMPLETIONS and whole.prompt is not None:  # each choice's
+        choice["prompt_logprobs"] = response.prompt_logprobs_of(whole.prompt)
     return choice
 
 

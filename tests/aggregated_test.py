@@ -3,7 +3,8 @@ the CPU, over tcp): a router started with --aggregated in front of the decode se
 answers with the same greedy text as the disaggregated stack; with prefix caching on both
 servers, a prompt sent again reuses its cached blocks (counted in the decode server's
 tandem_decode_prefix_cache_hits_total), text unchanged, and a disaggregated prompt's prefill
-sends only the KV of the blocks the decode server did not find; with two decode servers, a
+sends only the KV of the blocks the decode server did not find, and a prompt asking for its
+log-probabilities is computed whole, as the prefill server computes them; with two decode servers, a
 conversation's next turn goes to the one holding its start; with the only prefill stopped, the
 disaggregated router serves every request through the decode server (each counted in
 tandem_router_decode_only_fallback_total), text unchanged; the prefill started again at its
@@ -101,6 +102,34 @@ def test_a_prompt_prefilled_again_reuses_the_cached_blocks_of_the_first(stack):
     assert reply.status_code == 200, reply.text
     cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == (prompt_tokens - 1) // 16 * 16
+    assert decode_pool_free(address)
+
+
+def test_the_prompts_log_probabilities_are_the_disaggregated_stacks(stack):
+    """Computed by the decode server's own prefill (every choice's echo starts with them, and
+    the cache, warm with the prompt, is passed over), as the prefill server computes them."""
+    address, _, url, aggregated_url, _ = stack
+    prompt = "Repeat after me: " + ", ".join(str(i) for i in range(40))  # cached above
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "logprobs": 2, "echo": True,
+            "prompt_logprobs": 2, "n": 2, "temperature": 1.0, "seed": 4}  # fmt: skip
+    replies = []
+    for target in (url, aggregated_url):
+        reply = httpx.post(f"{target}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        replies.append(reply.json()["choices"])
+    size = len(replies[0][0]["prompt_logprobs"])
+    for ours, theirs in zip(*replies, strict=True):
+        mine, other = ours["logprobs"], theirs["logprobs"]
+        assert mine["tokens"][:size] == other["tokens"][:size]
+        assert mine["token_logprobs"][0] is None is other["token_logprobs"][0]
+        assert mine["token_logprobs"][1:size] == pytest.approx(other["token_logprobs"][1:size],
+                                                               abs=1e-4)  # fmt: skip
+        for position in range(1, size):
+            assert mine["top_logprobs"][position] == pytest.approx(
+                other["top_logprobs"][position], abs=1e-4)  # fmt: skip
+            entry, expected = ours["prompt_logprobs"][position], theirs["prompt_logprobs"][position]
+            assert [(k, v["rank"]) for k, v in entry.items()] == [
+                (k, v["rank"]) for k, v in expected.items()]  # fmt: skip
     assert decode_pool_free(address)
 
 

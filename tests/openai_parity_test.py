@@ -1,11 +1,11 @@
 """OpenAI API parity through `//tools:serve` (real prefill and decode servers and the router;
 a second router on them with vLLM's hermes tool-call and qwen3 reasoning parsers), driven by the
 official `openai` client: content parts and null fields, logprobs (equal to Hugging Face's
-log-softmax), logit_bias (greedy on Hugging Face's logits plus the bias), a batch of prompts,
-echo, n choices from one KV transfer, JSON Schema and choice constraints, tool calls (named, and
-auto through the hermes parser), reasoning split by the qwen3 parser, /tokenize and /detokenize;
-a bad-input suite where every answer is a fast 4xx with OpenAI's body; non-streaming clients
-that time out free their slot."""
+log-softmax, the prompt's too: an echo's and vLLM's prompt_logprobs), logit_bias (greedy on
+Hugging Face's logits plus the bias), a batch of prompts, echo, n choices from one KV transfer,
+JSON Schema and choice constraints, tool calls (named, and auto through the hermes parser),
+reasoning split by the qwen3 parser, /tokenize and /detokenize; a bad-input suite where every
+answer is a fast 4xx with OpenAI's body; non-streaming clients that time out free their slot."""
 
 from __future__ import annotations
 
@@ -149,6 +149,71 @@ def test_a_batch_of_prompts_answers_as_each_prompt_alone_and_echo_prepends_the_p
     assert streamed == [texts[2]] * 2
     echoed = client.completions.create(prompt=prompts[0], echo=True, **kwargs)
     assert echoed.choices[0].text == prompts[0] + texts[0]
+
+
+def test_an_echo_with_logprobs_scores_each_prompt_token_as_hugging_face(client, router, hf_model):
+    """lm-evaluation-harness's loglikelihood request (token-id prompts in a batch, echo,
+    logprobs 1, max_tokens 1), and max_tokens 0 (the prompt alone), streamed too."""
+    prompts = [[504, 3458, 2767, 28, 3838], [30, 216, 34, 28]]
+    reply = client.completions.create(model=SERVED, prompt=prompts, max_tokens=1, temperature=0,
+                                      logprobs=1, echo=True)  # fmt: skip
+    for prompt, choice in zip(prompts, reply.choices, strict=True):
+        lp = choice.logprobs
+        expected = _hf_logprobs(hf_model, prompt)
+        assert len(lp.tokens) == len(prompt) + 1  # and the generated token
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for position, token in enumerate(prompt[1:]):
+            row = expected[position]
+            assert lp.token_logprobs[position + 1] == pytest.approx(float(row[token]), abs=1e-3)
+            best = int(row.argmax())
+            text = lp.tokens[position + 1]
+            expected_top = {text: float(row[token])}
+            expected_top.setdefault(_token_text(router, best), float(row[best]))
+            assert lp.top_logprobs[position + 1] == pytest.approx(expected_top, abs=1e-3)
+        assert choice.text.startswith("".join(lp.tokens[: len(prompt)]))
+    alone = client.completions.create(model=SERVED, prompt=prompts[1], max_tokens=0, echo=True,
+                                      logprobs=1, temperature=0)  # fmt: skip
+    [choice] = alone.choices
+    assert choice.logprobs.tokens == reply.choices[1].logprobs.tokens[:-1]
+    assert choice.logprobs.token_logprobs == reply.choices[1].logprobs.token_logprobs[:-1]
+    assert choice.text == "".join(choice.logprobs.tokens)
+    streamed = client.completions.create(model=SERVED, prompt=prompts[1], max_tokens=0, echo=True,
+                                         logprobs=1, temperature=0, stream=True)  # fmt: skip
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(c.text for c in chunks) == choice.text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == choice.logprobs.tokens
+
+
+def test_prompt_logprobs_in_vllms_shape_as_hugging_face(client, router, hf_model):
+    prompt = [504, 3458, 2767, 28]
+    expected = _hf_logprobs(hf_model, prompt)
+    kwargs = {"model": SERVED, "max_tokens": 2, "temperature": 0}
+    completion = client.completions.create(prompt=prompt, **kwargs,
+                                           extra_body={"prompt_logprobs": 2})  # fmt: skip
+    chat = client.chat.completions.create(messages=MESSAGES, **kwargs,
+                                          extra_body={"prompt_logprobs": 0})  # fmt: skip
+    field = completion.choices[0].model_extra["prompt_logprobs"]
+    assert field[0] is None and len(field) == len(prompt)
+    for position, (token, entry) in enumerate(zip(prompt[1:], field[1:], strict=True)):
+        row = expected[position]
+        own = entry[str(token)]
+        assert own["logprob"] == pytest.approx(float(row[token]), abs=1e-3)
+        assert own["rank"] == int((row > row[token]).sum()) + 1
+        assert own["decoded_token"] == _token_text(router, token)
+        top = [int(t) for t in row.topk(2).indices]
+        ranked = {int(k): v["rank"] for k, v in entry.items() if int(k) != token}
+        assert ranked == {t: rank for rank, t in enumerate(top, 1) if t != token}
+    chat_field = chat.model_extra["prompt_logprobs"]
+    assert chat_field[0] is None and all(len(entry) == 1 for entry in chat_field[1:])
+    assert "prompt_logprobs" not in client.completions.create(
+        model=SERVED, prompt=prompt, max_tokens=1
+    ).choices[0].model_extra  # fmt: skip
+
+
+def _token_text(router: str, token: int) -> str:
+    """The token's text, as /detokenize gives it."""
+    reply = httpx.post(f"{router}/detokenize", json={"tokens": [token]}, timeout=10)
+    return reply.json()["prompt"]
 
 
 def test_chat_logprobs_streamed_or_not(client):

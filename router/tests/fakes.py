@@ -116,6 +116,9 @@ class FakePrefill:
                       "finish_reason": "length"}  # fmt: skip
             if sampling.HasField("logprobs"):
                 choice["logprobs"] = vllm_logprobs(token, sampling.logprobs)
+            if sampling.HasField("prompt_logprobs"):
+                top_n = sampling.prompt_logprobs
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_ids, top_n)
             choices.append(choice)
         reply = {"choices": choices, "kv_transfer_params": {"first_token_id": self.first_token}}
         timed = PrefillReply(200, reply, str(reply), {"queue": 0.2, "forward": 3.0, "send": 1.0})
@@ -149,6 +152,26 @@ def logprob_of(token_id: int) -> decode_pb2.TokenLogprobs:
                                     top_logprobs=[-0.25, -0.5])  # fmt: skip
 
 
+def prompt_logprob_of(token_id: int, top_n: int) -> decode_pb2.TokenLogprobs:
+    """logprob_of(token_id) as a prompt token's: ranked 3rd, `top_n` alternatives."""
+    lp = logprob_of(token_id)
+    return decode_pb2.TokenLogprobs(logprob=lp.logprob, rank=3,
+                                    top_token_ids=lp.top_token_ids[:top_n],
+                                    top_logprobs=lp.top_logprobs[:top_n])  # fmt: skip
+
+
+def vllm_prompt_logprobs(prompt_ids: list[int], top_n: int) -> list:
+    """prompt_logprob_of each prompt token but the first, as vLLM's `prompt_logprobs`."""
+    field: list = [None]
+    for token in prompt_ids[1:]:
+        lp = prompt_logprob_of(token, top_n)
+        entry = {str(token): {"logprob": lp.logprob, "rank": 3, "decoded_token": chr(token)}}
+        for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1):
+            entry[str(t)] = {"logprob": v, "rank": rank, "decoded_token": chr(t)}
+        field.append(entry)
+    return field
+
+
 def vllm_logprobs(token_id: int, top_n: int) -> dict:
     """logprob_of(token_id), cut to `top_n` alternatives, as vLLM's completions write it for
     a request with return_tokens_as_token_ids."""
@@ -166,7 +189,8 @@ def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
 class FakeDecode:
     """A DecodeClient. Reserve hands out a ticket; Generate streams `tokens` for each choice
     (one message per list and choice; with logprobs when asked: the first token's as the
-    request carries them, the others' `logprob_of`; a local_prefill's all `logprob_of`), then,
+    request carries them, the others' `logprob_of`; a local_prefill's all `logprob_of`, and
+    its prompt's `prompt_logprob_of` on choice 0's first message when asked), then,
     in this order of precedence: waits until cancelled if `stall`, raises `stream_error` if set,
     finishes each choice with `finish` if set, else just ends. `fail(rpc, address, error)` makes
     that RPC's next call on that address raise; addresses in `unavailable` answer every RPC with
@@ -248,6 +272,11 @@ class FakeDecode:
                     message.logprobs.extend(logprob_of(t) for t in token_ids)
                     if position == 0 and first_logprobs is not None:
                         message.logprobs[0].CopyFrom(first_logprobs)
+                asks = request.sampling.HasField("prompt_logprobs")
+                if local and asks and position == index == 0:
+                    prompt = request.local_prefill.prompt_token_ids
+                    top_n = request.sampling.prompt_logprobs
+                    message.prompt_logprobs.extend(prompt_logprob_of(t, top_n) for t in prompt[1:])
                 yield message
         self.generating.set()
         if self.stall:

@@ -13,7 +13,7 @@ import pytest
 
 from proto.tandem.v1 import decode_pb2
 from router.errors import BackendError
-from router.generation import Finished, GenerationRequest, Tokens
+from router.generation import Finished, GenerationRequest, PromptLogprobs, Tokens
 from router.orchestrator import Orchestrator, PrefillFailed
 from router.prefix_affinity import PlacedBlocks
 from router.tests.fakes import (
@@ -24,6 +24,7 @@ from router.tests.fakes import (
     dropped,
     ids,
     logprob_of,
+    prompt_logprob_of,
     refused,
     rpc_error,
 )
@@ -249,6 +250,31 @@ def test_logprobs_of_the_first_token_come_from_the_prefill_and_the_rest_from_the
     del first.top_token_ids[1:], first.top_logprobs[1:]  # the one alternative asked for
     assert generate.first_token_logprobs == first
     assert items[0].logprobs == [first] and items[1].logprobs == [logprob_of(t) for t in ids("ar")]
+    _assert_idle(orchestrator, decode)
+
+
+@pytest.mark.parametrize("aggregated", [False, True], ids=["prefill", "local"])
+def test_the_prompts_logprobs_come_first_for_every_choice(aggregated):
+    """From the prefill's reply (vLLM's shape), or the decode's first message of choice 0."""
+    orchestrator, prefill, decode = _stack(aggregated=aggregated)
+    sampling = decode_pb2.SamplingParams(temperature=0.5, prompt_logprobs=1)
+    request = GenerationRequest(prompt_ids=[70, 71, 72], max_tokens=8, sampling=sampling, n=2)
+    items = asyncio.run(_generate(orchestrator, request))
+    expected = [prompt_logprob_of(t, 1) for t in (71, 72)]
+    assert items[:2] == [PromptLogprobs([70, 71, 72], expected, i) for i in range(2)]
+    assert all(not isinstance(item, PromptLogprobs) for item in items[2:])
+    assert [p.sampling.prompt_logprobs for p in prefill.prefilled] == [] if aggregated else [1]
+    _assert_idle(orchestrator, decode)
+
+
+def test_a_prefill_reply_without_the_prompts_logprobs_asked_for_is_a_502():
+    orchestrator, prefill, decode = _stack()
+    reply = {"kv_transfer_params": {"first_token_id": 5},
+             "choices": [{"index": 0, "token_ids": [5], "prompt_logprobs": [None]}]}  # fmt: skip
+    prefill.script(P0, answer(200, reply))
+    request = GenerationRequest([1, 2], 4, decode_pb2.SamplingParams(prompt_logprobs=0))
+    (error,) = asyncio.run(_generate(orchestrator, request))
+    assert error.status == 502 and "1 entries for a prompt of 2 tokens" in str(error)
     _assert_idle(orchestrator, decode)
 
 

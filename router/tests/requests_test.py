@@ -120,6 +120,28 @@ def test_logprobs_in_either_apis_shape(endpoint, body, logprobs):
     assert (sampling.logprobs if sampling.HasField("logprobs") else None) == logprobs
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "body", "prompt_logprobs"),
+    [(CHAT, {"prompt_logprobs": 3}, 3), (COMPLETIONS, {"prompt_logprobs": 0}, 0),
+     (COMPLETIONS, {"echo": True, "logprobs": 2}, 2),  # vLLM's: echo takes logprobs' count
+     (COMPLETIONS, {"echo": True, "logprobs": 2, "prompt_logprobs": 4}, 4),
+     (COMPLETIONS, {"echo": True}, None), (COMPLETIONS, {"logprobs": 2}, None),
+     (COMPLETIONS, {"echo": True, "logprobs": 1, "stream": True}, 1),  # as the echo's
+     (COMPLETIONS, {"prompt_logprobs": 0, "stream": True}, None)],  # nothing to report
+)  # fmt: skip
+def test_prompt_logprobs_asked_or_taken_from_an_echo(endpoint, body, prompt_logprobs):
+    prompt = {"messages": MESSAGES} if endpoint is CHAT else {"prompt": "x"}
+    sampling = _parse(endpoint, {**prompt, **body}).sampling
+    asked = sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None
+    assert asked == prompt_logprobs
+
+
+def test_an_echo_of_no_tokens_is_the_prompt_alone_of_one_token_generated():
+    request = _parse(COMPLETIONS, {"prompt": "x", "echo": True, "max_tokens": 0})
+    assert request.prompt_only and request.max_tokens == 1
+    assert not _parse(COMPLETIONS, {"prompt": "x", "echo": True}).prompt_only
+
+
 def test_logit_bias_by_token_id_clamped_as_vllm():
     body = {"prompt": "x", "logit_bias": {"999": 1.5, "0": -250, "17": 100.5}}
     assert dict(_parse(COMPLETIONS, body).sampling.logit_bias) == {999: 1.5, 0: -100.0, 17: 100.0}
@@ -200,9 +222,14 @@ def test_chat_messages_as_clients_send_them(messages, expected):
          "best_of: 2 is not supported yet"),
         (CHAT, {"messages": MESSAGES, "echo": True}, 400, "echo",
          "echo: True is not supported yet"),
-        (COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo",
-         "echo: with logprobs it needs the prompt's log-probabilities (prompt_logprobs), not "
-         "served yet"),
+        (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
+         "prompt_logprobs", "prompt_logprobs: not available when stream is true"),
+        (CHAT, {"messages": MESSAGES, "prompt_logprobs": 21}, 400, "prompt_logprobs",
+         "prompt_logprobs: 21 is not an integer in [0, 20]"),
+        (COMPLETIONS, {"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs",
+         "prompt_logprobs: -1 is not an integer in [0, 20]"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens",
+         "max_tokens: 0 must be a positive integer"),
         (COMPLETIONS, {"prompt": "x", "logit_bias": {"1000": 1}}, 400, "logit_bias",
          "logit_bias: token id 1000 is outside the vocabulary [0, 1000)"),
         (CHAT, {"messages": MESSAGES, "logit_bias": {"a": 1}}, 400, "logit_bias",

@@ -13,7 +13,7 @@ import pytest
 from proto.tandem.v1 import decode_pb2
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import BackendError
-from router.generation import Finished, Tokens
+from router.generation import Finished, PromptLogprobs, Tokens
 from router.logprobs import LogprobsFormat
 from router.requests import Endpoint
 from router.streaming import (
@@ -23,6 +23,7 @@ from router.streaming import (
     batched,
     collect,
     completion_body,
+    echoed,
     sse,
     text_events,
 )
@@ -192,6 +193,51 @@ def test_logprobs_in_chat_and_completions_shapes():
         "top_logprobs": [{"?": -0.5, "H": -72 / 1024}, {"?": -0.5, "i": -105 / 1024}],
         "text_offset": [0, 1],
     }  # fmt: skip
+
+
+def _with_prompt(prompt: str):
+    """The prompt's log-probabilities (each token's `_logprob`, ranked 2nd), then "Hi"."""
+    entries = [_logprob(t) for t in ids(prompt)[1:]]
+    for entry in entries:
+        entry.rank = 2
+    yield PromptLogprobs(ids(prompt), entries, 0)
+    yield Tokens(ids("Hi"), [_logprob(t) for t in ids("Hi")])
+    yield Finished("length", 0, 0)
+
+
+async def _prompt_then(prompt: str):
+    for item in _with_prompt(prompt):
+        yield item
+
+
+@pytest.mark.parametrize("prompt_only", [False, True])
+def test_an_echo_with_logprobs_starts_with_the_prompts_and_the_body_names_them(prompt_only):
+    events = echoed(_text(_prompt_then("abc"), 3), ["abc"], 1, prompt_only)
+    choices = asyncio.run(collect(events))
+    prompt_format = LogprobsFormat(CharTokenizer(), chat=False)
+    response = dataclasses.replace(
+        _response(COMPLETIONS, logprobs=True), prompt_format=prompt_format
+    )
+    [choice] = completion_body(response, choices)["choices"]
+    generated = "" if prompt_only else "Hi"
+    assert choice["text"] == "abc" + generated
+    lp = choice["logprobs"]
+    assert lp["tokens"] == list("abc" + generated)
+    assert lp["text_offset"] == list(range(len(lp["tokens"])))
+    scored = [-t / 1024 for t in ids("bc" + generated)]
+    assert lp["token_logprobs"] == [None, *scored]
+    assert lp["top_logprobs"][:3] == [None, {"b": -98 / 1024, "?": -0.5},
+                                      {"c": -99 / 1024, "?": -0.5}]  # fmt: skip
+    question = {"logprob": -0.5, "rank": 1, "decoded_token": "?"}
+    assert choice["prompt_logprobs"] == [
+        None,
+        {"98": {"logprob": -98 / 1024, "rank": 2, "decoded_token": "b"}, "63": question},
+        {"99": {"logprob": -99 / 1024, "rank": 2, "decoded_token": "c"}, "63": question},
+    ]  # fmt: skip
+    chat = dataclasses.replace(response, endpoint=CHAT, logprobs=())
+    body = completion_body(chat, asyncio.run(collect(_text(_prompt_then("abc"), 3))))
+    assert body["prompt_logprobs"] == choice["prompt_logprobs"]
+    assert "prompt_logprobs" not in body["choices"][0]
 
 
 def test_streamed_logprobs_come_with_their_chunks():
