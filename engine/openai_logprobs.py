@@ -14,23 +14,35 @@ def clamped(logprob: float) -> float:
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], logprobs: Sequence, token_text: Callable[[int], str], offset: int = 0
+    token_ids: Sequence[int],
+    logprobs: Sequence,
+    token_text: Callable[[int], str],
+    offset: int = 0,
+    top_n: int | None = None,
 ) -> dict:
     """A completion choice's `logprobs` (vLLM's serving_completion
     `_create_completion_logprobs`): per token its text, its logprob, {text: logprob} of the token
     itself then the most likely ones (so N + 1 entries, N when it is one of them), and where its
     text starts, counting from `offset`. `logprobs`: one per token, each with `logprob`,
-    `top_token_ids` and `top_logprobs` (the engine's TokenLogprobs or tandem.v1's)."""
+    `top_token_ids` and `top_logprobs` (the engine's TokenLogprobs or tandem.v1's), or None
+    (an echoed prompt's first token: its logprob and top_logprobs are null). `top_n`: the
+    entries are cut to the first top_n + 1, as vLLM cuts an echoed prompt's (whose
+    prompt_logprobs may list more tokens than the request's logprobs)."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for token_id, lp in zip(token_ids, logprobs, strict=True):
         text = token_text(token_id)
         tokens.append(text)
+        text_offset.append(offset)
+        offset += len(text)
+        if lp is None:  # an echoed prompt's first token: nothing came before it
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
         token_logprobs.append(clamped(lp.logprob))
         # By id first, the token itself first (a top entry for it keeps that place), as vLLM.
         by_id = {token_id: lp.logprob, **dict(zip(lp.top_token_ids, lp.top_logprobs, strict=True))}
-        top_logprobs.append({token_text(t): clamped(v) for t, v in by_id.items()})
-        text_offset.append(offset)
-        offset += len(text)
+        kept = list(by_id.items())[: None if top_n is None else top_n + 1]
+        top_logprobs.append({token_text(t): clamped(v) for t, v in kept})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}  # fmt: skip
 

@@ -77,10 +77,14 @@ class LogprobsFormat:
     named by its text (or "token_id:<id>" when the client asked `return_tokens_as_token_ids`).
     Completions' text offsets run on across the calls of one response."""
 
-    def __init__(self, tokenizer, chat: bool, tokens_as_ids: bool = False) -> None:
+    def __init__(
+        self, tokenizer, chat: bool, tokens_as_ids: bool = False, top_n: int | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat = chat
         self.tokens_as_ids = tokens_as_ids
+        self.top_n = top_n
+        """The request's `logprobs` count: an echoed prompt's entries are cut to it."""
         self._offset = 0
 
     def render(self, entries: Sequence[tuple[int, decode_pb2.TokenLogprobs | None]]) -> dict:
@@ -100,7 +104,7 @@ class LogprobsFormat:
     def _completion(self, entries: Sequence[tuple[int, decode_pb2.TokenLogprobs | None]]) -> dict:
         """vLLM's completions shape (engine/openai_logprobs.py), offsets running on."""
         out = completion_logprobs([t for t, _ in entries], [lp for _, lp in entries],
-                                  self.token, self._offset)  # fmt: skip
+                                  self.token, self._offset, self.top_n)  # fmt: skip
         if out["tokens"]:
             self._offset = out["text_offset"][-1] + len(out["tokens"][-1])
         return out

@@ -203,7 +203,8 @@ class OpenAIApi:
         if request.sampling.HasField("logprobs"):
             logprobs = tuple(LogprobsFormat(self.prompts.local.tokenizer,
                                             chat=request.endpoint is Endpoint.CHAT,
-                                            tokens_as_ids=request.tokens_as_ids)
+                                            tokens_as_ids=request.tokens_as_ids,
+                                            top_n=request.sampling.logprobs)
                              for _ in range(request.n * num_prompts))  # fmt: skip
         if request.tools is not None:  # a chat
             kwargs = (request.template or {}).get("chat_template_kwargs")

@@ -87,6 +87,7 @@ def reference(prompts) -> dict[str, list[int]]:
         outs["chat_text"] = _chat(client, MODEL)
         outs["chat_logprobs"] = _chat_logprobs(client, MODEL)
         outs["biased"] = _biased(client, MODEL, prompts["short"], outs["short"])
+        outs["scored"] = _scored(client, MODEL, prompts["short"])
         return outs
     finally:
         stop(proc)
@@ -138,6 +139,33 @@ def _biased(client: openai.OpenAI, model: str, prompt: list[int], plain: list[in
     reply = client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS,
                                       temperature=0, logit_bias=bias)  # fmt: skip
     return reply.choices[0].text
+
+
+def _scored(client: openai.OpenAI, model: str, prompt: list[int]) -> dict:
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1) with
+    vLLM's prompt_logprobs: the choice's logprobs and prompt_logprobs."""
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                      echo=True, logprobs=1,
+                                      extra_body={"prompt_logprobs": 2})  # fmt: skip
+    choice = reply.choices[0]
+    return {"logprobs": choice.logprobs.model_dump(),
+            "prompt_logprobs": choice.model_extra["prompt_logprobs"]}  # fmt: skip
+
+
+def _assert_scored_alike(ours: dict, theirs: dict) -> None:
+    """Tokens, ranks and the likeliest tokens equal; log-probabilities to 1e-3."""
+    mine, other = ours["logprobs"], theirs["logprobs"]
+    assert mine["tokens"] == other["tokens"] and mine["text_offset"] == other["text_offset"]
+    assert mine["token_logprobs"][0] is None is other["token_logprobs"][0]
+    assert mine["token_logprobs"][1:] == pytest.approx(other["token_logprobs"][1:], abs=1e-3)
+    for a, b in zip(mine["top_logprobs"][1:], other["top_logprobs"][1:], strict=True):
+        assert a == pytest.approx(b, abs=1e-3)
+    assert ours["prompt_logprobs"][0] is None is theirs["prompt_logprobs"][0]
+    for a, b in zip(ours["prompt_logprobs"][1:], theirs["prompt_logprobs"][1:], strict=True):
+        assert [(k, v["rank"], v["decoded_token"]) for k, v in a.items()] == [
+            (k, v["rank"], v["decoded_token"]) for k, v in b.items()]  # fmt: skip
+        assert [v["logprob"] for v in a.values()] == pytest.approx(
+            [v["logprob"] for v in b.values()], abs=1e-3)  # fmt: skip
 
 
 def _prefill(stub, http, address: str, request_id: str, prompt: list[int]):
@@ -271,7 +299,8 @@ def test_the_router_cannot_tell_vllm_from_tandems_prefill(prompts, reference):
     is in front of tandem's prefill server: its tokenizer check against /tokenize, then chat
     through Reserve, prefill and Generate; with logprobs, the first token's from vLLM and the
     rest from the decode server, equal to vLLM's own; a logit bias's greedy text equal to vLLM's
-    own (vLLM biases the first token, the decode server the rest); a JSON Schema that both
+    own (vLLM biases the first token, the decode server the rest); an echo scoring the prompt
+    and vLLM's prompt_logprobs equal to vLLM's own (vLLM computes them); a JSON Schema that both
     constrain (likewise); and n=2 with a seed: two choices from one KV transfer (vLLM's two
     child requests send it once)."""
     proc, m = start(["tools.serve", "--prefill", "vllm", "--model", MODEL, "--port", "0",
@@ -294,6 +323,7 @@ def test_the_router_cannot_tell_vllm_from_tandems_prefill(prompts, reference):
         assert [lp for _, lp, _ in logprobs] == pytest.approx([lp for _, lp, _ in expected],
                                                               abs=1e-3)  # fmt: skip
         assert _biased(client, served, prompts["short"], reference["short"]) == reference["biased"]
+        _assert_scored_alike(_scored(client, served, prompts["short"]), reference["scored"])
         _assert_n_choices_share_one_transfer(client, served, m.group(2))
     finally:
         stop(proc)

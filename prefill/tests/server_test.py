@@ -291,6 +291,12 @@ def test_completion_logprobs_put_the_token_first_then_the_most_likely():
         "top_logprobs": [{"ab": -3.0, "<7>": -0.5, "<8>": -1.0}, {"<6>": -9999.0, "<9>": -0.1}],
         "text_offset": [0, 2],
     }
+    # An echoed prompt (its first token has none) whose entries list more than asked: the
+    # first top_n + 1 kept, as vLLM keeps them (the token itself one of them).
+    prompt = [None, TokenLogprobs(-0.5, (7, 8), (-0.5, -1.0))]
+    out = completion_logprobs([5, 7], prompt, lambda t: f"<{t}>", top_n=1)
+    assert out["token_logprobs"] == [None, -0.5]
+    assert out["top_logprobs"] == [None, {"<7>": -0.5, "<8>": -1.0}]
 
 
 def test_structured_outputs_constrain_the_tokens_or_get_400(server):
