@@ -22,7 +22,7 @@ server prefills the prompt itself (GenerateRequest.local_prefill), and the rest 
 request whose prefill failed because none is healthy any longer falls back too.
 
 The instances are reached through a PrefillClient and a DecodeClient (router/clients.py),
-given to the constructor.
+given to the constructor; what is read and written on the way is router/wire.py's.
 """
 
 from __future__ import annotations
@@ -32,19 +32,26 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 
 import grpc
 
 from prefill.ticket import transfer_params
 from proto.tandem.v1 import decode_pb2
-from router.clients import DecodeClient, PrefillCallError, PrefillClient, PrefillReply
+from router.clients import DecodeClient, PrefillCallError, PrefillClient
 from router.decode_only import DecodeOnly
 from router.errors import BackendError
 from router.generation import Finished, GenerationRequest, Tokens
-from router.logprobs import LogprobsError, first_token_logprobs, prompt_token_logprobs
+from router.logprobs import LogprobsError
 from router.membership import DecodeInstance, Membership, PrefillInstance
 from router.prompt_order import PromptLogprobsFirst
+from router.wire import (
+    FirstToken,
+    FirstTokenMissing,
+    first_tokens,
+    generate_request,
+    message_items,
+    refusal,
+)
 
 
 class PrefillFailed(BackendError):
@@ -55,13 +62,6 @@ class PrefillFailed(BackendError):
     def __init__(self, message: str, ticket_delivered: bool, status: int = 503) -> None:
         super().__init__(status, message)
         self.ticket_delivered = ticket_delivered
-
-
-_FINISH = {
-    decode_pb2.FINISH_REASON_STOP: "stop",
-    decode_pb2.FINISH_REASON_LENGTH: "length",
-    decode_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 
 class Orchestrator(Membership):
@@ -133,7 +133,7 @@ class Orchestrator(Membership):
                         self.on_phase(phase, time.monotonic() - called)
                         called = 0.0
                     arrival.end()  # a Generate it prefills itself was taken
-                    for item in order.items(message, _items(message)):
+                    for item in order.items(message, message_items(message)):
                         # NOTE: consumers close the stream after the last Finished, without
                         # reading past it: that is no client gone, and nothing is left to abort.
                         if isinstance(item, Finished):
@@ -170,7 +170,7 @@ class Orchestrator(Membership):
         request (its Reserve answered)."""
         if self.decode_only.skip_prefill(self._any_prefill_healthy()):
             placed.placement = (decode, rid)
-            return await asyncio.to_thread(_generate_request, request, rid), None
+            return await asyncio.to_thread(generate_request, request, rid), None
         started = time.monotonic()
         try:
             # NOTE: messages that carry the prompt's ids are built on a thread: a 300k-token
@@ -200,9 +200,9 @@ class Orchestrator(Membership):
             await asyncio.shield(self._abort(decode, rid, "prefill failed", undelivered))
             # The last healthy prefill just went down: this request is the fallback's first.
             if e.status == 503 and self.decode_only.skip_prefill(self._any_prefill_healthy()):
-                return await asyncio.to_thread(_generate_request, request, rid), None
+                return await asyncio.to_thread(generate_request, request, rid), None
             raise
-        return _generate_request(request, rid, reserved.ticket, firsts), prompt
+        return generate_request(request, rid, reserved.ticket, firsts), prompt
 
     async def close(self) -> None:
         await self.prefill_client.close()
@@ -254,7 +254,7 @@ class Orchestrator(Membership):
                     for name, ms in reply.timing.items():  # the prefill's own account of it
                         self.on_phase(f"prefill_{name}", ms / 1000)
                     try:
-                        return _first_tokens(reply.json or {}, request)
+                        return first_tokens(reply.json or {}, request)
                     except LogprobsError as e:
                         error = f"prefill {prefill.url}: {e}"
                     except FirstTokenMissing as e:
@@ -265,7 +265,7 @@ class Orchestrator(Membership):
                 if reply.status == 503:
                     prefill.healthy = False
                 if 400 <= reply.status < 500:  # the request is at fault: passed on as it is
-                    status, error = reply.status, _refusal(reply)
+                    status, error = reply.status, refusal(reply)
                     break
                 if reply.status < 500:
                     status = 502
@@ -344,97 +344,3 @@ class Generation:
         if self.placement is not None:
             decode, rid = self.placement
             await self._orchestrator._abort(decode, rid, "choice done", choices=[index])
-
-
-@dataclass(frozen=True)
-class FirstToken:
-    """Where one choice starts: the prefill's token, and its logprobs when asked."""
-
-    token_id: int
-    logprobs: decode_pb2.TokenLogprobs | None
-
-
-class FirstTokenMissing(ValueError):
-    """A prefill's 200 reply without the first tokens asked for."""
-
-
-def _first_tokens(
-    reply: dict, request: GenerationRequest
-) -> tuple[list[FirstToken], list[decode_pb2.TokenLogprobs] | None]:
-    """Each choice's first token from a prefill's 200 reply (its `token_ids`, which vLLM returns
-    with return_token_ids), and the prompt's log-probabilities where asked; FirstTokenMissing or
-    LogprobsError when something asked for is missing. The connector's kv_transfer_params must
-    be there too: without it no KV was sent."""
-    sampling, n = request.sampling, request.n
-    if not isinstance((reply.get("kv_transfer_params") or {}).get("first_token_id"), int):
-        raise FirstTokenMissing(
-            "answered without kv_transfer_params.first_token_id: is it tandem's prefill "
-            "server, or vLLM with TandemConnector?"
-        )
-    choices = {c.get("index"): c for c in reply.get("choices") or [] if isinstance(c, dict)}
-    firsts = []
-    for index in range(n):
-        token_ids = choices.get(index, {}).get("token_ids")
-        if not (isinstance(token_ids, list) and token_ids and type(token_ids[0]) is int):
-            raise FirstTokenMissing(f"answered without choices[{index}].token_ids")
-        logprobs = None
-        if sampling.HasField("logprobs"):
-            logprobs = first_token_logprobs(choices[index], sampling.logprobs)
-        firsts.append(FirstToken(token_ids[0], logprobs))
-    prompt = None
-    if sampling.HasField("prompt_logprobs"):
-        prompt = prompt_token_logprobs(choices[0], request.prompt_ids, sampling.prompt_logprobs)
-    return firsts, prompt
-
-
-def _items(message: decode_pb2.GenerateResponse) -> list[Tokens | Finished]:
-    """A Generate message's tokens, and its choice's end if it is the last."""
-    items: list[Tokens | Finished] = []
-    if message.token_ids:
-        on_stop = message.finish_reason == decode_pb2.FINISH_REASON_STOP
-        items.append(Tokens(list(message.token_ids), list(message.logprobs), on_stop,
-                            message.index))  # fmt: skip
-    if message.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED:
-        usage = message.usage
-        spec = message.spec_decode if message.HasField("spec_decode") else None
-        items.append(Finished(_FINISH[message.finish_reason], usage.prompt_tokens,
-                              usage.completion_tokens, message.index, spec))  # fmt: skip
-    return items
-
-
-def _generate_request(
-    request: GenerationRequest,
-    rid: str,
-    ticket: decode_pb2.Ticket | None = None,
-    firsts: Sequence[FirstToken] = (),
-) -> decode_pb2.GenerateRequest:
-    """The Generate call: of a ticket, with the choices' first tokens from its prefill; or, with
-    no ticket, of a prompt the decode server prefills itself."""
-    message = decode_pb2.GenerateRequest(
-        request_id=rid, sampling=request.sampling, max_tokens=request.max_tokens,
-        min_tokens=request.min_tokens, stop_token_ids=request.stop_token_ids,
-        ignore_eos=request.ignore_eos, structured_output=request.structured,
-    )  # fmt: skip
-    if ticket is None:
-        message.local_prefill.prompt_token_ids.extend(request.prompt_ids)
-        message.local_prefill.n = request.n
-        return message
-    first, *others = firsts
-    message.generation = ticket.generation
-    message.first_token_id = first.token_id
-    if first.logprobs is not None:
-        message.first_token_logprobs.CopyFrom(first.logprobs)
-    message.other_choices.extend(
-        decode_pb2.ChoiceStart(first_token_id=c.token_id, first_token_logprobs=c.logprobs)
-        for c in others
-    )
-    return message
-
-
-def _refusal(reply: PrefillReply) -> str:
-    """A prefill's 4xx message as the client gets it: the error body's message (OpenAI's
-    shape, or vLLM's older flat one), else the text."""
-    body = reply.json or {}
-    error = body.get("error")
-    message = error.get("message") if isinstance(error, dict) else body.get("message")
-    return message if isinstance(message, str) and message else reply.text[:500]
