@@ -245,9 +245,9 @@ class GrpcDecodeClient:
 
 
 def _prefill_sampling(sampling: decode_pb2.SamplingParams) -> dict:
-    """The request's sampling fields for the prefill, which samples the first token: the ones
-    the client set, and the temperature always (unset means greedy here, as on the decode
-    server; vLLM's own default would be the model's generation config)."""
+    """The request's sampling fields for the prefill, which samples the first token: the
+    temperature always (the router sets it; unset, greedy here as on the decode server, where
+    vLLM's own default would be the model's generation config)."""
     fields = sampling_fields(sampling)
     fields.setdefault("temperature", 0.0)
     if "logprobs" in fields:  # named by id: router/logprobs.py reads them so

@@ -15,7 +15,8 @@ class GenerationRequest:
     max_tokens: int
     """At least 1; prompt_ids plus max_tokens fit the context."""
     sampling: decode_pb2.SamplingParams
-    """Only the fields the client set (unset temperature: greedy)."""
+    """The fields the client set and the model's defaults for the others (temperature always,
+    from the router; unset here, the engine's default is greedy)."""
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False

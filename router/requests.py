@@ -13,7 +13,8 @@ name, never dropped; the few OpenAI defines as hints without effect here are acc
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from engine import json_body
 from engine.sampling_ranges import MAX_LOGPROBS, SAMPLING_RANGES, range_problem
@@ -32,6 +33,7 @@ from router.body_values import (
 from router.errors import RequestError
 from router.generation import GenerationRequest
 from router.messages import chat_messages
+from router.sampling_defaults import OPENAI
 from router.tool_calls import ToolUse, check_tools, template_tools, tool_choice_schema
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -103,6 +105,8 @@ class ServedModel:
     spec_metrics: bool = False
     """One-choice responses carry their speculative decoding (vLLM's
     --per-request-spec-decode-metrics summary)."""
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=lambda: dict(OPENAI))
+    """What a request leaves unset samples with (router/sampling_defaults.py)."""
 
 
 Prompt = tuple[str | None, list[int] | None]
@@ -193,13 +197,13 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
     options = body.get("stream_options", {})
     if not isinstance(options, dict):
         raise RequestError(400, "stream_options: must be an object", "stream_options")
-    sampling = _sampling(endpoint, body, model.vocab_size)
+    sampling = _sampling(endpoint, body, model)
     n = integer(body, "n", 1, MAX_CHOICES + 1, 1)
     if others and (1 + len(others)) * n > MAX_CHOICES:
         raise RequestError(400, f"prompt: {1 + len(others)} prompts of {n} choices each, more "
                            f"than {MAX_CHOICES} choices", "prompt")  # fmt: skip
     _prompt_logprobs(body, sampling, echo)
-    if n > 1 and not sampling.temperature:  # unset or 0: greedy
+    if n > 1 and not sampling.temperature:  # 0: greedy
         raise RequestError(400, f"n: {n} choices need sampling (a temperature above 0); greedy "
                            "ones would all be the same", "n")  # fmt: skip
     return ApiRequest(
@@ -303,10 +307,11 @@ def _prompts(prompt, vocab_size: int) -> tuple[Prompt, ...]:
                        f"{vocab_size}, or a list of either", "prompt")  # fmt: skip
 
 
-def _sampling(endpoint: Endpoint, body: dict, vocab_size: int) -> decode_pb2.SamplingParams:
-    """The sampling fields the client set; unset ones stay unset (the decode server's
-    defaults). vLLM's conventions: top_k -1 is no limit; a negative seed is a 64-bit one; a
-    logit bias is clamped to [-100, 100]."""
+def _sampling(endpoint: Endpoint, body: dict, model: ServedModel) -> decode_pb2.SamplingParams:
+    """The sampling fields the client set, then the model's defaults for those it did not
+    (ServedModel.sampling_defaults: temperature always); the rest stay unset (the engine's
+    neutral defaults). vLLM's conventions: top_k -1 is no limit; a negative seed is a 64-bit
+    one; a logit bias is clamped to [-100, 100]."""
     sampling = decode_pb2.SamplingParams()
     for name in SAMPLING:
         if name not in body:
@@ -323,7 +328,10 @@ def _sampling(endpoint: Endpoint, body: dict, vocab_size: int) -> decode_pb2.Sam
     logprobs = _logprobs(endpoint, body)
     if logprobs is not None:
         sampling.logprobs = logprobs
-    sampling.logit_bias.update(logit_bias(body.get("logit_bias"), vocab_size))
+    sampling.logit_bias.update(logit_bias(body.get("logit_bias"), model.vocab_size))
+    for name, value in model.sampling_defaults.items():
+        if not sampling.HasField(name):
+            setattr(sampling, name, value)
     return sampling
 
 

@@ -28,6 +28,7 @@ from router.orchestrator import Orchestrator
 from router.output_parsing import OutputParsing
 from router.prompts import PromptTokenizer
 from router.requests import ServedModel
+from router.sampling_defaults import OPENAI, sampling_defaults
 from router.tokenization import SegmentTokenizer
 
 
@@ -58,6 +59,9 @@ class RouterConfig:
     """The same for prefill servers (http://name:port)."""
     spec_metrics: bool = False
     """One-choice responses carry their speculative decoding under `metrics`."""
+    generation_config: str = "auto"
+    """Where unset sampling fields come from (router/sampling_defaults.py): "auto" (the
+    model's generation_config.json), "vllm" (OpenAI's defaults) or a folder."""
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -106,6 +110,11 @@ def cli_parser() -> argparse.ArgumentParser:
     parser.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary"],
                         default="none", help="summary: a one-choice response carries its "
                         "speculative decoding under metrics (vLLM's)")  # fmt: skip
+    parser.add_argument("--generation-config", default="auto",
+                        help="the sampling of a request's unset fields (vLLM's): auto (the "
+                        "model's generation_config.json, then OpenAI's defaults: temperature "
+                        "1), vllm (OpenAI's defaults only), or a folder with a "
+                        "generation_config.json; greedy is temperature 0")  # fmt: skip
     parser.add_argument(
         "--reasoning-parser",
         default=None,
@@ -120,7 +129,8 @@ def config_of(args: argparse.Namespace) -> RouterConfig:
                         args.port, args.served_model_name, args.api_key, args.max_queue,
                         args.aggregated, not args.no_decode_only_fallback,
                         tuple(args.decode_service), tuple(args.prefill_service),
-                        args.per_request_spec_decode_metrics == "summary")  # fmt: skip
+                        args.per_request_spec_decode_metrics == "summary",
+                        args.generation_config)  # fmt: skip
 
 
 def main() -> None:
@@ -128,9 +138,13 @@ def main() -> None:
     logging.basicConfig(format="router.server: %(message)s", level=logging.INFO)
     try:
         config = config_of(args)
+        defaults = sampling_defaults(config.model, config.generation_config)
         sock = socket.create_server((config.host, config.port))
     except (ValueError, OSError) as e:
         sys.exit(f"router.server: cannot start: {e}")
+    if defaults != OPENAI:
+        print(f"router.server: unset sampling fields default to the model's generation config: "
+              f"{defaults} (--generation-config vllm for OpenAI's)", flush=True)  # fmt: skip
     # Long prompts are encoded in parts on the tokenizer's threads (router/tokenization.py).
     # The variable exists to keep a process that forks after using them from deadlocking;
     # the router never forks, and tools/serve turns it off for the processes it starts.
@@ -150,6 +164,7 @@ def main() -> None:
         max_model_len=int(hf_config.get("max_position_embeddings", 4096)),
         vocab_size=int(hf_config.get("vocab_size") or len(tokenizer.tokenizer)),
         spec_metrics=config.spec_metrics,
+        sampling_defaults=defaults,
     )
     orchestrator = Orchestrator(config.prefill, config.decode, HttpPrefillClient(),
                                 GrpcDecodeClient(), config.aggregated,

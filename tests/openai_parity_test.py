@@ -235,7 +235,8 @@ def test_chat_logprobs_streamed_or_not(client):
 
 def test_n_choices_share_one_kv_transfer_and_sample_with_their_own_seeds(client, stack):
     """n=3 with a seed: one prefill and one KV transfer for all (from the decode server's
-    metrics), three different texts (seeds 7, 8, 9), the same again when streamed."""
+    metrics), three different texts (seeds 7, 8, 9), the same again when streamed, and again
+    with no temperature sent (the default is 1)."""
     transferred = stack[2]
     kwargs = {"model": SERVED, "prompt": "Once upon a time", "max_tokens": 10,
               "temperature": 1.0, "seed": 7, "extra_body": {"ignore_eos": True}}  # fmt: skip
@@ -254,6 +255,10 @@ def test_n_choices_share_one_kv_transfer_and_sample_with_their_own_seeds(client,
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert streamed == texts
+    # No temperature: OpenAI's 1 (SmolLM2's generation config names none), as vLLM samples it.
+    del kwargs["temperature"]
+    unset = client.completions.create(**kwargs, n=3)
+    assert [c.text for c in unset.choices] == texts
 
 
 PERSON = {

@@ -125,6 +125,10 @@ def main() -> None:
                              "(prefill.server --help)")  # fmt: skip
     parser.add_argument("--tool-call-parser", default=None, help="the router's (hermes, ...)")
     parser.add_argument("--reasoning-parser", default=None, help="the router's (qwen3, ...)")
+    parser.add_argument("--generation-config", default="auto",
+                        help="the router's: unset sampling fields take the model's "
+                        "generation_config.json (auto; then temperature 1), OpenAI's defaults "
+                        "(vllm) or a folder's")  # fmt: skip
     args = parser.parse_args()
     problem = _configuration_problem(args, parser)
     if problem:
@@ -184,7 +188,8 @@ def main() -> None:
             prefills += ["--prefill", url]
         parsers = [f"--{name.replace('_', '-')}={value}" for name, value in (
             ("tool_call_parser", args.tool_call_parser),
-            ("reasoning_parser", args.reasoning_parser)) if value]  # fmt: skip
+            ("reasoning_parser", args.reasoning_parser),
+            ("generation_config", args.generation_config)) if value]  # fmt: skip
         proc, m = start(["router.server", "--model", model, "--host", args.host,
                          "--port", str(args.port), "--served-model-name", Path(model).name,
                          *prefills, *decodes, *parsers],

@@ -24,9 +24,9 @@ COMPLETIONS, CHAT = Endpoint.COMPLETIONS, Endpoint.CHAT
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
-def _parse(endpoint: Endpoint, body: dict | bytes):
+def _parse(endpoint: Endpoint, body: dict | bytes, model: ServedModel = MODEL):
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return parse(endpoint, raw, MODEL)
+    return parse(endpoint, raw, model)
 
 
 PROMPT_FORMS = "prompt: a string, a non-empty list of token ids below 1000, or a list of either"
@@ -48,7 +48,9 @@ def test_a_completion_with_defaults():
     request = _parse(COMPLETIONS, {"model": "tiny", "prompt": "Hello"})
     assert (request.text, request.token_ids, request.messages) == ("Hello", None, None)
     assert request.max_tokens == 16
-    assert request.sampling == decode_pb2.SamplingParams()  # nothing set: the server's defaults
+    # Nothing set: OpenAI's temperature (the served model has no generation config), the
+    # engine's neutral defaults for the rest.
+    assert request.sampling == decode_pb2.SamplingParams(temperature=1.0)
     assert (request.min_tokens, request.stop_token_ids, request.ignore_eos) == (0, (), False)
     assert (request.stops, request.stream, request.include_usage) == ((), False, False)
     assert request.skip_special_tokens and not request.include_stop_str_in_output
@@ -105,7 +107,7 @@ def test_null_means_absent():
     body = {"prompt": "x", "logprobs": None, "temperature": None, "stop": None, "n": None,
             "seed": None, "stream": None, "stream_options": None, "user": None}  # fmt: skip
     request = _parse(COMPLETIONS, body)
-    assert request.sampling == decode_pb2.SamplingParams() and not request.stream
+    assert request.sampling == decode_pb2.SamplingParams(temperature=1.0) and not request.stream
 
 
 @pytest.mark.parametrize(
@@ -142,12 +144,22 @@ def test_an_echo_of_no_tokens_is_the_prompt_alone_of_one_token_generated():
     assert not _parse(COMPLETIONS, {"prompt": "x", "echo": True}).prompt_only
 
 
+def test_unset_fields_take_the_models_defaults_and_set_ones_stay():
+    model = ServedModel("tiny", 64, 1000, sampling_defaults={"temperature": 0.6, "top_k": 20})
+    body = {"prompt": "x", "n": 2}  # sampled at the model's temperature: n needs no more
+    assert _parse(COMPLETIONS, body, model).sampling == decode_pb2.SamplingParams(
+        temperature=0.6, top_k=20)  # fmt: skip
+    body = {"prompt": "x", "temperature": 0, "top_k": -1}
+    assert _parse(COMPLETIONS, body, model).sampling == decode_pb2.SamplingParams(
+        temperature=0.0, top_k=0)  # fmt: skip
+
+
 def test_logit_bias_by_token_id_clamped_as_vllm():
     body = {"prompt": "x", "logit_bias": {"999": 1.5, "0": -250, "17": 100.5}}
     assert dict(_parse(COMPLETIONS, body).sampling.logit_bias) == {999: 1.5, 0: -100.0, 17: 100.0}
     for empty in ({}, None):
         sampling = _parse(CHAT, {"messages": MESSAGES, "logit_bias": empty}).sampling
-        assert sampling == decode_pb2.SamplingParams()
+        assert sampling == decode_pb2.SamplingParams(temperature=1.0)
 
 
 def test_integral_floats_are_integers_as_vllms_pydantic_models_take_them():
@@ -216,7 +228,7 @@ def test_chat_messages_as_clients_send_them(messages, expected):
          "n: 129 is not an integer in [1, 128]"),
         (COMPLETIONS, {"prompt": "x", "n": True}, 400, "n",
          "n: True is not an integer in [1, 128]"),
-        (COMPLETIONS, {"prompt": "x", "n": 2}, 400, "n",
+        (COMPLETIONS, {"prompt": "x", "n": 2, "temperature": 0}, 400, "n",
          "n: 2 choices need sampling (a temperature above 0); greedy ones would all be the same"),
         (COMPLETIONS, {"prompt": "x", "best_of": 2}, 400, "best_of",
          "best_of: 2 is not supported yet"),
