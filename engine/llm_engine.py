@@ -378,13 +378,14 @@ class LLMEngine:
             new = seq.token_ids[before[seq_id] :]
             token_logprobs = logprobs.get(seq_id) or [None] * len(new)
             # Its first token carries the prompt's log-probabilities, if it asked: all in now.
-            asked = seq.sampling.prompt_logprobs is not None
-            prompt = tuple(seq.prompt_logprobs) if asked else None
+            first = seq.num_prompt_tokens - before[seq_id]  # that token's place in `new`
+            prompt = None
+            if seq.sampling.prompt_logprobs is not None and 0 <= first < len(new):
+                prompt = tuple(seq.prompt_logprobs)
             for i, (token, lp) in enumerate(zip(new, token_logprobs, strict=False)):
-                first = before[seq_id] + i == seq.num_prompt_tokens
                 last = i == len(new) - 1
                 outputs.append(StepOutput(seq_id, token, reason if last else None, lp,
-                                          prompt if first else None))  # fmt: skip
+                                          prompt if i == first else None))  # fmt: skip
             if reason is not None:
                 del self.sequences[seq_id]
         self._settle_idle_step()

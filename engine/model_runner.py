@@ -2,9 +2,8 @@
 
 Decode-only steps on CUDA replay a captured graph (engine/cuda_graphs.py); everything else
 (prefill chunks, mixed batches, CPU, a step with prompt log-probabilities to compute) runs the
-model eagerly. Rows of constrained sequences
-(structured output) have their grammar's mask applied to the logits, after the graph, before
-sampling.
+model eagerly. Rows of constrained sequences (structured output) have their grammar's mask
+applied to the logits, after the graph, before sampling.
 
 `launch` returns as soon as the work is queued on the device (engine/launched_step.py). A step
 planned ahead (engine.scheduler.schedule_ahead) feeds the tokens of the step before it, still on

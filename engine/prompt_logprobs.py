@@ -41,10 +41,13 @@ def prompt_spans(plan: StepPlan) -> list[PromptSpan]:
     """The plan's rows whose logits give prompt entries not yet computed; none when no
     sequence asks. Rows are counted as ModelRunner._forward_eager lays them out."""
     spans, row = [], 0
-    for item in plan.scheduled:
+    for item in plan.scheduled:  # NOTE: every step's; one attribute test for most items
         seq, top = item.seq, item.seq.sampling.prompt_logprobs
+        if top is None:
+            row += item.num_new_tokens
+            continue
         end = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
-        if top is not None and item.start < end:  # a chunk before the prompt's last position
+        if item.start < end:  # a chunk before the prompt's last position
             # Every position before the chunk gave its entry (no cached KV was taken).
             assert item.start <= len(seq.prompt_logprobs), "prompt positions without entries"
             first = max(item.start, len(seq.prompt_logprobs))
