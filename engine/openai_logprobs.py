@@ -3,6 +3,7 @@ prefill server and the router answer alike through it. No torch here: the router
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 
 FLOOR = -9999.0
@@ -67,3 +68,32 @@ def prompt_logprobs_field(
 
 def _logprob(value: float, rank: int, text: str) -> dict:
     return {"logprob": clamped(value), "rank": rank, "decoded_token": text}
+
+
+def token_texts(tokenizer) -> Callable[[int], str]:
+    """How logprobs name a token, as vLLM names it: its text decoded alone, with the leading
+    spaces a SentencePiece (Metaspace) tokenizer's decode drops from it put back (vLLM's
+    convert_ids_list_to_tokens), so " the" is not "the"."""
+    marker = _leading_space_marker(tokenizer)
+
+    def text(token_id: int) -> str:
+        decoded = tokenizer.decode([token_id]) or ""
+        if marker is None:
+            return decoded
+        raw = tokenizer.convert_ids_to_tokens(token_id) or ""
+        missing = (len(raw) - len(raw.lstrip(marker))) - (len(decoded) - len(decoded.lstrip(" ")))
+        return " " * missing + decoded if missing > 0 else decoded
+
+    return text
+
+
+def _leading_space_marker(tokenizer) -> str | None:
+    """A Metaspace pre-tokenizer's space marker (alone or in a Sequence), else None."""
+    pre = getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None)
+    if pre is None:
+        return None
+    config = json.loads(pre.__getstate__())
+    for part in [config, *config.get("pretokenizers", [])]:
+        if part.get("type") == "Metaspace":
+            return part.get("replacement", "\u2581")
+    return None

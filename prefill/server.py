@@ -37,7 +37,7 @@ from engine.chat_template import render_chat
 from engine.grammar import Grammar, structured_outputs_spec
 from engine.json_body import InvalidBody, json_object
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.openai_logprobs import completion_logprobs, prompt_logprobs_field
+from engine.openai_logprobs import completion_logprobs, prompt_logprobs_field, token_texts
 from engine.sampling import SAMPLING_FIELDS, SamplingParams
 from engine.sampling_ranges import MAX_N
 from engine.sequence import StopConditions
@@ -134,6 +134,7 @@ class PrefillServer:
         senders = self.engine.tp_workers if layout.tp_size > 1 else None
         self.worker = PrefillWorker(self.engine, publisher, self.sender, senders)
         self.tokenizer = _tokenizer(config.engine.model)
+        self._token_texts = None if self.tokenizer is None else token_texts(self.tokenizer)
         self.draining = False
         """Set by SIGTERM: /health and new requests answer 503 (the router goes elsewhere)."""
         self.drain_refusals = 0
@@ -310,7 +311,7 @@ class PrefillServer:
         NOTE: a random model has no tokenizer, so its tokens are always named by id."""
         if as_token_ids or self.tokenizer is None:
             return lambda token_id: f"token_id:{token_id}"
-        return lambda token_id: self.tokenizer.decode([token_id])
+        return self._token_texts
 
     def stop(self) -> None:
         self.worker.stop()

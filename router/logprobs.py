@@ -11,7 +11,7 @@ The router asks the prefill for `return_tokens_as_token_ids`, so its reply names
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engine.openai_logprobs import clamped, completion_logprobs, prompt_logprobs_field
 from proto.tandem.v1 import decode_pb2
@@ -78,9 +78,14 @@ class LogprobsFormat:
     Completions' text offsets run on across the calls of one response."""
 
     def __init__(
-        self, tokenizer, chat: bool, tokens_as_ids: bool = False, top_n: int | None = None
+        self,
+        token_text: Callable[[int], str],
+        chat: bool,
+        tokens_as_ids: bool = False,
+        top_n: int | None = None,
     ) -> None:
-        self.tokenizer = tokenizer
+        self.token_text = token_text
+        """A token's text (engine.openai_logprobs.token_texts of the router's tokenizer)."""
         self.chat = chat
         self.tokens_as_ids = tokens_as_ids
         self.top_n = top_n
@@ -112,14 +117,12 @@ class LogprobsFormat:
     def prompt(self, prompt_ids: Sequence[int], entries: Sequence) -> list[dict | None]:
         """vLLM's `prompt_logprobs` field; tokens named by their text whatever tokens_as_ids
         says (vLLM's decoded_token)."""
-        text = self.tokenizer.decode
-        return prompt_logprobs_field(prompt_ids, entries,
-                                     lambda t: text([t], skip_special_tokens=False))  # fmt: skip
+        return prompt_logprobs_field(prompt_ids, entries, self.token_text)
 
     def token(self, token_id: int) -> str:
         if self.tokens_as_ids:
             return f"{TOKEN_ID_PREFIX}{token_id}"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.token_text(token_id)
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict:
         token = self.token(token_id)

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from engine.openai_logprobs import token_texts
 from router import admin_api
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import BackendError, RequestError, error_body
@@ -94,6 +95,8 @@ class OpenAIApi:
     ) -> None:
         self.orchestrator = orchestrator
         self.prompts = prompts
+        self.token_text = token_texts(prompts.local.tokenizer)
+        """How logprobs name a token (vLLM's names)."""
         self.model = model
         self.api_key = api_key
         self.limiter = limiter
@@ -201,7 +204,7 @@ class OpenAIApi:
         """The response's framing, with a logprobs writer and an output parser per choice."""
         logprobs = parsers = ()
         if request.sampling.HasField("logprobs"):
-            logprobs = tuple(LogprobsFormat(self.prompts.local.tokenizer,
+            logprobs = tuple(LogprobsFormat(self.token_text,
                                             chat=request.endpoint is Endpoint.CHAT,
                                             tokens_as_ids=request.tokens_as_ids,
                                             top_n=request.sampling.logprobs)
@@ -214,7 +217,7 @@ class OpenAIApi:
         spec = self.model.spec_metrics and request.n == 1
         prompt_format = None
         if request.sampling.HasField("prompt_logprobs"):
-            prompt_format = LogprobsFormat(self.prompts.local.tokenizer, chat=False)
+            prompt_format = LogprobsFormat(self.token_text, chat=False)
         return StreamResponse(request.endpoint, response_id, self.model.name, int(time.time()),
                               request.include_usage, logprobs, parsers, spec, request.n,
                               prompt_format)  # fmt: skip

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from engine.openai_logprobs import token_texts
 from proto.tandem.v1 import decode_pb2
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import BackendError
@@ -113,7 +114,7 @@ def test_logprobs_ride_with_the_text_that_covers_their_tokens():
 
 
 def _response(endpoint: Endpoint, include_usage: bool = False, logprobs: bool = False):
-    fmt = (LogprobsFormat(CharTokenizer(), endpoint is CHAT),) if logprobs else ()
+    fmt = (LogprobsFormat(token_texts(CharTokenizer()), endpoint is CHAT),) if logprobs else ()
     return Response(endpoint, "id-1", "tiny", 1700, include_usage, fmt)
 
 
@@ -214,7 +215,7 @@ async def _prompt_then(prompt: str):
 def test_an_echo_with_logprobs_starts_with_the_prompts_and_the_body_names_them(prompt_only):
     events = echoed(_text(_prompt_then("abc"), 3), ["abc"], 1, prompt_only)
     choices = asyncio.run(collect(events))
-    prompt_format = LogprobsFormat(CharTokenizer(), chat=False)
+    prompt_format = LogprobsFormat(token_texts(CharTokenizer()), chat=False)
     response = dataclasses.replace(
         _response(COMPLETIONS, logprobs=True), prompt_format=prompt_format
     )
