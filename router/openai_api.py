@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.openai_logprobs import token_texts
 from router import admin_api
+from router.choice_streams import batched, echoed
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import BackendError, RequestError, error_body
 from router.generation import Finished, GenerationRequest
@@ -39,10 +40,8 @@ from router.requests import ApiRequest, Endpoint, ServedModel, generation_reques
 from router.streaming import (
     ChoiceText,
     Delta,
-    batched,
     collect,
     completion_body,
-    echoed,
     sse,
     text_events,
 )

@@ -12,6 +12,7 @@ import pytest
 
 from engine.openai_logprobs import token_texts
 from proto.tandem.v1 import decode_pb2
+from router.choice_streams import batched, echoed
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import BackendError
 from router.generation import Finished, PromptLogprobs, Tokens
@@ -21,10 +22,8 @@ from router.streaming import (
     ChoiceText,
     Delta,
     Response,
-    batched,
     collect,
     completion_body,
-    echoed,
     sse,
     text_events,
 )
