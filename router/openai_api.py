@@ -167,7 +167,7 @@ class OpenAIApi:
                        for part, prompt_ids in zip(parts, prompts, strict=True)]  # fmt: skip
         request_id = request.state.request_id
         response_id = f"{endpoint.id_prefix}-{request_id}"
-        response = self._response(api_request, prompts[0], response_id, len(parts))
+        response = self._response(api_request, prompts, response_id)
         parser = response.parser(0)
         skip_special = parser.skip_special_tokens if parser else api_request.skip_special_tokens
         streams = [self._events(generation, part, request_id, skip_special)
@@ -198,9 +198,11 @@ class OpenAIApi:
         return JSONResponse(completion_body(response, choices))
 
     def _response(
-        self, request: ApiRequest, prompt_ids: list[int], response_id: str, num_prompts: int
+        self, request: ApiRequest, prompts: list[list[int]], response_id: str
     ) -> StreamResponse:
-        """The response's framing, with a logprobs writer and an output parser per choice."""
+        """The response's framing, with a logprobs writer and an output parser per choice, of
+        a request whose prompts are `prompts` (token ids)."""
+        prompt_ids, num_prompts = prompts[0], len(prompts)
         logprobs = parsers = ()
         if request.sampling.HasField("logprobs"):
             logprobs = tuple(LogprobsFormat(self.token_text,
@@ -219,7 +221,8 @@ class OpenAIApi:
             prompt_format = LogprobsFormat(self.token_text, chat=False)
         return StreamResponse(request.endpoint, response_id, self.model.name, int(time.time()),
                               request.include_usage, logprobs, parsers, spec, request.n,
-                              prompt_format)  # fmt: skip
+                              prompt_format,
+                              tuple(prompts) if request.return_token_ids else ())  # fmt: skip
 
     async def _prompt_ids(self, request: ApiRequest) -> list[int]:
         try:

@@ -51,7 +51,7 @@ _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _COMMON = {"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
            "ignore_eos", "min_tokens", "logprobs", "prompt_logprobs", "logit_bias",
-           "skip_special_tokens",
+           "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids",
            "include_stop_str_in_output", *SAMPLING, *IGNORED, *structured.FIELDS}  # fmt: skip
 _NOT_YET = {
     "best_of": lambda v: v == 1,
@@ -80,7 +80,7 @@ class Endpoint(enum.Enum):
         if self is Endpoint.CHAT:
             extra = {"messages", "max_completion_tokens", "top_logprobs", *_TEMPLATE, *_TOOLS}
         else:
-            extra = {"prompt", "return_tokens_as_token_ids"}
+            extra = {"prompt"}
         return frozenset(_COMMON | extra | set(_NOT_YET))
 
     @property
@@ -144,6 +144,8 @@ class ApiRequest:
     skip_special_tokens: bool = True
     tokens_as_ids: bool = False
     """Logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+    return_token_ids: bool = False
+    """The response carries the prompt's token ids and each choice's (vLLM's)."""
     stream: bool = False
     include_usage: bool = False
     """Streaming: end with a chunk that carries the usage."""
@@ -223,6 +225,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         include_stop_str_in_output=flag(body, "include_stop_str_in_output", False),
         skip_special_tokens=flag(body, "skip_special_tokens", True),
         tokens_as_ids=flag(body, "return_tokens_as_token_ids", False),
+        return_token_ids=flag(body, "return_token_ids", False),
         stream=flag(body, "stream", False),
         include_usage=flag(options, "include_usage", False),
         n=n,

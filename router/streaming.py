@@ -157,6 +157,17 @@ class Response:
     prompt's tokens once."""
     prompt_format: LogprobsFormat | None = None
     """Writes the prompt's log-probabilities, when the request asks for them."""
+    prompt_token_ids: tuple[list[int], ...] = ()
+    """vLLM's return_token_ids: each prompt's token ids (a batch's in order), and every
+    choice's own are returned; empty: not asked."""
+
+    def token_ids_of(self, index: int, ids: list[int], first: bool) -> dict:
+        """Choice `index`'s token ids (and, completions' first, its prompt's), where asked."""
+        if not self.prompt_token_ids:
+            return {}
+        if first and self.endpoint is Endpoint.COMPLETIONS:
+            return {"prompt_token_ids": self.prompt_token_ids[index // self.n], "token_ids": ids}
+        return {"token_ids": ids}
 
     def head(self, chunk: bool) -> dict:
         kind = self.endpoint.chunk_object if chunk else self.endpoint.value
@@ -182,8 +193,13 @@ async def sse(events: AsyncIterator[Event], response: Response) -> AsyncIterator
     one with the finish reason, per choice; a usage chunk if asked, then [DONE]. A BackendError
     on the way ends it with an error event, then [DONE]."""
     head = response.head(chunk=True)
+    if response.endpoint is Endpoint.CHAT and response.prompt_token_ids:  # the first chunk's
+        first_head = {**head, "prompt_token_ids": response.prompt_token_ids[0]}
+    else:
+        first_head = head
     started: set[int] = set()
     """Choices with a chunk sent: the first one carries the role."""
+    sent = False
     finished: list[Finished] = []
     try:
         async with contextlib.aclosing(events):  # a client gone closes this, and `events`
@@ -195,10 +211,12 @@ async def sse(events: AsyncIterator[Event], response: Response) -> AsyncIterator
                     finished.append(event)
                     reason = response.finish_reason(event)
                     choice = _chunk_choice(response, event.index, None, first, reason)
-                    yield _event({**head, "choices": [choice]})
-                elif (choice := _chunk_choice(response, event.index, event, first)) is not None:
-                    yield _event({**head, "choices": [choice]})
+                elif (choice := _chunk_choice(response, event.index, event, first)) is None:
+                    continue
+                else:
                     started.add(event.index)
+                yield _event({**(head if sent else first_head), "choices": [choice]})
+                sent = True
         if response.include_usage:
             usage = {**head, "choices": [], "usage": _usage(finished, response.n)}
             yield _event({**usage, **_metrics(response, finished)})
@@ -229,6 +247,8 @@ def completion_body(response: Response, choices: list[tuple[Delta, Finished]]) -
     bodies = [_whole_choice(response, whole, finish) for whole, finish in choices]
     finished = [finish for _, finish in choices]
     body = {**response.head(chunk=False), "choices": bodies, "usage": _usage(finished, response.n)}
+    if response.endpoint is Endpoint.CHAT and response.prompt_token_ids:  # vLLM's: the response's
+        body["prompt_token_ids"] = response.prompt_token_ids[0]
     prompt = choices[0][0].prompt if choices else None
     if response.endpoint is Endpoint.CHAT and prompt is not None:  # vLLM's: the response's
         body["prompt_logprobs"] = response.prompt_logprobs_of(prompt)
@@ -253,26 +273,28 @@ def _whole_choice(response: Response, whole: Delta, finish: Finished) -> dict:
     )
     if response.endpoint is Endpoint.COMPLETIONS and whole.prompt is not None:  # each choice's
         choice["prompt_logprobs"] = response.prompt_logprobs_of(whole.prompt)
-    return choice
+    return {**choice, **response.token_ids_of(index, whole.token_ids, first=True)}
 
 
 def _chunk_choice(
     response: Response, index: int, delta: Delta | None, first: bool, finish: str | None = None
 ) -> dict | None:
     """Choice `index`'s part of a chunk for `delta` (None: its end, with `finish`), or None when
-    there is nothing to send (an output parser held the text back, and no logprobs came)."""
+    there is nothing to send (an output parser held the text back, and no logprobs or token ids
+    asked for came)."""
     logprobs = response.logprobs_of(delta) if delta and delta.logprobs else None
+    ids = response.token_ids_of(index, delta.token_ids if delta else [], first)
     if response.endpoint is not Endpoint.CHAT:
         text = delta.text if delta else ""
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, **ids}
     parser = response.parser(index)
     message = _chat_delta(parser, delta)
-    if message is None and logprobs is None and finish is None:
+    if message is None and logprobs is None and finish is None and not ids.get("token_ids"):
         return None
     message = message or ({"content": ""} if delta or not parser else {})
     if first:
         message = {"role": "assistant", **message}
-    return {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish, **ids}
 
 
 def _chat_delta(parser: ChoiceParser | None, delta: Delta | None) -> dict | None:

@@ -210,6 +210,30 @@ def test_prompt_logprobs_in_vllms_shape_as_hugging_face(client, router, hf_model
     ).choices[0].model_extra  # fmt: skip
 
 
+def test_return_token_ids_as_vllm(client, router):
+    """The prompt's ids (those /tokenize gives) and each choice's generated ones (those its
+    logprobs name), in a body and in a stream; chat names logprobs' tokens by id too."""
+    prompt = "The capital of France is"
+    tokens = httpx.post(f"{router}/tokenize", json={"prompt": prompt}, timeout=10).json()["tokens"]
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    kwargs = {"model": SERVED, "max_tokens": 5, "temperature": 0, "logprobs": 1}
+    choice = client.completions.create(prompt=prompt, extra_body=extra, **kwargs).choices[0]
+    named = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+    assert choice.model_extra["prompt_token_ids"] == tokens
+    assert choice.model_extra["token_ids"] == named and len(named) == 5
+    chunks = list(client.completions.create(prompt=prompt, extra_body=extra, stream=True,
+                                            **kwargs))  # fmt: skip
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == tokens
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == named
+    chat = client.chat.completions.create(messages=MESSAGES, extra_body=extra, **{
+        **kwargs, "logprobs": True})  # fmt: skip
+    generated = chat.choices[0].model_extra["token_ids"]
+    assert [e.token for e in chat.choices[0].logprobs.content] == [
+        f"token_id:{t}" for t in generated]  # fmt: skip
+    rendered = httpx.post(f"{router}/tokenize", json={"messages": MESSAGES}, timeout=10)
+    assert chat.model_extra["prompt_token_ids"] == rendered.json()["tokens"]
+
+
 def _token_text(router: str, token: int) -> str:
     """The token's text, as /detokenize gives it."""
     reply = httpx.post(f"{router}/detokenize", json={"tokens": [token]}, timeout=10)

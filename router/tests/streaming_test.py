@@ -137,6 +137,34 @@ def test_completion_chunks():
     ]
 
 
+def test_token_ids_where_vllms_return_token_ids_puts_them():
+    """Completions: each choice's prompt ids on its first chunk and in its body; chat: the
+    prompt's on the response's first chunk and in its body; every choice's own ids."""
+    prompt = ids("why")
+
+    def run(endpoint: Endpoint, stream: bool):
+        upstream = Upstream(["Hi", "!"], Finished("length", 0, 0))
+        events = _text(upstream.stream(), 3)
+        response = dataclasses.replace(_response(endpoint), prompt_token_ids=(prompt,))
+        if stream:
+            return [json.loads(line[6:]) for line in asyncio.run(_list(sse(events, response)))[:-1]]
+        return completion_body(response, asyncio.run(collect(events)))
+
+    chunks = run(COMPLETIONS, stream=True)
+    assert [c["choices"][0].get("prompt_token_ids") for c in chunks] == [prompt, None, None]
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [ids("Hi"), ids("!"), []]
+    [choice] = run(COMPLETIONS, stream=False)["choices"]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == (prompt, ids("Hi!"))
+    chunks = run(CHAT, stream=True)
+    assert [c.get("prompt_token_ids") for c in chunks] == [prompt, None, None]
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [ids("Hi"), ids("!"), []]
+    body = run(CHAT, stream=False)
+    assert body["prompt_token_ids"] == prompt and body["choices"][0]["token_ids"] == ids("Hi!")
+    events = _text(Upstream(["Hi"], Finished("length", 0, 0)).stream(), 3)
+    plain = completion_body(_response(CHAT), asyncio.run(collect(events)))  # not asked: none
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
 def test_chat_chunks_name_the_role_first_and_end_with_usage_when_asked():
     chunks = _sse(Upstream(["Hi", "!"], Finished("stop", 0, 0)), CHAT, True)
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
