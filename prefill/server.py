@@ -192,7 +192,8 @@ class PrefillServer:
                     text = render_chat(self.tokenizer, body["messages"], body)
                 except (TemplateError, TypeError, ValueError) as e:
                     return _error(400, f"chat template: {e}")
-                tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                add = body.get("add_special_tokens", False)  # the template writes its own
+                tokens = self.tokenizer(text, add_special_tokens=add)["input_ids"]
             elif isinstance(body.get("prompt"), str):
                 add = body.get("add_special_tokens", True)
                 tokens = self.tokenizer(body["prompt"], add_special_tokens=add)["input_ids"]

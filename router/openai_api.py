@@ -227,9 +227,10 @@ class OpenAIApi:
     async def _prompt_ids(self, request: ApiRequest) -> list[int]:
         try:
             if request.messages is not None:
-                return await self.prompts.chat(request.messages, request.template)
+                return await self.prompts.chat(request.messages, request.template,
+                                               request.add_special_tokens)  # fmt: skip
             if request.text is not None:
-                return await self.prompts.text(request.text)
+                return await self.prompts.text(request.text, request.add_special_tokens)
         except BackendError as e:  # tokenized by a prefill that refused or failed
             raise RequestError(e.status, str(e)) from None
         return request.token_ids

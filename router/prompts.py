@@ -81,20 +81,33 @@ class PromptTokenizer:
         )
         return encoded["input_ids"]
 
-    async def chat(self, messages: Sequence[dict], template: dict | None = None) -> list[int]:
+    async def chat(
+        self,
+        messages: Sequence[dict],
+        template: dict | None = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
         """A conversation rendered with the model's chat template; `template`: the request's
         template arguments in vLLM's names (SegmentTokenizer.render), the generation prompt
-        added unless they say otherwise."""
+        added unless they say otherwise; `add_special_tokens`: the tokenizer's own (a BOS)
+        added to the rendered text too, as vLLM's chat request field asks."""
         template = {"add_generation_prompt": True, **(template or {})}
         if self.source == "prefill":
-            return await self.orchestrator.tokenize({"messages": list(messages), **template})
-        return await self._off_loop(partial(self._chat_ids, messages, template))
+            body = {"messages": list(messages), **template}
+            if add_special_tokens:
+                body["add_special_tokens"] = True
+            return await self.orchestrator.tokenize(body)
+        return await self._off_loop(partial(self._chat_ids, messages, template, add_special_tokens))
 
-    def _chat_ids(self, messages: Sequence[dict], template: dict) -> list[int]:
+    def _chat_ids(
+        self, messages: Sequence[dict], template: dict, add_special_tokens: bool
+    ) -> list[int]:
         try:
             text = self.local.render(messages, template)
         except (TemplateError, TypeError, ValueError) as e:  # a template refusing the request
             raise RequestError(400, f"chat template: {e}", "messages") from None
+        if add_special_tokens:  # rare: the whole text, past the segment cache
+            return self.local.tokenizer(text, add_special_tokens=True)["input_ids"]
         return self.local.encode(text)
 
     async def _off_loop(self, work: Callable):

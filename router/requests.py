@@ -52,6 +52,7 @@ _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _COMMON = {"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
            "ignore_eos", "min_tokens", "logprobs", "prompt_logprobs", "logit_bias",
            "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids",
+           "add_special_tokens",
            "include_stop_str_in_output", *SAMPLING, *IGNORED, *structured.FIELDS}  # fmt: skip
 _NOT_YET = {
     "best_of": lambda v: v == 1,
@@ -146,6 +147,9 @@ class ApiRequest:
     """Logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
     return_token_ids: bool = False
     """The response carries the prompt's token ids and each choice's (vLLM's)."""
+    add_special_tokens: bool = True
+    """The tokenizer adds its special tokens (a BOS) to a text prompt, or, for chat, to the
+    rendered template besides those the template writes (vLLM's; chat's default is False)."""
     stream: bool = False
     include_usage: bool = False
     """Streaming: end with a chunk that carries the usage."""
@@ -226,6 +230,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         skip_special_tokens=flag(body, "skip_special_tokens", True),
         tokens_as_ids=flag(body, "return_tokens_as_token_ids", False),
         return_token_ids=flag(body, "return_token_ids", False),
+        add_special_tokens=flag(body, "add_special_tokens", endpoint is Endpoint.COMPLETIONS),
         stream=flag(body, "stream", False),
         include_usage=flag(options, "include_usage", False),
         n=n,

@@ -138,6 +138,13 @@ def test_prompt_logprobs_asked_or_taken_from_an_echo(endpoint, body, prompt_logp
     assert asked == prompt_logprobs
 
 
+def test_special_tokens_are_added_to_a_text_not_to_a_chat_unless_asked():
+    assert _parse(COMPLETIONS, {"prompt": "x"}).add_special_tokens
+    assert not _parse(COMPLETIONS, {"prompt": "x", "add_special_tokens": False}).add_special_tokens
+    assert not _parse(CHAT, {"messages": MESSAGES}).add_special_tokens
+    assert _parse(CHAT, {"messages": MESSAGES, "add_special_tokens": True}).add_special_tokens
+
+
 def test_an_echo_of_no_tokens_is_the_prompt_alone_of_one_token_generated():
     request = _parse(COMPLETIONS, {"prompt": "x", "echo": True, "max_tokens": 0})
     assert request.prompt_only and request.max_tokens == 1
