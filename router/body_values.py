@@ -84,3 +84,10 @@ def stops(stop) -> tuple[str, ...]:
 
 def is_token_id(value, vocab_size: int) -> bool:
     return type(value) is int and 0 <= value < vocab_size
+
+
+def request_id(value) -> str | None:
+    """vLLM's `request_id`: a printable string of at most 256 characters, or None."""
+    if value is None or (isinstance(value, str) and 0 < len(value) <= 256 and value.isprintable()):
+        return value
+    raise RequestError(400, "request_id: a string of 1 to 256 printable characters", "request_id")

@@ -1,4 +1,5 @@
-"""Chat messages as clients send them, checked and made ready for the chat template.
+"""Chat messages as clients send them, checked and made ready for the chat template, and the
+template's arguments (`template_arguments`).
 
 OpenAI's clients send `content` as a string or as a list of parts; a text-only model takes the
 text parts, joined with newlines (as vLLM does), and refuses the others by their type. An
@@ -10,11 +11,16 @@ from __future__ import annotations
 
 import json
 
+from router.body_values import flag
 from router.errors import RequestError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _KEPT = ("name", "tool_call_id")
 """Optional fields templates read, passed on as they are (strings)."""
+TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                   "reasoning_effort")  # fmt: skip
+"""A chat's template arguments, in vLLM's names."""
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _MEDIA_PARTS = ("image_url", "input_audio", "audio_url", "video_url", "file", "image")
 
 
@@ -96,3 +102,26 @@ def _tool_calls(where: str, calls) -> list[dict]:
         out.append({"id": call.get("id"), "type": "function",
                     "function": {"name": name, "arguments": arguments}})  # fmt: skip
     return out
+
+
+def template_arguments(body: dict) -> dict:
+    """The chat template's arguments; reasoning_effort is passed to it as a variable (and
+    enable_thinking, as vLLM does)."""
+    template = {"add_generation_prompt": flag(body, "add_generation_prompt", True),
+                "continue_final_message": flag(body, "continue_final_message", False)}  # fmt: skip
+    if template["add_generation_prompt"] and template["continue_final_message"]:
+        raise RequestError(400, "continue_final_message: needs add_generation_prompt: false",
+                           "continue_final_message")  # fmt: skip
+    kwargs = body.get("chat_template_kwargs", {})
+    if not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise RequestError(400, "chat_template_kwargs: must be an object",
+                           "chat_template_kwargs")  # fmt: skip
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in _EFFORTS:
+            raise RequestError(400, f"reasoning_effort: {effort!r} is not one of "
+                               f"{', '.join(_EFFORTS)}", "reasoning_effort")  # fmt: skip
+        kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none", **kwargs}
+    if kwargs:
+        template["chat_template_kwargs"] = kwargs
+    return template

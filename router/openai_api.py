@@ -113,7 +113,7 @@ class OpenAIApi:
             response = error_response(401, "missing or wrong API key (Authorization: Bearer ...)")
         else:
             response = await call_next(request)
-        response.headers["X-Request-Id"] = request_id
+        response.headers["X-Request-Id"] = request.state.request_id  # a body's, where it named one
         self.metrics.count_response(request.url.path, response.status_code)
         return response
 
@@ -165,6 +165,8 @@ class OpenAIApi:
         self.orchestrator.on_phase("tokenize", time.monotonic() - started)
         generations = [generation_request(part, prompt_ids, model.max_model_len)
                        for part, prompt_ids in zip(parts, prompts, strict=True)]  # fmt: skip
+        if api_request.request_id and "x-request-id" not in request.headers:  # vLLM's order
+            request.state.request_id = api_request.request_id
         request_id = request.state.request_id
         response_id = f"{endpoint.id_prefix}-{request_id}"
         response = self._response(api_request, prompts, response_id)

@@ -26,13 +26,14 @@ from router.body_values import (
     integer,
     is_token_id,
     logit_bias,
+    request_id,
     seed,
     stops,
     whole,
 )
 from router.errors import RequestError
 from router.generation import GenerationRequest
-from router.messages import chat_messages
+from router.messages import TEMPLATE_FIELDS, chat_messages, template_arguments
 from router.sampling_defaults import OPENAI
 from router.tool_calls import ToolUse, check_tools, template_tools, tool_choice_schema
 
@@ -45,14 +46,11 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalt
 IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 """OpenAI's fields that identify or label a request, or hint at an absent feature: accepted,
 without effect (as vLLM does)."""
-_TEMPLATE = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-             "reasoning_effort")  # fmt: skip
 _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
-_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _COMMON = {"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
            "ignore_eos", "min_tokens", "logprobs", "prompt_logprobs", "logit_bias",
            "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids",
-           "add_special_tokens",
+           "add_special_tokens", "request_id",
            "include_stop_str_in_output", *SAMPLING, *IGNORED, *structured.FIELDS}  # fmt: skip
 _NOT_YET = {
     "best_of": lambda v: v == 1,
@@ -79,7 +77,7 @@ class Endpoint(enum.Enum):
     @property
     def parameters(self) -> frozenset[str]:
         if self is Endpoint.CHAT:
-            extra = {"messages", "max_completion_tokens", "top_logprobs", *_TEMPLATE, *_TOOLS}
+            extra = {"messages", "max_completion_tokens", "top_logprobs", *TEMPLATE_FIELDS, *_TOOLS}
         else:
             extra = {"prompt"}
         return frozenset(_COMMON | extra | set(_NOT_YET))
@@ -147,6 +145,8 @@ class ApiRequest:
     """Logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
     return_token_ids: bool = False
     """The response carries the prompt's token ids and each choice's (vLLM's)."""
+    request_id: str | None = None
+    """vLLM's: the request's id (the response's is "cmpl-<id>"), unless X-Request-Id names one."""
     add_special_tokens: bool = True
     """The tokenizer adds its special tokens (a BOS) to a text prompt, or, for chat, to the
     rendered template besides those the template writes (vLLM's; chat's default is False)."""
@@ -182,7 +182,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
     constraint = structured.structured_output(body)
     if endpoint is Endpoint.CHAT:
         messages = chat_messages(body.get("messages"))
-        template = _template(body)
+        template = template_arguments(body)
         tools, constraint = _tools(body, model, template, constraint)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
@@ -230,6 +230,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         skip_special_tokens=flag(body, "skip_special_tokens", True),
         tokens_as_ids=flag(body, "return_tokens_as_token_ids", False),
         return_token_ids=flag(body, "return_token_ids", False),
+        request_id=request_id(body.get("request_id")),
         add_special_tokens=flag(body, "add_special_tokens", endpoint is Endpoint.COMPLETIONS),
         stream=flag(body, "stream", False),
         include_usage=flag(options, "include_usage", False),
@@ -385,26 +386,3 @@ def _tools(body: dict, model: ServedModel, template: dict, constraint):
                            "response_format or structured_outputs", "tool_choice")  # fmt: skip
     schema = tool_choice_schema(tools.tools, tools.tool_choice, tools.parallel_tool_calls)
     return tools, structured.json_schema(schema, "tools")
-
-
-def _template(body: dict) -> dict:
-    """The chat template's arguments; reasoning_effort is passed to it as a variable (and
-    enable_thinking, as vLLM does)."""
-    template = {"add_generation_prompt": flag(body, "add_generation_prompt", True),
-                "continue_final_message": flag(body, "continue_final_message", False)}  # fmt: skip
-    if template["add_generation_prompt"] and template["continue_final_message"]:
-        raise RequestError(400, "continue_final_message: needs add_generation_prompt: false",
-                           "continue_final_message")  # fmt: skip
-    kwargs = body.get("chat_template_kwargs", {})
-    if not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
-        raise RequestError(400, "chat_template_kwargs: must be an object",
-                           "chat_template_kwargs")  # fmt: skip
-    effort = body.get("reasoning_effort")
-    if effort is not None:
-        if effort not in _EFFORTS:
-            raise RequestError(400, f"reasoning_effort: {effort!r} is not one of "
-                               f"{', '.join(_EFFORTS)}", "reasoning_effort")  # fmt: skip
-        kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none", **kwargs}
-    if kwargs:
-        template["chat_template_kwargs"] = kwargs
-    return template

@@ -42,6 +42,12 @@ def test_a_completion_with_the_request_id_echoed():
         assert body["id"] == "cmpl-t-1" and body["object"] == "text_completion"
         assert body["choices"][0]["text"] == "Paris"
         assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 5, "total_tokens": 13}
+        # vLLM's body field names it where no header does.
+        named = {**COMPLETION, "request_id": "b-2"}
+        reply = await router.post("/v1/completions", named)
+        assert reply.headers["x-request-id"] == "b-2" and reply.json()["id"] == "cmpl-b-2"
+        reply = await router.post("/v1/completions", named, headers={"X-Request-Id": "t-3"})
+        assert reply.headers["x-request-id"] == "t-3" and reply.json()["id"] == "cmpl-t-3"
 
     _run(test)
 
