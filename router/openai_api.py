@@ -215,7 +215,8 @@ class OpenAIApi:
         if request.tools is not None:  # a chat
             kwargs = (request.template or {}).get("chat_template_kwargs")
             parsers = tuple(self.parsing.start(request.tools, prompt_ids,
-                                               request.skip_special_tokens, kwargs)
+                                               request.skip_special_tokens, kwargs,
+                                               request.include_reasoning)
                             for _ in range(request.n))  # fmt: skip
         spec = self.model.spec_metrics and request.n == 1
         prompt_format = None

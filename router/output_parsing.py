@@ -51,13 +51,18 @@ class OutputParsing:
         prompt_ids: Sequence[int],
         skip_special_tokens: bool = True,
         chat_template_kwargs: dict | None = None,
+        include_reasoning: bool = True,
     ) -> ChoiceParser:
         """The parser of one request's output. `skip_special_tokens`: the client's;
         `chat_template_kwargs`: those the prompt was rendered with (qwen3 reads
-        enable_thinking)."""
+        enable_thinking); `include_reasoning` False (vLLM's): the reasoning is parsed out and
+        left out of the answer."""
         if self._vllm is None:
-            return ChoiceParser(use, None, None, prompt_ids, skip_special_tokens)
-        return self._vllm.start(use, prompt_ids, skip_special_tokens, chat_template_kwargs)
+            parser = ChoiceParser(use, None, None, prompt_ids, skip_special_tokens)
+        else:
+            parser = self._vllm.start(use, prompt_ids, skip_special_tokens, chat_template_kwargs)
+        parser.include_reasoning = include_reasoning
+        return parser
 
 
 class ChoiceParser:
@@ -75,6 +80,8 @@ class ChoiceParser:
         self._prompt_ids = list(prompt_ids)
         self._forced = ConstrainedCalls(use.tool_choice) if use.constrained else None
         self._called = False
+        self.include_reasoning = True
+        """False: the reasoning a reasoning parser finds is left out (vLLM's include_reasoning)."""
 
     def whole(self, text: str) -> dict:
         """The message's fields besides `role`: content, reasoning (None without a reasoning
@@ -95,7 +102,7 @@ class ChoiceParser:
         if not self._use.parallel_tool_calls:
             calls = calls[:1]
         self._called = bool(calls)
-        message = {"content": content, "reasoning": reasoning}
+        message = {"content": content, "reasoning": reasoning if self.include_reasoning else None}
         if calls:
             message["tool_calls"] = calls
         return message
@@ -129,6 +136,8 @@ class ChoiceParser:
             delta = message.model_dump(exclude_unset=True) if message is not None else None
         if delta is None:
             return None
+        if not self.include_reasoning:
+            delta.pop("reasoning", None)
         if self._forced is not None and "content" in delta:
             calls = self._forced.feed(delta.pop("content") or "")
             if calls:

@@ -77,7 +77,14 @@ class Endpoint(enum.Enum):
     @property
     def parameters(self) -> frozenset[str]:
         if self is Endpoint.CHAT:
-            extra = {"messages", "max_completion_tokens", "top_logprobs", *TEMPLATE_FIELDS, *_TOOLS}
+            extra = {
+                "messages",
+                "max_completion_tokens",
+                "top_logprobs",
+                "include_reasoning",
+                *TEMPLATE_FIELDS,
+                *_TOOLS,
+            }
         else:
             extra = {"prompt"}
         return frozenset(_COMMON | extra | set(_NOT_YET))
@@ -145,6 +152,8 @@ class ApiRequest:
     """Logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
     return_token_ids: bool = False
     """The response carries the prompt's token ids and each choice's (vLLM's)."""
+    include_reasoning: bool = True
+    """Chat: the reasoning a --reasoning-parser finds is answered (vLLM's)."""
     request_id: str | None = None
     """vLLM's: the request's id (the response's is "cmpl-<id>"), unless X-Request-Id names one."""
     add_special_tokens: bool = True
@@ -231,6 +240,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         tokens_as_ids=flag(body, "return_tokens_as_token_ids", False),
         return_token_ids=flag(body, "return_token_ids", False),
         request_id=request_id(body.get("request_id")),
+        include_reasoning=flag(body, "include_reasoning", True),
         add_special_tokens=flag(body, "add_special_tokens", endpoint is Endpoint.COMPLETIONS),
         stream=flag(body, "stream", False),
         include_usage=flag(options, "include_usage", False),

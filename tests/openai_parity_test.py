@@ -400,6 +400,16 @@ def test_reasoning_is_split_from_the_content(parsing_client, stream):
         reasoning, content = message.reasoning, message.content
     assert reasoning and "<think>" not in reasoning and "</think>" not in reasoning
     assert content and content.endswith(".") and "think>" not in content
+    # vLLM's include_reasoning false: the same content, the reasoning left out.
+    kwargs["extra_body"]["include_reasoning"] = False
+    if stream:
+        chunks = parsing_client.chat.completions.create(**kwargs, stream=True)
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert not any(getattr(d, "reasoning", None) for d in deltas)
+        assert "".join(d.content or "" for d in deltas) == content
+    else:
+        message = parsing_client.chat.completions.create(**kwargs).choices[0].message
+        assert message.content == content and getattr(message, "reasoning", None) is None
 
 
 BAD_INPUT = [
