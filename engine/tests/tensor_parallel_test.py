@@ -107,6 +107,29 @@ def test_tp2_with_prefix_caching_equals_tp1(tp1_output):
         engine.close()
 
 
+def _prompt_logprobs(config: EngineConfig, prompt: list[int]) -> tuple:
+    """The prompt's log-probabilities (3 most likely tokens), in chunks of 32."""
+    engine = LLMEngine.build(config)
+    try:
+        engine.add_request("p", prompt, SamplingParams(prompt_logprobs=3), StopConditions(1))
+        outputs = []
+        while engine.has_unfinished:
+            outputs += engine.step()
+        [out] = outputs
+        assert engine.pool.num_free == engine.kv_cache.num_blocks
+        return out.prompt_logprobs
+    finally:
+        engine.close()
+
+
+def test_tp2_prompt_logprobs_equal_tp1():
+    # Each slice of the logits is gathered over the ranks, as the sampled row's is.
+    one, two = (_prompt_logprobs(_config(tp=tp), PROMPTS[1]) for tp in (1, 2))
+    assert len(one) == len(PROMPTS[1]) - 1
+    assert [(e.rank, e.top_token_ids) for e in two] == [(e.rank, e.top_token_ids) for e in one]
+    assert [e.logprob for e in two] == pytest.approx([e.logprob for e in one], abs=1e-5)
+
+
 def test_fp8_weights_tp2_equal_tp1():
     # Random weights quantized as a checkpoint's (64x64 blocks), each rank's part cut from it
     # with its scales: whole blocks of every split matrix.
