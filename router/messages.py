@@ -125,3 +125,13 @@ def template_arguments(body: dict) -> dict:
     if kwargs:
         template["chat_template_kwargs"] = kwargs
     return template
+
+
+def echoed_text(messages: list[dict], template: dict) -> str:
+    """What a chat's `echo` puts before each choice's content (vLLM's): the last message's
+    content, where it is the assistant's (the answer continues it) or no generation prompt
+    follows it; else nothing."""
+    last = messages[-1]
+    if template.get("add_generation_prompt", True) and last["role"] != "assistant":
+        return ""
+    return last.get("content") or ""

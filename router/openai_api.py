@@ -32,6 +32,7 @@ from router.errors import BackendError, RequestError, error_body
 from router.generation import Finished, GenerationRequest
 from router.limiter import InFlightLimiter, QueueFull
 from router.logprobs import LogprobsFormat
+from router.messages import echoed_text
 from router.metrics import RequestTimer, RouterMetrics
 from router.orchestrator import Orchestrator
 from router.output_parsing import OutputParsing
@@ -184,7 +185,7 @@ class OpenAIApi:
             return Response(status_code=CLIENT_GONE)
         started_streams = [_chain(f, rest) for f, rest in zip(firsts, streams, strict=True)]
         events = batched(started_streams, api_request.n)
-        if api_request.echo:
+        if api_request.echo and api_request.messages is None:  # a chat's: the Response's
             decode = self.prompts.local.tokenizer.decode
             texts = [part.text if part.text is not None else decode(ids)
                      for part, ids in zip(parts, prompts, strict=True)]  # fmt: skip
@@ -219,13 +220,17 @@ class OpenAIApi:
                                                request.include_reasoning)
                             for _ in range(request.n))  # fmt: skip
         spec = self.model.spec_metrics and request.n == 1
+        chat_echo = ""
+        if request.echo and request.messages is not None:
+            chat_echo = echoed_text(request.messages, request.template or {})
         prompt_format = None
         if request.sampling.HasField("prompt_logprobs"):
             prompt_format = LogprobsFormat(self.token_text, chat=False)
         return StreamResponse(request.endpoint, response_id, self.model.name, int(time.time()),
                               request.include_usage, logprobs, parsers, spec, request.n,
                               prompt_format,
-                              tuple(prompts) if request.return_token_ids else ())  # fmt: skip
+                              tuple(prompts) if request.return_token_ids else (),
+                              chat_echo)  # fmt: skip
 
     async def _prompt_ids(self, request: ApiRequest) -> list[int]:
         try:

@@ -50,11 +50,10 @@ _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 _COMMON = {"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
            "ignore_eos", "min_tokens", "logprobs", "prompt_logprobs", "logit_bias",
            "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids",
-           "add_special_tokens", "request_id",
+           "add_special_tokens", "request_id", "echo",
            "include_stop_str_in_output", *SAMPLING, *IGNORED, *structured.FIELDS}  # fmt: skip
 _NOT_YET = {
     "best_of": lambda v: v == 1,
-    "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
 }
 """Known parameters tandem does not serve yet, and the values that ask for nothing."""
@@ -91,10 +90,8 @@ class Endpoint(enum.Enum):
 
     @property
     def not_yet(self) -> dict:
-        """Its known parameters tandem does not serve yet, and the values that ask for nothing:
-        completions serve `echo` (chat's, which repeats the last message, they do not)."""
-        if self is Endpoint.COMPLETIONS:
-            return {k: v for k, v in _NOT_YET.items() if k != "echo"}
+        """Its known parameters tandem does not serve yet, and the values that ask for
+        nothing (as vLLM's server, which refuses them too)."""
         return _NOT_YET
 
 
@@ -198,8 +195,8 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
         prompts = _prompts(body.get("prompt"), model.vocab_size)
         (text, token_ids), others = prompts[0], prompts[1:]
         max_tokens = body.get("max_tokens", 16)
-    echo = flag(body, "echo", False)  # chat's is refused (not_yet)
-    prompt_only = echo and whole(max_tokens) == 0
+    echo = flag(body, "echo", False)
+    prompt_only = echo and endpoint is Endpoint.COMPLETIONS and whole(max_tokens) == 0
     if prompt_only:  # vLLM's: the prompt alone, of one token generated and left out
         max_tokens = 1
     if max_tokens is not None:
@@ -217,7 +214,7 @@ def parse(endpoint: Endpoint, raw: bytes, model: ServedModel) -> ApiRequest:
     if others and (1 + len(others)) * n > MAX_CHOICES:
         raise RequestError(400, f"prompt: {1 + len(others)} prompts of {n} choices each, more "
                            f"than {MAX_CHOICES} choices", "prompt")  # fmt: skip
-    _prompt_logprobs(body, sampling, echo)
+    _prompt_logprobs(endpoint, body, sampling, echo)
     if n > 1 and not sampling.temperature:  # 0: greedy
         raise RequestError(400, f"n: {n} choices need sampling (a temperature above 0); greedy "
                            "ones would all be the same", "n")  # fmt: skip
@@ -354,17 +351,21 @@ def _sampling(endpoint: Endpoint, body: dict, model: ServedModel) -> decode_pb2.
     return sampling
 
 
-def _prompt_logprobs(body: dict, sampling: decode_pb2.SamplingParams, echo: bool) -> None:
-    """vLLM's `prompt_logprobs` (and completions' echo with logprobs, which takes their count):
-    the prompt's log-probabilities, in a body, not in a stream (vLLM refuses them there, and
-    streams them only as an echo's)."""
+def _prompt_logprobs(
+    endpoint: Endpoint, body: dict, sampling: decode_pb2.SamplingParams, echo: bool
+) -> None:
+    """vLLM's `prompt_logprobs` (and an echo with logprobs, which takes their count:
+    completions' `logprobs`, chat's `top_logprobs`): the prompt's log-probabilities, in a body,
+    not in a stream (vLLM refuses them there, and streams them only as a completions echo's)."""
     count = integer(body, "prompt_logprobs", 0, MAX_LOGPROBS + 1, None)
     streamed = flag(body, "stream", False)
     if count and streamed:
         raise RequestError(400, "prompt_logprobs: not available when stream is true",
                            "prompt_logprobs")  # fmt: skip
-    if echo and sampling.HasField("logprobs"):
+    if echo and endpoint is Endpoint.COMPLETIONS and sampling.HasField("logprobs"):
         count = sampling.logprobs if count is None else count
+    elif echo and not streamed and count is None:  # chat's: in the body only
+        count = integer(body, "top_logprobs", 0, MAX_LOGPROBS + 1, None)
     elif streamed:
         count = None  # 0: nothing to report
     if count is not None:

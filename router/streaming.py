@@ -161,6 +161,9 @@ class Response:
     """vLLM's return_token_ids: each prompt's token ids (a batch's in order), and every
     choice's own are returned; empty: not asked."""
 
+    chat_echo: str = ""
+    """A chat's `echo`: each choice's content starts with it (router.messages.echoed_text)."""
+
     def token_ids_of(self, index: int, ids: list[int], first: bool) -> dict:
         """Choice `index`'s token ids (and, completions' first, its prompt's), where asked."""
         if not self.prompt_token_ids:
@@ -207,6 +210,13 @@ async def sse(events: AsyncIterator[Event], response: Response) -> AsyncIterator
                 if isinstance(event, PromptLogprobs):  # streamed only as an echo's
                     continue
                 first = event.index not in started
+                if first and response.chat_echo:  # vLLM's: a chunk of it first
+                    echo = {"role": "assistant", "content": response.chat_echo}
+                    choice = {"index": event.index, "delta": echo, "logprobs": None,
+                              "finish_reason": None}  # fmt: skip
+                    yield _event({**(head if sent else first_head), "choices": [choice]})
+                    started.add(event.index)
+                    sent, first = True, False
                 if isinstance(event, Finished):
                     finished.append(event)
                     reason = response.finish_reason(event)
@@ -265,6 +275,8 @@ def _whole_choice(response: Response, whole: Delta, finish: Finished) -> dict:
     if response.endpoint is Endpoint.CHAT:
         parser = response.parser(index)
         fields = parser.whole(whole.text) if parser else {"content": whole.text}
+        if response.chat_echo:  # vLLM's: before the content, whatever the parsers found
+            fields["content"] = response.chat_echo + (fields.get("content") or "")
         choice = {"index": index, "message": {"role": "assistant", **_present(fields)}}
     else:
         choice = {"index": index, "text": whole.text}

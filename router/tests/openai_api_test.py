@@ -167,6 +167,14 @@ def test_echo_starts_each_choices_text_with_its_prompts_streamed_or_not():
         token_ids = {**echo, "prompt": [72, 105]}  # a token-id prompt echoes its text
         body = (await router.post("/v1/completions", token_ids)).json()
         assert body["choices"][0]["text"] == "HiParis"
+        # A chat's: the last message, where the answer continues it (vLLM's), else nothing.
+        start = {"role": "assistant", "content": "It is "}
+        continued = {**CHAT, "messages": [*CHAT["messages"], start], "echo": True,
+                     "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip
+        body = (await router.post("/v1/chat/completions", continued)).json()
+        assert body["choices"][0]["message"]["content"] == "It is Paris"
+        body = (await router.post("/v1/chat/completions", {**CHAT, "echo": True})).json()
+        assert body["choices"][0]["message"]["content"] == "Paris"
 
     _run(test)
 

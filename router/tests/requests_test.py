@@ -129,6 +129,9 @@ def test_logprobs_in_either_apis_shape(endpoint, body, logprobs):
      (COMPLETIONS, {"echo": True, "logprobs": 2, "prompt_logprobs": 4}, 4),
      (COMPLETIONS, {"echo": True}, None), (COMPLETIONS, {"logprobs": 2}, None),
      (COMPLETIONS, {"echo": True, "logprobs": 1, "stream": True}, 1),  # as the echo's
+     (CHAT, {"echo": True, "logprobs": True, "top_logprobs": 3}, 3),  # chat's: in the body
+     (CHAT, {"echo": True, "logprobs": True}, None),
+     (CHAT, {"echo": True, "logprobs": True, "top_logprobs": 3, "stream": True}, None),
      (COMPLETIONS, {"prompt_logprobs": 0, "stream": True}, None)],  # nothing to report
 )  # fmt: skip
 def test_prompt_logprobs_asked_or_taken_from_an_echo(endpoint, body, prompt_logprobs):
@@ -239,8 +242,6 @@ def test_chat_messages_as_clients_send_them(messages, expected):
          "n: 2 choices need sampling (a temperature above 0); greedy ones would all be the same"),
         (COMPLETIONS, {"prompt": "x", "best_of": 2}, 400, "best_of",
          "best_of: 2 is not supported yet"),
-        (CHAT, {"messages": MESSAGES, "echo": True}, 400, "echo",
-         "echo: True is not supported yet"),
         (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
          "prompt_logprobs", "prompt_logprobs: not available when stream is true"),
         (CHAT, {"messages": MESSAGES, "prompt_logprobs": 21}, 400, "prompt_logprobs",

@@ -165,6 +165,19 @@ def test_token_ids_where_vllms_return_token_ids_puts_them():
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
 
 
+def test_a_chats_echo_starts_each_choices_content_in_a_body_and_a_stream():
+    response = dataclasses.replace(_response(CHAT), chat_echo="Once ")
+    events = _text(Upstream(["Hi", "!"], Finished("length", 0, 0)).stream(), 3)
+    [choice] = completion_body(response, asyncio.run(collect(events)))["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "Once Hi!"}
+    events = _text(Upstream(["Hi", "!"], Finished("length", 0, 0)).stream(), 3)
+    chunks = [json.loads(line[6:]) for line in asyncio.run(_list(sse(events, response)))[:-1]]
+    assert [c["choices"][0]["delta"] for c in chunks] == [
+        {"role": "assistant", "content": "Once "}, {"content": "Hi"}, {"content": "!"},
+        {"content": ""},
+    ]  # fmt: skip
+
+
 def test_chat_chunks_name_the_role_first_and_end_with_usage_when_asked():
     chunks = _sse(Upstream(["Hi", "!"], Finished("stop", 0, 0)), CHAT, True)
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
