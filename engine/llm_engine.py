@@ -32,7 +32,7 @@ from engine.model_loader import Backend
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import PrefixCache
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
-from engine.sampling_ranges import MAX_N, logit_bias_vocabulary_problem
+from engine.sampling_ranges import MAX_N, vocabulary_problem
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, StopConditions
 from engine.spec_build import acceptance_curve, build_proposer, proposer_cache_config
@@ -207,7 +207,7 @@ class LLMEngine:
         if prompt_ids and not (min(prompt_ids) >= 0 and max(prompt_ids) < vocab):
             bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
-        if problem := logit_bias_vocabulary_problem(sampling.logit_bias, vocab):
+        if problem := vocabulary_problem(sampling.logit_bias, sampling.allowed_token_ids, vocab):
             raise ValueError(problem)
         seq = Sequence(
             seq_id, prompt_ids, sampling, stop, self.model_config.eos_token_ids, self.max_model_len

@@ -14,7 +14,13 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from engine.host_values import to_device
-from engine.sampling_ranges import SAMPLING_RANGES, SEED_END, logit_bias_pairs, range_problem
+from engine.sampling_ranges import (
+    SAMPLING_RANGES,
+    SEED_END,
+    allowed_token_ids_of,
+    logit_bias_pairs,
+    range_problem,
+)
 
 
 @dataclass(frozen=True)
@@ -51,9 +57,17 @@ class SamplingParams:
     (0-20) most likely tokens' at its position (vLLM's `prompt_logprobs`; raw, as `logprobs`).
     Computed where the prompt is prefilled (engine/prompt_logprobs.py). None: nothing is."""
 
+    allowed_token_ids: tuple[int, ...] = ()
+    """vLLM's `allowed_token_ids`: only these tokens are sampled (the others' logits -inf,
+    before the logit bias and the penalties); not seen by the logprobs, as vLLM's raw ones.
+    Empty: every token."""
+
     def __post_init__(self) -> None:
         # Frozen: the normal form is written once, here, whatever form it was given in.
         object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
+        if self.allowed_token_ids != ():  # an empty list given is refused, not "every token"
+            allowed = allowed_token_ids_of(self.allowed_token_ids)
+            object.__setattr__(self, "allowed_token_ids", allowed)
         for name, allowed in SAMPLING_RANGES.items():
             value = getattr(self, name)
             if value is None and name in ("seed", "logprobs", "prompt_logprobs"):
@@ -90,7 +104,7 @@ class SamplingParams:
     @property
     def plain_argmax(self) -> bool:
         """Greedy on the model's logits as they are: no penalty or bias changes them."""
-        return self.greedy and not (self.penalized or self.logit_bias)
+        return self.greedy and not (self.penalized or self.logit_bias or self.allowed_token_ids)
 
     @property
     def penalized(self) -> bool:
@@ -151,6 +165,8 @@ class Sampler:
         one-hot draft (engine/spec_verify.py)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows)
         logits = logits.float()
+        if any(r.params.allowed_token_ids for r in rows):
+            logits = _allowed_only(logits, rows)
         if any(r.params.logit_bias for r in rows):  # decided on the host, as the penalties
             logits = _apply_logit_bias(logits, rows)
         if any(r.params.penalized for r in rows):
@@ -270,6 +286,18 @@ def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     outside[:, 0] = False
     sorted_probs = sorted_probs.masked_fill(outside, 0.0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def _allowed_only(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """logits with -inf outside each row's allowed_token_ids (a new tensor; rows without any
+    as they are)."""
+    restricted = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    where = [(i, token) for i in restricted for token in rows[i].params.allowed_token_ids]
+    index = to_device(list(zip(*where, strict=True)), logits.device)
+    blocked = torch.zeros_like(logits, dtype=torch.bool)
+    blocked[to_device(restricted, logits.device)] = True
+    blocked[index[0], index[1]] = False
+    return logits.masked_fill(blocked, float("-inf"))
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -85,10 +85,33 @@ def logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
-def logit_bias_vocabulary_problem(pairs: tuple[tuple[int, float], ...], vocab_size: int):
-    """Why `logit_bias_pairs`' pairs do not fit a model of `vocab_size` tokens, or None."""
-    if pairs and pairs[-1][0] >= vocab_size:  # sorted by id
-        return f"logit_bias: token id {pairs[-1][0]} is outside the vocabulary [0, {vocab_size})"
+def allowed_token_ids_of(value: object) -> tuple[int, ...]:
+    """vLLM's `allowed_token_ids` (the only tokens sampled): a non-empty list of token ids, as
+    a sorted tuple without repeats. ValueError naming the entry; ids above the vocabulary are
+    the caller's to refuse."""
+    if isinstance(value, str | bytes | Mapping) or not hasattr(value, "__iter__"):
+        raise ValueError(f"allowed_token_ids: a {type(value).__name__}, not a list of token ids")
+    ids = list(value)
+    if not ids:
+        raise ValueError("allowed_token_ids: empty; leave it out to allow every token")
+    for token in ids:
+        if type(token) is not int or token < 0:
+            raise ValueError(f"allowed_token_ids: {token!r} is not a token id (an integer, at "
+                             "least 0)")  # fmt: skip
+    return tuple(sorted(set(ids)))
+
+
+def vocabulary_problem(
+    logit_bias: tuple[tuple[int, float], ...], allowed_token_ids: tuple[int, ...], vocab_size: int
+) -> str | None:
+    """Why `logit_bias_pairs`' pairs or `allowed_token_ids_of`'s ids do not fit a model of
+    `vocab_size` tokens, or None."""
+    if logit_bias and logit_bias[-1][0] >= vocab_size:  # sorted by id
+        token = logit_bias[-1][0]
+        return f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})"
+    if allowed_token_ids and allowed_token_ids[-1] >= vocab_size:
+        token = allowed_token_ids[-1]
+        return f"allowed_token_ids: token id {token} is outside the vocabulary [0, {vocab_size})"
     return None
 
 
@@ -103,5 +126,9 @@ def _token_id(key: object) -> int | None:
 
 def sampling_fields(message) -> dict[str, object]:
     """The fields a tandem.v1.SamplingParams sets, by name (as SamplingParams and vLLM's
-    requests name them): logit_bias, a map, as a dict, and only when it has entries."""
-    return {f.name: dict(v) if f.message_type else v for f, v in message.ListFields()}
+    requests name them): logit_bias, a map, as a dict, allowed_token_ids as a list, each only
+    when it has entries."""
+    return {
+        f.name: dict(v) if f.message_type else list(v) if f.is_repeated else v
+        for f, v in message.ListFields()
+    }

@@ -165,9 +165,11 @@ class Sequence:
     @property
     def speculates(self) -> bool:
         """Whether drafts may be proposed for it: not while it samples with penalties or under a
-        grammar (each needs the tokens one at a time), nor with a logit bias (verification
-        compares drafts with the unbiased logits; vLLM refuses the two together)."""
-        return not (self.sampling.penalized or self.sampling.logit_bias or self.grammar is not None)
+        grammar (each needs the tokens one at a time), nor with a logit bias or allowed tokens
+        (verification compares drafts with the raw logits; vLLM refuses a bias with them)."""
+        sampling = self.sampling
+        return not (sampling.penalized or sampling.logit_bias or sampling.allowed_token_ids
+                    or self.grammar is not None)  # fmt: skip
 
     def sampling_row(self) -> SamplingRow:
         if not self.sampling.penalized:  # only penalties look at the history

@@ -4,7 +4,7 @@ max_tokens, stop strings, token ids and logit_bias."""
 
 from __future__ import annotations
 
-from engine.sampling_ranges import logit_bias_pairs, logit_bias_vocabulary_problem
+from engine.sampling_ranges import allowed_token_ids_of, logit_bias_pairs, vocabulary_problem
 from router.errors import RequestError
 
 _INT64 = 2**63
@@ -31,9 +31,22 @@ def logit_bias(value: object, vocab_size: int) -> tuple[tuple[int, float], ...]:
         pairs = logit_bias_pairs(value)
     except ValueError as e:
         raise RequestError(400, str(e), "logit_bias") from None
-    if problem := logit_bias_vocabulary_problem(pairs, vocab_size):
+    if problem := vocabulary_problem(pairs, (), vocab_size):
         raise RequestError(400, problem, "logit_bias")
     return pairs
+
+
+def allowed_token_ids(value, vocab_size: int) -> tuple[int, ...]:
+    """vLLM's `allowed_token_ids` checked against the vocabulary; () when absent."""
+    if value is None:
+        return ()
+    try:
+        ids = allowed_token_ids_of(value)
+    except ValueError as e:
+        raise RequestError(400, str(e), "allowed_token_ids") from None
+    if problem := vocabulary_problem((), ids, vocab_size):
+        raise RequestError(400, problem, "allowed_token_ids")
+    return ids
 
 
 def whole(value) -> int | None:

@@ -21,6 +21,7 @@ from engine.sampling_ranges import MAX_LOGPROBS, SAMPLING_RANGES, range_problem
 from proto.tandem.v1 import decode_pb2
 from router import structured
 from router.body_values import (
+    allowed_token_ids,
     checked_max_tokens,
     flag,
     integer,
@@ -50,7 +51,7 @@ _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 _COMMON = {"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
            "ignore_eos", "min_tokens", "logprobs", "prompt_logprobs", "logit_bias",
            "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids",
-           "add_special_tokens", "request_id", "echo",
+           "add_special_tokens", "request_id", "echo", "allowed_token_ids",
            "include_stop_str_in_output", *SAMPLING, *IGNORED, *structured.FIELDS}  # fmt: skip
 _NOT_YET = {
     "best_of": lambda v: v == 1,
@@ -345,6 +346,8 @@ def _sampling(endpoint: Endpoint, body: dict, model: ServedModel) -> decode_pb2.
     if logprobs is not None:
         sampling.logprobs = logprobs
     sampling.logit_bias.update(logit_bias(body.get("logit_bias"), model.vocab_size))
+    sampling.allowed_token_ids.extend(allowed_token_ids(body.get("allowed_token_ids"),
+                                                        model.vocab_size))  # fmt: skip
     for name, value in model.sampling_defaults.items():
         if not sampling.HasField(name):
             setattr(sampling, name, value)

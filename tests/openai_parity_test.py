@@ -130,6 +130,24 @@ def test_a_logit_bias_steers_greedy_tokens_as_on_hugging_faces_logits(client, hf
                                                                      abs=1e-3)  # fmt: skip
 
 
+def test_allowed_token_ids_keep_greedy_tokens_among_them_as_on_hugging_faces_logits(
+    client, hf_model
+):
+    """Through the prefill (the first token) and the decode (the rest), vLLM's
+    allowed_token_ids: the greedy token among them at each step."""
+    prompt, allowed = [504, 3458, 2767, 28], [28, 30, 216, 253, 314]
+    extra = {"return_tokens_as_token_ids": True, "allowed_token_ids": allowed}
+    reply = client.completions.create(model=SERVED, prompt=prompt, max_tokens=6, temperature=0,
+                                      logprobs=0, extra_body=extra)  # fmt: skip
+    expected, context = [], list(prompt)
+    with torch.inference_mode():
+        for _ in range(6):
+            logits = hf_model(torch.tensor([context])).logits[0, -1].float()
+            context.append(allowed[int(logits[allowed].argmax())])
+            expected.append(context[-1])
+    assert _token_ids(reply) == expected and len(set(expected)) > 1
+
+
 def _token_ids(reply) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
 

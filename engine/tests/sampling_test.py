@@ -147,6 +147,27 @@ def test_logit_bias_is_sorted_pairs_clamped_as_vllm_and_refused_by_name():
             SamplingParams(logit_bias=bad)
 
 
+def test_allowed_token_ids_are_the_only_ones_sampled_and_leave_other_rows():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]]).repeat(3, 1)
+    before = logits.clone()
+    rows = [
+        SamplingRow(SamplingParams(allowed_token_ids=[3, 2]), None),  # 2 beats 3; 1 is out
+        SamplingRow(SamplingParams(), None),
+        SamplingRow(SamplingParams(allowed_token_ids=[3], logit_bias={"0": 50}), None),
+    ]
+    assert Sampler()(logits, rows).tolist() == [2, 1, 3]  # a bias cannot let 0 back in
+    assert torch.equal(logits, before)
+    allowed = _rows(SamplingParams(temperature=1.0, allowed_token_ids=[0, 3]), 2000)
+    drawn = set(Sampler(seed=7)(logits[:1].repeat(2000, 1), allowed).tolist())
+    assert drawn == {0, 3}  # both drawn, nothing else
+    params = SamplingParams.from_dict({"allowed_token_ids": [5, 1, 5]})
+    assert params.allowed_token_ids == (1, 5) and not params.plain_argmax
+    for bad, problem in [([], "empty"), (["1"], "'1' is not a token id"),
+                         ([-1], "-1 is not a token id"), (7, "a int, not a list")]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^allowed_token_ids: {re.escape(problem)}"):
+            SamplingParams(allowed_token_ids=bad)
+
+
 def test_from_dict_rejects_unknown_parameters_by_name():
     with pytest.raises(ValueError, match=r"unsupported sampling parameter.*best_of, echo"):
         SamplingParams.from_dict({"temperature": 0.5, "echo": True, "best_of": 2})

@@ -164,6 +164,11 @@ def test_unset_fields_take_the_models_defaults_and_set_ones_stay():
         temperature=0.0, top_k=0)  # fmt: skip
 
 
+def test_allowed_token_ids_sorted_without_repeats():
+    request = _parse(COMPLETIONS, {"prompt": "x", "allowed_token_ids": [9, 3, 9]})
+    assert list(request.sampling.allowed_token_ids) == [3, 9]
+
+
 def test_logit_bias_by_token_id_clamped_as_vllm():
     body = {"prompt": "x", "logit_bias": {"999": 1.5, "0": -250, "17": 100.5}}
     assert dict(_parse(COMPLETIONS, body).sampling.logit_bias) == {999: 1.5, 0: -100.0, 17: 100.0}
@@ -250,6 +255,10 @@ def test_chat_messages_as_clients_send_them(messages, expected):
          "prompt_logprobs: -1 is not an integer in [0, 20]"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens",
          "max_tokens: 0 must be a positive integer"),
+        (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [5, 1000]}, 400, "allowed_token_ids",
+         "allowed_token_ids: token id 1000 is outside the vocabulary [0, 1000)"),
+        (CHAT, {"messages": MESSAGES, "allowed_token_ids": []}, 400, "allowed_token_ids",
+         "allowed_token_ids: empty; leave it out to allow every token"),
         (COMPLETIONS, {"prompt": "x", "request_id": ""}, 400, "request_id",
          "request_id: a string of 1 to 256 printable characters"),
         (CHAT, {"messages": MESSAGES, "request_id": 7}, 400, "request_id",
