@@ -27,6 +27,7 @@ class Range:
     integer: bool = False
 
 
+_LOGPROBS = Range(lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]", integer=True)
 SAMPLING_RANGES: dict[str, Range] = {
     "temperature": Range(lambda v: 0.0 <= v <= 2.0, "in [0, 2]"),
     "top_p": Range(lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
@@ -36,10 +37,8 @@ SAMPLING_RANGES: dict[str, Range] = {
     "repetition_penalty": Range(lambda v: 0.0 < v <= 100.0, "in (0, 100]"),
     "presence_penalty": Range(lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
     "frequency_penalty": Range(lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
-    "logprobs": Range(lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]", integer=True),
-    "prompt_logprobs": Range(
-        lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]", integer=True
-    ),
+    "logprobs": _LOGPROBS,
+    "prompt_logprobs": _LOGPROBS,
 }
 
 
@@ -55,6 +54,18 @@ def range_problem(name: str, value: object) -> str | None:
     if not allowed.accepts(value):
         return f"{name}: {value!r} is not {allowed.text}"
     return None
+
+
+def checked_sampling_value(name: str, value: object) -> int | float:
+    """A sampling field's value as tandem.v1.SamplingParams takes it (an int for the integer
+    fields, 2.0 included; a float otherwise), under vLLM's convention that top_k -1 is no
+    limit. ValueError with range_problem's message when it is no valid `name`."""
+    if name == "top_k" and value == -1:
+        value = 0
+    problem = range_problem(name, value)
+    if problem:
+        raise ValueError(problem)
+    return int(value) if SAMPLING_RANGES[name].integer else float(value)
 
 
 LOGIT_BIAS_BOUND = 100.0

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from engine import json_body
-from engine.sampling_ranges import MAX_LOGPROBS, SAMPLING_RANGES, range_problem
+from engine.sampling_ranges import MAX_LOGPROBS, checked_sampling_value
 from proto.tandem.v1 import decode_pb2
 from router import structured
 from router.body_values import (
@@ -333,15 +333,11 @@ def _sampling(endpoint: Endpoint, body: dict, model: ServedModel) -> decode_pb2.
     for name in SAMPLING:
         if name not in body:
             continue
-        value = body[name]
-        if name == "seed":
-            value = seed(value)
-        elif name == "top_k" and value == -1:
-            value = 0
-        problem = range_problem(name, value)
-        if problem:
-            raise RequestError(400, problem, name)
-        setattr(sampling, name, int(value) if SAMPLING_RANGES[name].integer else float(value))
+        value = seed(body[name]) if name == "seed" else body[name]
+        try:
+            setattr(sampling, name, checked_sampling_value(name, value))
+        except ValueError as e:
+            raise RequestError(400, str(e), name) from None
     logprobs = _logprobs(endpoint, body)
     if logprobs is not None:
         sampling.logprobs = logprobs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.sampling_ranges import range_problem
+from engine.sampling_ranges import checked_sampling_value
 
 RECOMMENDED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                "presence_penalty", "frequency_penalty")  # fmt: skip
@@ -38,10 +38,8 @@ def sampling_defaults(model: str | Path, source: str = "auto") -> dict[str, floa
         value = config.get(name)
         if value is None:
             continue
-        if name == "top_k" and value == -1:
-            value = 0  # vLLM's "no limit"
-        problem = range_problem(name, value)
-        if problem:
-            raise ValueError(f"{path}: {problem}")
-        defaults[name] = value
+        try:  # as a request's value is checked (top_k -1: no limit; 20.0 an int)
+            defaults[name] = checked_sampling_value(name, value)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
     return defaults

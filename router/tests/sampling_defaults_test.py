@@ -26,6 +26,8 @@ def test_the_models_recommendation_then_openais(tmp_path):
     other = _folder(tmp_path, "other", {"repetition_penalty": 1.1, "top_k": -1})
     expected = {"temperature": 1.0, "repetition_penalty": 1.1, "top_k": 0}
     assert sampling_defaults(model, str(other)) == expected
+    whole = sampling_defaults(_folder(tmp_path, "float", {"top_k": 20.0}))  # as a request's
+    assert whole["top_k"] == 20 and type(whole["top_k"]) is int
     assert sampling_defaults(_folder(tmp_path, "none", None)) == OPENAI
     assert sampling_defaults(_folder(tmp_path, "eos", {"eos_token_id": 2})) == OPENAI
 
