@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from engine.openai_logprobs import clamped, completion_logprobs, prompt_logprobs_field
+from engine.openai_logprobs import clamped, completion_logprobs
 from proto.tandem.v1 import decode_pb2
 
 TOKEN_ID_PREFIX = "token_id:"
@@ -113,11 +113,6 @@ class LogprobsFormat:
         if out["tokens"]:
             self._offset = out["text_offset"][-1] + len(out["tokens"][-1])
         return out
-
-    def prompt(self, prompt_ids: Sequence[int], entries: Sequence) -> list[dict | None]:
-        """vLLM's `prompt_logprobs` field; tokens named by their text whatever tokens_as_ids
-        says (vLLM's decoded_token)."""
-        return prompt_logprobs_field(prompt_ids, entries, self.token_text)
 
     def token(self, token_id: int) -> str:
         if self.tokens_as_ids:

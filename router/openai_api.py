@@ -223,12 +223,11 @@ class OpenAIApi:
         chat_echo = ""
         if request.echo and request.messages is not None:
             chat_echo = echoed_text(request.messages, request.template or {})
-        prompt_format = None
-        if request.sampling.HasField("prompt_logprobs"):
-            prompt_format = LogprobsFormat(self.token_text, chat=False)
+        # vLLM's decoded_token: a prompt token's text, whatever return_tokens_as_token_ids says.
+        prompt_text = self.token_text if request.sampling.HasField("prompt_logprobs") else None
         return StreamResponse(request.endpoint, response_id, self.model.name, int(time.time()),
                               request.include_usage, logprobs, parsers, spec, request.n,
-                              prompt_format,
+                              prompt_text,
                               tuple(prompts) if request.return_token_ids else (),
                               chat_echo)  # fmt: skip
 

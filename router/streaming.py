@@ -18,6 +18,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from engine.openai_logprobs import prompt_logprobs_field
 from proto.tandem.v1 import decode_pb2
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import BackendError, error_body
@@ -155,8 +156,9 @@ class Response:
     n: int = 1
     """Choices per prompt (a completions batch has several prompts): the usage counts each
     prompt's tokens once."""
-    prompt_format: LogprobsFormat | None = None
-    """Writes the prompt's log-probabilities, when the request asks for them."""
+    token_text: Callable[[int], str] | None = None
+    """Names the tokens of the prompt's log-probabilities (engine.openai_logprobs.token_texts),
+    when the request asks for them."""
     prompt_token_ids: tuple[list[int], ...] = ()
     """vLLM's return_token_ids: each prompt's token ids (a batch's in order), and every
     choice's own are returned; empty: not asked."""
@@ -181,7 +183,7 @@ class Response:
 
     def prompt_logprobs_of(self, prompt: PromptLogprobs) -> list[dict | None]:
         """vLLM's `prompt_logprobs` field."""
-        return self.prompt_format.prompt(prompt.prompt_ids, prompt.entries)
+        return prompt_logprobs_field(prompt.prompt_ids, prompt.entries, self.token_text)
 
     def parser(self, index: int) -> ChoiceParser | None:
         return self.parsers[index] if self.parsers else None

@@ -255,10 +255,8 @@ async def _prompt_then(prompt: str):
 def test_an_echo_with_logprobs_starts_with_the_prompts_and_the_body_names_them(prompt_only):
     events = echoed(_text(_prompt_then("abc"), 3), ["abc"], 1, prompt_only)
     choices = asyncio.run(collect(events))
-    prompt_format = LogprobsFormat(token_texts(CharTokenizer()), chat=False)
-    response = dataclasses.replace(
-        _response(COMPLETIONS, logprobs=True), prompt_format=prompt_format
-    )
+    token_text = token_texts(CharTokenizer())
+    response = dataclasses.replace(_response(COMPLETIONS, logprobs=True), token_text=token_text)
     [choice] = completion_body(response, choices)["choices"]
     generated = "" if prompt_only else "Hi"
     assert choice["text"] == "abc" + generated
